@@ -1,0 +1,391 @@
+"""Normalisation and cross-field checks of a merged `Config`.
+
+Each check adds a message that names the keys, their values and what to change; `check` raises
+one `ConfigError` with all of them. Checks that need the device count (the mesh, batch splits
+over data-parallel shards) run when `num_devices` is given; the context-length check needs the
+model's `config.json` and is `check_model_context`, called once the checkpoint is at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from jaxrl.config.errors import ConfigError
+from jaxrl.config.schema import Config
+from jaxrl.sharding.mesh import AXES, resolve_axis_sizes
+
+log = logging.getLogger("jaxrl.config")
+
+# verl 0.9.1's registered names. The core_algos issue turns these into registry look-ups.
+ADV_ESTIMATORS = (
+    "gae", "grpo", "grpo_vectorized", "grpo_passk", "gdpo", "rloo", "rloo_vectorized",
+    "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg",
+    "optimal_token_baseline", "tir_optimal_token_baseline",
+)  # fmt: skip
+POLICY_LOSSES = (
+    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
+    "dro", "cispo", "bypass_mode",
+)  # fmt: skip
+LOSS_AGG_MODES = (
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+    "token-sum",
+)  # fmt: skip
+_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTIES = _KL + tuple(k + "+" for k in _KL)
+DTYPES = {
+    "fp32": "float32", "float32": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16",
+}  # fmt: skip
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
+LOGGERS = ("console", "tensorboard", "wandb", "file")
+
+_DTYPE_KEYS = (
+    "actor_rollout_ref.actor.model_dtype",
+    "actor_rollout_ref.actor.dtype",
+    "actor_rollout_ref.ref.model_dtype",
+    "actor_rollout_ref.ref.dtype",
+    "actor_rollout_ref.rollout.dtype",
+    "critic.model_dtype",
+    "critic.dtype",
+    "reward_model.dtype",
+)
+
+
+def get(cfg: Any, key: str) -> Any:
+    """`get(cfg, "a.b.c")` is `cfg.a.b.c`."""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def replace(cfg: Any, key: str, value: Any) -> Any:
+    """A copy of the frozen `cfg` with the dotted `key` set to `value`."""
+    head, _, rest = key.partition(".")
+    new = replace(getattr(cfg, head), rest, value) if rest else value
+    return dataclasses.replace(cfg, **{head: new})
+
+
+# -------------------------------------------------------------------------------- normalize
+
+
+def normalize(cfg: Config) -> Config:
+    """Canonical spellings: file lists as tuples, dtype and optimizer names as JAX/optax's."""
+    problems: list[str] = []
+    for key in ("data.train_files", "data.val_files"):
+        files = get(cfg, key)
+        if isinstance(files, str):
+            cfg = replace(cfg, key, (files,))
+        elif not (isinstance(files, tuple) and all(isinstance(f, str) for f in files)):
+            problems.append(f"{key}: expected a path or a list of paths, got {files!r}")
+    for key in _DTYPE_KEYS:
+        name = get(cfg, key)
+        if name.lower() in DTYPES:
+            cfg = replace(cfg, key, DTYPES[name.lower()])
+        else:
+            problems.append(f"{key}: unknown dtype {name!r}; use one of fp32, bf16, fp16")
+    for key in ("actor_rollout_ref.actor.optim.optimizer", "critic.optim.optimizer"):
+        name = get(cfg, key)
+        if name.lower() in OPTIMIZERS:
+            cfg = replace(cfg, key, OPTIMIZERS[name.lower()])
+        else:
+            problems.append(f"{key}: unknown optimizer {name!r}; use one of AdamW, Adam")
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+class _Problems(list):
+    def choice(self, cfg: Config, key: str, allowed: Iterable[Any]) -> None:
+        value, allowed = get(cfg, key), tuple(allowed)
+        if value in allowed:
+            return
+        near = difflib.get_close_matches(str(value), [str(a) for a in allowed], 1, 0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        self.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}{hint}")
+
+    def at_least(self, cfg: Config, key: str, low: float, *, optional: bool = False) -> None:
+        value = get(cfg, key)
+        if optional and value is None:
+            return
+        if value < low:
+            self.append(f"{key} must be >= {low}, got {value}")
+
+    def within(self, cfg: Config, key: str, low: float, high: float) -> None:
+        value = get(cfg, key)
+        if not low <= value <= high:
+            self.append(f"{key} must be in [{low}, {high}], got {value}")
+
+
+def critic_enabled(cfg: Config) -> bool:
+    """verl's rule: `critic.enable`, or when null, whether the estimator is GAE."""
+    enable = cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae" if enable is None else enable
+
+
+def _check_choices(cfg: Config, p: _Problems) -> None:
+    p.choice(cfg, "data.truncation", ("error", "left", "right", "middle"))
+    p.choice(cfg, "algorithm.adv_estimator", ADV_ESTIMATORS)
+    p.choice(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSSES)
+    p.choice(cfg, "actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES)
+    if cfg.critic.loss_agg_mode != cfg.actor_rollout_ref.actor.loss_agg_mode:
+        p.choice(cfg, "critic.loss_agg_mode", LOSS_AGG_MODES)  # else the actor's check covers it
+    p.choice(cfg, "actor_rollout_ref.actor.kl_loss_type", KL_PENALTIES)
+    p.choice(cfg, "algorithm.kl_penalty", KL_PENALTIES)
+    p.choice(cfg, "algorithm.kl_ctrl.type", ("fixed", "adaptive"))
+    p.choice(cfg, "algorithm.rollout_correction.rollout_is", (None, "token", "sequence"))
+    p.choice(cfg, "algorithm.rollout_correction.loss_type", ("ppo_clip", "reinforce"))
+    p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo"))
+    p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))
+    for role in ("actor_rollout_ref", "critic"):
+        p.choice(cfg, f"{role}.model.remat_policy", ("full", "save_dots"))
+    for role in ("actor_rollout_ref.actor", "critic"):
+        p.choice(cfg, f"{role}.optim.lr_scheduler_type", ("constant", "cosine"))
+    for name in cfg.trainer.logger:
+        if name not in LOGGERS:
+            p.append(f"trainer.logger: unknown logger {name!r}; use any of {', '.join(LOGGERS)}")
+
+
+def _check_ranges(cfg: Config, p: _Problems) -> None:
+    for key in (
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_epochs",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.actor.entropy_from_logits_chunk_size",
+        "actor_rollout_ref.rollout.n",
+        "actor_rollout_ref.rollout.val_kwargs.n",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.rollout.max_num_seqs",
+        "trainer.total_epochs",
+    ):
+        p.at_least(cfg, key, 1)
+    for key in ("ppo_mini_batch_size", "ppo_epochs"):  # unless they follow the actor's
+        if get(cfg, f"critic.{key}") != get(cfg, f"actor_rollout_ref.actor.{key}"):
+            p.at_least(cfg, f"critic.{key}", 1)
+    for key in (
+        "data.val_batch_size",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.forward_micro_batch_size_per_gpu",
+        "reward_model.micro_batch_size_per_gpu",
+        "trainer.total_training_steps",
+    ):
+        p.at_least(cfg, key, 1, optional=True)
+    actor = "actor_rollout_ref.actor"
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "grad_clip"):
+        if get(cfg, f"{actor}.{key}") <= 0:
+            p.append(f"{actor}.{key} must be > 0, got {get(cfg, f'{actor}.{key}')}")
+    if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
+        p.append(
+            f"{actor}.clip_ratio_c must be > 1 (dual-clip lower bound), "
+            f"got {cfg.actor_rollout_ref.actor.clip_ratio_c}"
+        )
+    for role in (actor, "critic"):
+        p.at_least(cfg, f"{role}.optim.lr", 0.0)
+        p.at_least(cfg, f"{role}.optim.weight_decay", 0.0)
+        p.within(cfg, f"{role}.optim.lr_warmup_steps_ratio", 0.0, 1.0)
+        p.within(cfg, f"{role}.optim.min_lr_ratio", 0.0, 1.0)
+        betas = get(cfg, f"{role}.optim.betas")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            p.append(f"{role}.optim.betas must be two numbers in [0, 1), got {list(betas)}")
+    for key in ("trainer.save_freq", "trainer.test_freq"):
+        if get(cfg, key) == 0 or get(cfg, key) < -1:
+            p.append(f"{key} must be -1 (off) or >= 1, got {get(cfg, key)}")
+
+
+def _check_sampling(cfg: Config, p: _Problems) -> None:
+    for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.rollout.val_kwargs"):
+        s = get(cfg, key)
+        if s.top_k == 0 or s.top_k < -1:
+            p.append(f"{key}.top_k must be -1 (off) or >= 1, got {s.top_k}")
+        if not 0.0 < s.top_p <= 1.0:
+            p.append(f"{key}.top_p must be in (0, 1], got {s.top_p}")
+        if s.temperature < 0:
+            p.append(f"{key}.temperature must be >= 0, got {s.temperature}")
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.temperature == 0:
+        p.append(
+            "actor_rollout_ref.rollout.temperature must be > 0: training log-probs are taken "
+            "of logits / temperature; for greedy generation set do_sample=false and keep the "
+            "temperature positive"
+        )
+    if rollout.prompt_length < cfg.data.max_prompt_length:
+        p.append(
+            f"actor_rollout_ref.rollout.prompt_length ({rollout.prompt_length}) is shorter than "
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}); leave it unset to follow it"
+        )
+    total = rollout.prompt_length + rollout.response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < total:
+        p.append(
+            f"actor_rollout_ref.rollout.max_model_len ({rollout.max_model_len}) is below "
+            f"prompt_length + response_length ({total}); raise it or leave it null"
+        )
+
+
+def _check_algorithm(cfg: Config, p: _Problems) -> None:
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    if algo.adv_estimator == "gae" and cfg.critic.enable is False:
+        p.append(
+            "algorithm.adv_estimator=gae needs a critic but critic.enable=false; enable the "
+            "critic or pick a critic-free estimator such as grpo"
+        )
+    if algo.kl_ctrl.type == "adaptive" and (
+        algo.kl_ctrl.horizon <= 0 or algo.kl_ctrl.target_kl <= 0
+    ):
+        p.append("algorithm.kl_ctrl: the adaptive controller needs horizon > 0 and target_kl > 0")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        p.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=CHECKPOINT_DIR")
+    if actor.use_kl_loss and algo.use_kl_in_reward:
+        log.warning(
+            "both actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are set: "
+            "the KL to the reference is penalised twice"
+        )
+
+
+def _divisors_near(n: int, target: int, k: int = 3) -> list[int]:
+    return sorted((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))[:k]
+
+
+def resolved_mesh(cfg: Config, num_devices: int) -> dict[str, int]:
+    """The training mesh sizes with -1 resolved; ValueError if they do not fit."""
+    return resolve_axis_sizes({a: getattr(cfg.mesh, a) for a in AXES}, num_devices)
+
+
+def data_parallel_size(cfg: Config, num_devices: int) -> int:
+    """Batch shards of the training mesh: dp x fsdp (the batch is split over both)."""
+    sizes = resolved_mesh(cfg, num_devices)
+    return sizes["dp"] * sizes["fsdp"]
+
+
+def _check_mini_batch(cfg: Config, p: _Problems, role: str, mini: int, shards: int | None) -> bool:
+    """Whole mini-batches per step, split evenly over the data-parallel shards."""
+    batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    if mini > batch or batch % mini:
+        p.append(
+            f"data.train_batch_size ({batch}) must be a multiple of {role}.ppo_mini_batch_size "
+            f"({mini}) so that every step has whole mini-batches; e.g. set "
+            f"{role}.ppo_mini_batch_size to one of {_divisors_near(batch, mini)}"
+        )
+        return False
+    if shards is not None and (mini * n) % shards:
+        p.append(
+            f"{role}.ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} sequences "
+            f"cannot be split evenly over the {shards} data-parallel shards (mesh.dp x "
+            f"mesh.fsdp); make it a multiple of {shards} or change the mesh"
+        )
+        return False
+    return True
+
+
+def _check_micro_batch(cfg: Config, p: _Problems, role: str, rc: Any, shards: int | None) -> None:
+    """Micro-batches tile each shard's mini-batch; a token budget holds a whole sequence."""
+    n = cfg.actor_rollout_ref.rollout.n
+    micro, mini = rc.ppo_micro_batch_size_per_gpu, rc.ppo_mini_batch_size
+    if micro is not None and not rc.use_dynamic_bsz and shards is not None:
+        per_shard = mini * n // shards
+        if per_shard % micro:
+            p.append(
+                f"{role}.ppo_micro_batch_size_per_gpu ({micro}) must divide the "
+                f"{per_shard} sequences of a mini-batch on each data-parallel shard "
+                f"(ppo_mini_batch_size {mini} x rollout.n {n} / {shards} shards); e.g. use "
+                f"one of {_divisors_near(per_shard, micro)}"
+            )
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rc.use_dynamic_bsz and rc.ppo_max_token_len_per_gpu < seq_len:
+        p.append(
+            f"{role}.ppo_max_token_len_per_gpu ({rc.ppo_max_token_len_per_gpu}) must hold one "
+            f"whole sequence (max_prompt_length + max_response_length = {seq_len})"
+        )
+
+
+def _check_batches(cfg: Config, p: _Problems, shards: int | None) -> None:
+    actor_key, actor = "actor_rollout_ref.actor", cfg.actor_rollout_ref.actor
+    actor_ok = _check_mini_batch(cfg, p, actor_key, actor.ppo_mini_batch_size, shards)
+    if actor_ok:
+        _check_micro_batch(cfg, p, actor_key, actor, shards)
+    if not critic_enabled(cfg):
+        return
+    critic = cfg.critic
+    # A critic mini-batch that follows the actor's was checked with it: one message, not two.
+    if critic.ppo_mini_batch_size == actor.ppo_mini_batch_size:
+        critic_ok = actor_ok
+    else:
+        critic_ok = _check_mini_batch(cfg, p, "critic", critic.ppo_mini_batch_size, shards)
+    if critic_ok:
+        _check_micro_batch(cfg, p, "critic", critic, shards)
+
+
+def _check_devices(cfg: Config, p: _Problems, num_devices: int) -> int | None:
+    """Mesh and host checks; returns the data-parallel shard count when the mesh is valid."""
+    shards = None
+    try:
+        shards = data_parallel_size(cfg, num_devices)
+    except ValueError as e:
+        p.append(f"mesh: {e}")
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if tp >= 1 and num_devices % tp:
+        p.append(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the "
+            f"{num_devices} devices (the rollout mesh is dp={num_devices}/tp x tp)"
+        )
+    nodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
+    if per_node is not None and (nodes or 1) * per_node != num_devices:
+        p.append(
+            f"trainer.nnodes x trainer.n_gpus_per_node = {nodes or 1} x {per_node} but JAX sees "
+            f"{num_devices} devices; fix them or leave both null (jaxrl uses every device)"
+        )
+    return shards
+
+
+def check(cfg: Config, *, num_devices: int | None = None) -> None:
+    """Raise `ConfigError` listing every problem of `cfg` (device checks need `num_devices`)."""
+    p = _Problems()
+    _check_choices(cfg, p)
+    _check_ranges(cfg, p)
+    _check_sampling(cfg, p)
+    _check_algorithm(cfg, p)
+    shards = _check_devices(cfg, p, num_devices) if num_devices is not None else None
+    if not p:  # batch arithmetic assumes the ranges above hold
+        _check_batches(cfg, p, shards)
+    if p:
+        raise ConfigError(p)
+
+
+def check_model_context(cfg: Config, max_position_embeddings: int | None, model_key: str) -> None:
+    """The longest sequence must fit the model's context (`max_position_embeddings`)."""
+    if max_position_embeddings is None:
+        return
+    rollout = cfg.actor_rollout_ref.rollout
+    total = rollout.max_model_len or rollout.prompt_length + rollout.response_length
+    if total > max_position_embeddings:
+        raise ConfigError(
+            [
+                f"data.max_prompt_length + data.max_response_length = {total} tokens exceeds "
+                f"the context of {model_key} (max_position_embeddings = "
+                f"{max_position_embeddings}); shorten them to fit"
+            ]
+        )
+
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "check",
+    "check_model_context",
+    "critic_enabled",
+    "normalize",
+    "resolved_mesh",
+]

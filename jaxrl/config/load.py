@@ -1,0 +1,330 @@
+"""Loading a `Config`: YAML file, then `key=value` overrides in Hydra's grammar, then checks.
+
+OmegaConf (the layer under verl's Hydra) does the typed merging: `Config` becomes a structured
+config, so a value of the wrong type is refused with the key named. Hydra's override parser reads
+the command line exactly as verl's `main_ppo` does (`a.b=[1,2]`, `x=null`, `'quoted'`, `+a.b=1`).
+On top of that this module adds what a user needs to act on a mistake: every key is looked up
+first, so an unknown key names the closest valid one; verl keys that jaxrl renames or ignores are
+handled by `verl_compat`; and all problems found are reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import logging
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+from jaxrl.config import verl_compat
+from jaxrl.config.errors import ConfigError
+from jaxrl.config.schema import Config, is_group
+
+log = logging.getLogger("jaxrl.config")
+
+
+# ----------------------------------------------------------------------------- schema index
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    """What the schema says about one dotted key.
+
+    Attributes:
+        kind: `group` (a nested dataclass), `mapping` (a free-form dict) or `leaf`.
+        type: The resolved annotation.
+    """
+
+    kind: str
+    type: Any
+
+
+@functools.cache
+def schema_index(root: type = Config) -> dict[str, KeyInfo]:
+    """Every dotted key of the schema, groups included, in declaration order."""
+    index: dict[str, KeyInfo] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key, tp = prefix + f.name, hints[f.name]
+            if is_group(tp):
+                index[key] = KeyInfo("group", tp)
+                walk(tp, key + ".")
+            elif typing.get_origin(tp) is dict:
+                index[key] = KeyInfo("mapping", tp)
+            else:
+                index[key] = KeyInfo("leaf", tp)
+
+    walk(root, "")
+    return index
+
+
+def describe_type(tp: Any) -> str:
+    """`int | None` -> 'an integer or null', for error messages."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [describe_type(a) for a in args if a is not type(None)]
+        return " or ".join(inner) + (" or null" if type(None) in args else "")
+    if typing.get_origin(tp) is tuple:
+        item = describe_type(args[0]).removeprefix("an ").removeprefix("a ")
+        return f"a list of {len(args)} {item}s" if Ellipsis not in args else f"a list of {item}s"
+    if typing.get_origin(tp) is dict:
+        return "a mapping"
+    names = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
+    return names.get(tp, "any value")
+
+
+def closest_key(key: str, candidates: Iterable[str] | None = None) -> str | None:
+    """The valid key a user most likely meant, preferring siblings of the same group."""
+    keys = (
+        [k for k, i in schema_index().items() if i.kind != "group"]
+        if candidates is None
+        else [*candidates]
+    )
+    parent, _, name = key.rpartition(".")
+    sibling_names = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+
+    def sibling(cutoff: float) -> str | None:
+        match = difflib.get_close_matches(name, sibling_names, 1, cutoff)
+        return (f"{parent}.{match[0]}" if parent else match[0]) if match else None
+
+    # A near-certain typo in the same group, then the exact name in another group
+    # (`data.ppo_mini_batch_size`), then looser matches.
+    same_name = [k for k in keys if k.rpartition(".")[2] == name]
+    loose = difflib.get_close_matches(key, keys, 1, 0.6)
+    return (
+        sibling(0.85)
+        or (same_name[0] if same_name else None)
+        or sibling(0.6)
+        or (loose[0] if loose else None)
+    )
+
+
+# ---------------------------------------------------------------------------- input reading
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str, out: list[tuple[str, Any]]) -> None:
+    """YAML mapping -> (dotted key, value) pairs, stopping at schema leaves and mappings."""
+    index = schema_index()
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        info = index.get(key)
+        if isinstance(value, Mapping) and value and (info is None or info.kind == "group"):
+            _flatten(value, key + ".", out)
+        else:
+            out.append((key, value))
+
+
+def read_yaml(path: str | os.PathLike) -> list[tuple[str, Any]]:
+    """A YAML config file as (dotted key, value) pairs; interpolations are kept as written."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file not found: {path} (pass an existing --config path)"])
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (yaml.YAMLError, oc_errors.OmegaConfBaseException) as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from e
+    except OSError as e:  # OmegaConf's answer to a file whose top level is not a mapping
+        msg = f"{path}: the top level must be a mapping of config groups ({e})"
+        raise ConfigError([msg]) from None
+    if tree is None:
+        return []
+    if not isinstance(tree, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of config groups"])
+    pairs: list[tuple[str, Any]] = []
+    _flatten(tree, "", pairs)
+    return pairs
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """`key=value` strings in Hydra's override grammar as (dotted key, value) pairs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    pairs: list[tuple[str, Any]] = []
+    problems: list[str] = []
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except HydraException as e:
+            problems.append(f"cannot parse override {text!r}: {str(e).splitlines()[0]}")
+            continue
+        key = override.key_or_group
+        if override.type is OverrideType.DEL:
+            problems.append(f"{text!r}: deleting keys is not supported; set {key}=VALUE instead")
+        elif override.is_sweep_override():
+            problems.append(f"{text!r}: sweeps (a=1,2) are not supported; run once per value")
+        elif override.package is not None:
+            problems.append(f"{text!r}: package overrides (@pkg) are not supported")
+        else:
+            value = override.value()
+            if isinstance(value, Mapping):
+                nested: list[tuple[str, Any]] = []
+                _flatten({key: value}, "", nested)
+                pairs.extend(nested)
+            else:
+                pairs.append((key, value))
+    if problems:
+        raise ConfigError(problems)
+    return pairs
+
+
+# ------------------------------------------------------------------------------- merging
+
+
+def _route(key: str, value: Any) -> tuple[str | None, str | None]:
+    """Where a (key, value) goes: (jaxrl key, None), (None, None) to drop, or (None, error)."""
+    index = schema_index()
+    head = key
+    while "." in head and head not in index:
+        head = head.rpartition(".")[0]
+    info = index.get(head)
+    if info is not None and (head == key or info.kind == "mapping"):
+        if info.kind == "group" and (value is None or value == {}):
+            return None, None  # `critic:` with nothing under it changes nothing
+        if info.kind == "group":
+            return None, (
+                f"{key} is a group of keys, not a value; set one of its keys, "
+                f"e.g. {closest_key(key + '.x', [k for k in index if k.startswith(key + '.')])}"
+            )
+        return key, None
+    if (target := verl_compat.renamed_to(key)) is not None:
+        log.info("verl key %s is %s in jaxrl; using it there", key, target)
+        return target, None
+    if (entry := verl_compat.ignored_entry(key)) is not None:
+        if entry.accepted is not None and value not in entry.accepted:
+            allowed = " or ".join(repr(a) for a in entry.accepted)
+            return (
+                None,
+                f"{key}={value!r} is not supported by jaxrl: {entry.reason} (allowed: {allowed})",
+            )
+        log.warning("ignoring verl key %s=%r: %s", key, value, entry.reason)
+        return None, None
+    hint = closest_key(key)
+    return None, f"unknown config key {key!r}" + (f"; did you mean {hint!r}?" if hint else "")
+
+
+def _assign(cfg: DictConfig, key: str, value: Any) -> str | None:
+    """Set one key on the structured config; a type mismatch comes back as a message."""
+    try:
+        OmegaConf.update(cfg, key, value, merge=True)
+    except oc_errors.ValidationError:
+        info = schema_index().get(key)
+        expected = describe_type(info.type) if info else "another type"
+        return f"{key}: {value!r} is not valid here; expected {expected}"
+    except oc_errors.OmegaConfBaseException as e:
+        return f"{key}={value!r}: {str(e).splitlines()[0]}"
+    return None
+
+
+def _unfreeze(node: DictConfig | ListConfig) -> None:
+    """Frozen dataclasses make read-only OmegaConf nodes; merging needs them writable."""
+    OmegaConf.set_readonly(node, None)
+    items = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for k in items:
+        child = node._get_node(k)
+        if isinstance(child, DictConfig | ListConfig):
+            _unfreeze(child)
+        else:
+            child._set_flag("readonly", None)
+
+
+def _freeze(x: Any) -> Any:
+    """Resolved OmegaConf objects -> frozen dataclasses, tuples and read-only mappings."""
+    if dataclasses.is_dataclass(x):
+        return type(x)(**{f.name: _freeze(getattr(x, f.name)) for f in dataclasses.fields(x)})
+    if isinstance(x, list | tuple):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return types.MappingProxyType({k: _freeze(v) for k, v in x.items()})
+    return x
+
+
+def merge(pairs: Iterable[tuple[str, Any]]) -> Config:
+    """Apply (dotted key, value) pairs in order onto the defaults and resolve."""
+    cfg = OmegaConf.structured(Config)
+    _unfreeze(cfg)
+    problems = []
+    for key, value in pairs:
+        target, problem = _route(key, value)
+        if target is not None:
+            problem = _assign(cfg, target, value)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        resolved = OmegaConf.to_object(cfg)
+    except oc_errors.MissingMandatoryValue as e:
+        key = e.full_key
+        raise ConfigError(
+            [f"{key} is required: set it in the config file or pass {key}=VALUE"]
+        ) from None
+    except oc_errors.OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigError([f"{e.full_key}: cannot resolve its value: {msg}"]) from None
+    return _freeze(resolved)
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    num_devices: int | None = None,
+) -> Config:
+    """Defaults, then the YAML file at `path`, then `overrides`; checked and frozen.
+
+    Args:
+        path: A YAML file shaped like verl's config groups; None: defaults only.
+        overrides: `dotted.key=value` strings in Hydra's grammar, applied after the file.
+        num_devices: Device count for the mesh checks; None skips the checks that need it.
+
+    Raises:
+        ConfigError: listing every problem found, each naming the key and what to change.
+    """
+    from jaxrl.config.checks import check, normalize
+
+    pairs = (read_yaml(path) if path is not None else []) + parse_overrides(overrides)
+    cfg = normalize(merge(pairs))
+    check(cfg, num_devices=num_devices)
+    return cfg
+
+
+# ------------------------------------------------------------------------------- output
+
+
+def to_dict(x: Any) -> Any:
+    """A `Config` (or part of one) as plain dicts and lists, in declaration order."""
+    if dataclasses.is_dataclass(x):
+        return {f.name: to_dict(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, list | tuple):
+        return [to_dict(v) for v in x]
+    if isinstance(x, Mapping):
+        return {k: to_dict(v) for k, v in x.items()}
+    return x
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML that `load_config` reads back to the same `Config`."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config to `run_dir/config.yaml`; returns its path."""
+    out = Path(run_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    return path

@@ -1,0 +1,670 @@
+"""The typed configuration tree: verl's groups, keys and defaults, plus jaxrl's `mesh` group.
+
+Every class is a frozen dataclass. `jaxrl.config.load_config` builds an OmegaConf structured
+config from `Config`, merges a YAML file and `key=value` overrides into it (OmegaConf checks the
+types), resolves interpolations such as `${data.max_prompt_length}` and returns an immutable
+`Config` whose lists are tuples.
+
+Each class documents its keys in an `Attributes:` section; `docs/config.md` is generated from
+these sections (`python -m jaxrl.config.reference`), and a test keeps the two in step. Keys marked
+*jaxrl* have no verl counterpart; everything else has verl 0.9.1's name, meaning and default
+unless its entry says how and why it differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import II, MISSING
+
+# ----------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """`data.*`: the RL prompt dataset (verl-format parquet).
+
+    Attributes:
+        tokenizer: Tokenizer path; null uses the actor's tokenizer.
+        train_files: Parquet file or list of files with verl's columns (`data_source`, `prompt`,
+            `ability`, `reward_model`, `extra_info`).
+        val_files: Parquet file or list of files for validation.
+        train_max_samples: Use at most this many training rows (-1: all).
+        val_max_samples: Use at most this many validation rows (-1: all).
+        prompt_key: Column holding the chat messages of the prompt.
+        reward_fn_key: Column that selects the rule-based scorer (usually `data_source`).
+        max_prompt_length: Prompt length in tokens after the chat template (left-padded to it).
+        max_response_length: Longest response in tokens.
+        train_batch_size: Prompts per training step (before `rollout.n` repetition).
+        val_batch_size: Prompts per validation generation batch; null: the whole validation set.
+        shuffle: Shuffle the training rows each epoch.
+        seed: Seed of the training shuffle; null means 1, as in verl.
+        validation_shuffle: Shuffle the validation rows.
+        filter_overlong_prompts: Drop rows whose templated prompt is longer than
+            `max_prompt_length` (the count is logged) instead of applying `truncation`.
+        truncation: What to do with an overlong prompt: `error`, `left`, `right` or `middle`.
+        apply_chat_template_kwargs: Extra keyword arguments for the tokenizer's
+            `apply_chat_template` (e.g. `{enable_thinking: false}`).
+        trust_remote_code: Allow tokenizers with custom code.
+    """
+
+    tokenizer: str | None = None
+    train_files: Any = "~/data/rlhf/gsm8k/train.parquet"
+    val_files: Any = "~/data/rlhf/gsm8k/test.parquet"
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024
+    val_batch_size: int | None = None
+    shuffle: bool = True
+    seed: int | None = None
+    validation_shuffle: bool = False
+    filter_overlong_prompts: bool = False
+    truncation: str = "error"
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+
+
+# ---------------------------------------------------------------------------------- model, optim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`actor_rollout_ref.model.*` and `critic.model.*`: a HuggingFace checkpoint.
+
+    Attributes:
+        path: A local folder with `config.json` and safetensors, or a hub id already in the
+            local HF cache (nothing is downloaded at run time).
+        tokenizer_path: Tokenizer folder; null uses `path`.
+        trust_remote_code: Allow checkpoints and tokenizers with custom code.
+        custom_chat_template: A Jinja chat template that replaces the tokenizer's.
+        override_config: Entries that override the checkpoint's `config.json`.
+        enable_gradient_checkpointing: Rematerialise each layer's activations in the backward
+            pass (jax.checkpoint around the scanned layer).
+        remat_policy: *jaxrl*. What a checkpointed layer keeps: `full` keeps only the layer
+            input; `save_dots` also keeps matmul outputs. Used when
+            `enable_gradient_checkpointing` is true.
+        use_remove_padding: Pack variable-length sequences into rows with segment ids instead of
+            padding each one (verl's rmpad).
+    """
+
+    path: str = MISSING
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    custom_chat_template: str | None = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = True
+    remat_policy: str = "full"
+    use_remove_padding: bool = True
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """`*.optim.*`: the optax optimizer and learning-rate schedule.
+
+    Attributes:
+        optimizer: `AdamW` or `Adam` (optax.adamw / optax.adam).
+        lr: Peak learning rate.
+        lr_warmup_steps: Linear warm-up steps; -1 derives them from `lr_warmup_steps_ratio`.
+        lr_warmup_steps_ratio: Warm-up steps as a fraction of the total training steps.
+        total_training_steps: Steps of the schedule; -1 takes the trainer's total.
+        weight_decay: Decoupled weight decay (AdamW).
+        betas: Adam's (beta1, beta2).
+        eps: *jaxrl*. Adam's epsilon (torch.optim's default).
+        lr_scheduler_type: `constant` or `cosine` (cosine decays to `min_lr_ratio * lr`).
+        min_lr_ratio: Floor of the cosine schedule as a fraction of `lr`.
+        num_cycles: Cosine cycles over the schedule (0.5: one half-wave down to the floor).
+    """
+
+    optimizer: str = "AdamW"
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    total_training_steps: int = -1
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    lr_scheduler_type: str = "constant"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """`*.checkpoint.*`: what an actor or critic checkpoint holds.
+
+    Attributes:
+        save_contents: Parts written: `model`, `optimizer`, `extra` (step, RNG, data state).
+        load_contents: Parts restored on resume.
+        async_save: Write checkpoints in the background while training goes on.
+    """
+
+    save_contents: tuple[str, ...] = ("model", "optimizer", "extra")
+    load_contents: tuple[str, ...] = ("model", "optimizer", "extra")
+    async_save: bool = False
+
+
+# ----------------------------------------------------------------------------------------- actor
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """`actor_rollout_ref.actor.policy_loss.*`: the policy-loss function and its parameters.
+
+    Attributes:
+        loss_mode: Name in `jaxrl.core_algos`' policy-loss registry (`vanilla`, `gspo`, ...).
+        clip_cov_ratio: Fraction of tokens clipped by `clip_cov`.
+        clip_cov_lb: Lower covariance bound of `clip_cov`.
+        clip_cov_ub: Upper covariance bound of `clip_cov`.
+        kl_cov_ratio: Fraction of tokens given the KL penalty by `kl_cov`.
+        ppo_kl_coef: KL coefficient of `kl_cov`.
+        dro_beta: Regularisation strength of `dro`; null uses verl's default.
+    """
+
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """`actor_rollout_ref.actor.*`: the policy's PPO update.
+
+    Attributes:
+        ppo_mini_batch_size: Prompts per optimizer step (times `rollout.n` sequences).
+        ppo_micro_batch_size_per_gpu: Sequences per device per forward/backward pass; the
+            mini-batch is accumulated over micro-batches. null: the device's whole share of
+            the mini-batch in one pass.
+        use_dynamic_bsz: Form micro-batches by a token budget instead of a sequence count.
+        ppo_max_token_len_per_gpu: Token budget per device per micro-batch with
+            `use_dynamic_bsz`.
+        ppo_epochs: Passes over each batch.
+        shuffle: Shuffle sequences between mini-batches.
+        data_loader_seed: Seed of that shuffle.
+        clip_ratio: PPO clip range (used when `clip_ratio_low`/`high` are not set apart).
+        clip_ratio_low: Lower clip range (1 - low).
+        clip_ratio_high: Upper clip range (1 + high).
+        clip_ratio_c: Dual-clip constant for negative advantages (must be > 1).
+        tau_pos: SAPO temperature for positive advantages.
+        tau_neg: SAPO temperature for negative advantages.
+        policy_loss: The policy-loss function.
+        loss_agg_mode: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean`,
+            `seq-mean-token-sum-norm` or `token-sum`.
+        loss_scale_factor: Constant divisor for `seq-mean-token-sum-norm`; null: the response
+            length.
+        entropy_coeff: Weight of the entropy bonus.
+        calculate_entropy: Compute the entropy metric even when `entropy_coeff` is 0.
+        calculate_sum_pi_squared: Compute sum(pi^2) per token (needed by the optimal token
+            baseline estimators).
+        use_kl_loss: Add a KL(actor || reference) term to the loss (GRPO style).
+        kl_loss_coef: Weight of that term.
+        kl_loss_type: KL estimator of that term (`kl`, `abs`, `mse`, `low_var_kl`, ... and `+`
+            variants).
+        grad_clip: Clip the global gradient norm to this value.
+        entropy_from_logits_with_chunking: Compute log-probs and entropy in sequence chunks so
+            the full [B, T, V] float32 logits never exist at once.
+        entropy_from_logits_chunk_size: Tokens per chunk for the above.
+        model_dtype: Parameter (master-weight) dtype: `fp32`/`float32` or `bf16`/`bfloat16`
+            (verl's `fsdp_config.model_dtype`).
+        dtype: Compute dtype of the forward and backward pass (verl's `fsdp_config.dtype`).
+        optim: Optimizer and schedule.
+        checkpoint: Checkpoint contents.
+    """
+
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    data_loader_seed: int = 42
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    entropy_coeff: float = 0.0
+    calculate_entropy: bool = False
+    calculate_sum_pi_squared: bool = False
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
+    model_dtype: str = "fp32"
+    dtype: str = "bfloat16"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """`actor_rollout_ref.ref.*`: the frozen reference policy (for KL loss or KL in reward).
+
+    Attributes:
+        log_prob_micro_batch_size_per_gpu: Sequences per device per log-prob pass; null: all
+            of the device's share at once.
+        log_prob_use_dynamic_bsz: Form log-prob micro-batches by token budget.
+        log_prob_max_token_len_per_gpu: Token budget per device with dynamic batch size.
+        model_dtype: Parameter dtype of the reference copy.
+        dtype: Compute dtype of the reference forward pass.
+    """
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    model_dtype: str = "fp32"
+    dtype: str = "bfloat16"
+
+
+# --------------------------------------------------------------------------------------- rollout
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """`actor_rollout_ref.rollout.val_kwargs.*`: sampling for validation (greedy by default).
+
+    Attributes:
+        temperature: Softmax temperature (0 with `do_sample: false` is greedy).
+        top_k: Keep the k most likely tokens (-1: off).
+        top_p: Nucleus sampling mass (1.0: off).
+        n: Responses per validation prompt.
+        do_sample: Sample (true) or take the argmax (false).
+    """
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """`actor_rollout_ref.rollout.*`: jaxrl's jitted generation engine (verl's vLLM/SGLang role).
+
+    Attributes:
+        temperature: Softmax temperature of sampling; log-probs use the same temperature.
+        top_k: Keep the k most likely tokens (-1: off).
+        top_p: Nucleus sampling mass (1.0: off).
+        do_sample: Sample (true) or take the argmax (false).
+        n: Responses per prompt (GRPO group size), interleaved as in verl.
+        ignore_eos: Keep generating past EOS, with EOS tokens left unmasked.
+        prompt_length: Prompt length the engine is compiled for.
+        response_length: Longest response the engine generates.
+        dtype: dtype of the rollout copy of the weights and of the KV cache.
+        tensor_model_parallel_size: Size of the `tp` axis of the rollout mesh; every other
+            device factor is a data-parallel generation replica (verl's default is 2; jaxrl's is
+            1 so that a single device works).
+        max_num_seqs: Sequences decoded at once (KV-cache slots of continuous batching).
+        max_model_len: Cap on prompt + response tokens in the KV cache; null: their sum.
+        calculate_log_probs: Return the log-probs of the sampled tokens.
+        seed: Base seed of the sampler; every step folds in the step number.
+        log_prob_micro_batch_size_per_gpu: Sequences per device per old-log-prob pass; null:
+            all of the device's share at once.
+        log_prob_use_dynamic_bsz: Form those micro-batches by token budget.
+        log_prob_max_token_len_per_gpu: Token budget per device with dynamic batch size.
+        val_kwargs: Sampling for validation.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    ignore_eos: bool = False
+    prompt_length: int = II("data.max_prompt_length")
+    response_length: int = II("data.max_response_length")
+    dtype: str = "bfloat16"
+    tensor_model_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    calculate_log_probs: bool = True
+    seed: int = 42
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    """`actor_rollout_ref.*`: the policy model and its three roles.
+
+    Attributes:
+        model: The policy checkpoint.
+        actor: The PPO update.
+        ref: The reference policy.
+        rollout: Generation.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+# ---------------------------------------------------------------------------------------- critic
+
+
+@dataclass(frozen=True)
+class CriticModelConfig(ModelConfig):
+    """`critic.model.*`: the value model's checkpoint.
+
+    Attributes:
+        path: Checkpoint folder; defaults to the actor's (a value head is added on top of a
+            causal LM, as verl does).
+    """
+
+    path: str = II("actor_rollout_ref.model.path")
+
+
+@dataclass(frozen=True)
+class CriticOptimConfig(OptimConfig):
+    """`critic.optim.*`: the critic's optimizer.
+
+    Attributes:
+        lr: Peak learning rate (verl's critic default, 1e-5).
+    """
+
+    lr: float = 1e-5
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """`critic.*`: the value model and its update (PPO with GAE).
+
+    Attributes:
+        enable: Train a critic; null: only when `algorithm.adv_estimator` is `gae`.
+        model: The value model's checkpoint.
+        optim: Optimizer and schedule.
+        ppo_mini_batch_size: Prompts per critic optimizer step.
+        ppo_micro_batch_size_per_gpu: Sequences per device per forward/backward pass.
+        use_dynamic_bsz: Form micro-batches by token budget.
+        ppo_max_token_len_per_gpu: Token budget per device per micro-batch.
+        forward_micro_batch_size_per_gpu: Sequences per device when computing values.
+        forward_max_token_len_per_gpu: Token budget per device when computing values.
+        ppo_epochs: Passes over each batch.
+        shuffle: Shuffle sequences between mini-batches.
+        data_loader_seed: Seed of that shuffle.
+        cliprange_value: Clip range of the value loss.
+        loss_agg_mode: Aggregation of the value loss (as the actor's).
+        grad_clip: Clip the global gradient norm to this value.
+        model_dtype: Parameter dtype.
+        dtype: Compute dtype.
+        checkpoint: Checkpoint contents.
+    """
+
+    enable: bool | None = None
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    ppo_mini_batch_size: int = II("actor_rollout_ref.actor.ppo_mini_batch_size")
+    ppo_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_micro_batch_size_per_gpu: int | None = II("critic.ppo_micro_batch_size_per_gpu")
+    forward_max_token_len_per_gpu: int = II("critic.ppo_max_token_len_per_gpu")
+    ppo_epochs: int = II("actor_rollout_ref.actor.ppo_epochs")
+    shuffle: bool = II("actor_rollout_ref.actor.shuffle")
+    data_loader_seed: int = 42
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = II("actor_rollout_ref.actor.loss_agg_mode")
+    grad_clip: float = 1.0
+    model_dtype: str = "fp32"
+    dtype: str = "bfloat16"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# --------------------------------------------------------------------------------------- rewards
+
+
+@dataclass(frozen=True)
+class RewardModelPathConfig:
+    """`reward_model.model.*`: the reward model's checkpoint.
+
+    Attributes:
+        path: A checkpoint of an HF sequence- or token-classification model.
+        input_tokenizer: The policy's tokenizer, when it differs from the reward model's (the
+            response is decoded and re-templated).
+        trust_remote_code: Allow custom code.
+    """
+
+    path: str | None = None
+    input_tokenizer: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """`reward_model.*`: model-based reward and the reward manager.
+
+    Attributes:
+        enable: Score responses with a reward model.
+        model: Its checkpoint.
+        micro_batch_size_per_gpu: Sequences per device per scoring pass; null: all at once.
+        max_length: Longest scored sequence; null: prompt + response length.
+        reward_manager: How rule-based scores are computed: `naive` (per sample), `batch`
+            (the whole batch in one call) or `dapo` (with overlong penalty).
+        dtype: Compute dtype of the reward model.
+    """
+
+    enable: bool = False
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    micro_batch_size_per_gpu: int | None = None
+    max_length: int | None = None
+    reward_manager: str = "naive"
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    """`custom_reward_function.*`: a user's Python scoring function.
+
+    Attributes:
+        path: A `.py` file; null uses jaxrl's built-in scorers chosen by `data_source`.
+        name: The function in that file, called as verl calls it:
+            `fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`.
+        reward_kwargs: Extra keyword arguments for it.
+    """
+
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------- algorithm
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    """`algorithm.kl_ctrl.*`: the KL-in-reward coefficient controller.
+
+    Attributes:
+        type: `fixed` or `adaptive` (Ziegler et al. 2019).
+        kl_coef: (Initial) KL coefficient.
+        horizon: Adaptive controller horizon.
+        target_kl: Adaptive controller target.
+    """
+
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """`algorithm.rollout_correction.*`: importance correction between rollout and training.
+
+    Attributes:
+        rollout_is: Importance-sampling level: null (off), `token` or `sequence`.
+        rollout_is_threshold: Truncation threshold of the IS weights.
+        rollout_is_batch_normalize: Normalise IS weights to mean 1 over the batch.
+        rollout_rs: Rejection-sampling mode: null (off) or a verl mode name.
+        rollout_rs_threshold: Threshold(s) of rejection sampling.
+        bypass_mode: Use the rollout log-probs as the old log-probs (no recomputation).
+        loss_type: Loss in bypass mode: `ppo_clip` or `reinforce`.
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: Any = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """`algorithm.*`: advantage estimation and KL in the reward.
+
+    Attributes:
+        adv_estimator: Name in `jaxrl.core_algos`' estimator registry (`gae`, `grpo`, `rloo`,
+            ...).
+        gamma: Discount factor.
+        lam: GAE lambda.
+        norm_adv_by_std_in_grpo: Divide GRPO advantages by the group's std (Dr. GRPO: false).
+        use_kl_in_reward: Subtract a KL(actor || reference) penalty from the token rewards.
+        kl_penalty: KL estimator of that penalty.
+        kl_ctrl: Its coefficient controller.
+        rollout_correction: Rollout/training mismatch correction.
+    """
+
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+# --------------------------------------------------------------------------------------- trainer
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """`trainer.*`: the step loop, logging, validation and checkpoints.
+
+    Attributes:
+        project_name: Project name (run directory, loggers).
+        experiment_name: Experiment name (run directory, loggers).
+        total_epochs: Passes over the training data.
+        total_training_steps: Stop after this many steps; null: `total_epochs` worth.
+        balance_batch: Reorder sequences so every data-parallel shard gets equal token counts.
+        critic_warmup: Steps that update only the critic.
+        logger: Any of `console`, `tensorboard`, `wandb` (`metrics.jsonl` is always written).
+        log_val_generations: Validation samples printed to the loggers.
+        rollout_data_dir: Folder for JSONL dumps of training generations; null: none.
+        validation_data_dir: Folder for JSONL dumps of validation generations; null: none.
+        val_before_train: Validate before the first step.
+        val_only: Validate and exit.
+        test_freq: Validate every this many steps (-1: never).
+        save_freq: Checkpoint every this many steps (-1: only at the end, if at all).
+        resume_mode: `auto` (latest checkpoint in the run directory), `disable` or
+            `resume_path`.
+        resume_from_path: Checkpoint to resume with `resume_mode: resume_path`.
+        default_local_dir: Run directory: checkpoints, `metrics.jsonl`, the resolved config.
+        max_actor_ckpt_to_keep: Keep only the newest n actor checkpoints; null: all.
+        max_critic_ckpt_to_keep: Keep only the newest n critic checkpoints; null: all.
+        nnodes: Hosts the run expects; null: whatever JAX sees. When set together with
+            `n_gpus_per_node`, their product must equal the device count.
+        n_gpus_per_node: Accelerators per host the run expects; null: whatever JAX sees.
+    """
+
+    project_name: str = "jaxrl_examples"
+    experiment_name: str = "default"
+    total_epochs: int = 30
+    total_training_steps: int | None = None
+    balance_batch: bool = True
+    critic_warmup: int = 0
+    logger: tuple[str, ...] = ("console",)
+    log_val_generations: int = 0
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    val_before_train: bool = True
+    val_only: bool = False
+    test_freq: int = -1
+    save_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    max_actor_ckpt_to_keep: int | None = None
+    max_critic_ckpt_to_keep: int | None = None
+    nnodes: int | None = None
+    n_gpus_per_node: int | None = None
+
+
+# ------------------------------------------------------------------------------------------ mesh
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """`mesh.*`: *jaxrl*. The global device mesh of training (DESIGN §3).
+
+    The product of the four sizes is the device count; one of them may be -1 ("the rest").
+    Generation re-factors the same devices as `(dp=rest, tp=rollout.tensor_model_parallel_size)`.
+
+    Attributes:
+        dp: Pure data parallelism (parameters replicated).
+        fsdp: Fully-sharded data parallelism (ZeRO-3: parameters and optimizer state sharded,
+            batch split).
+        tp: Tensor parallelism (heads and MLP columns split).
+        sp: Sequence parallelism (ring attention over the sequence).
+    """
+
+    dp: int = 1
+    fsdp: int = -1
+    tp: int = 1
+    sp: int = 1
+
+
+# ------------------------------------------------------------------------------------------ root
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run.
+
+    Attributes:
+        data: The prompt dataset.
+        actor_rollout_ref: The policy and its actor, reference and rollout roles.
+        critic: The value model.
+        reward_model: Model-based reward and the reward manager.
+        custom_reward_function: A user's scoring function.
+        algorithm: Advantage estimator and KL in reward.
+        trainer: Step loop, logging, validation and checkpoints.
+        mesh: The device mesh (jaxrl).
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(
+        default_factory=CustomRewardFunctionConfig
+    )
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+
+def is_group(tp: Any) -> bool:
+    """Whether a (resolved) field type is a nested config group."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)

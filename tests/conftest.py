@@ -1,0 +1,28 @@
+"""Test session setup: 8 fake CPU devices (before JAX starts) and the marker tiers.
+
+Markers: `slow` (long, still run in CI), `multiprocess` (several JAX processes on 127.0.0.1),
+`gpu` (skipped unless JAX sees a GPU), `entry` (end-to-end `python -m jaxrl.train` runs).
+"""
+
+import os
+
+# Must happen before anything imports jax: the CPU device count is fixed at backend start.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import jax
+
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (JAX sees none)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
