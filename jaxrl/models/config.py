@@ -1,0 +1,252 @@
+"""`DecoderConfig`: the static description of one decoder-only transformer, read from HF.
+
+HF's `config.json` is read through `transformers.AutoConfig`, so defaults and the v4 -> v5
+renames (`rope_scaling` -> `rope_parameters`, `layer_types`) follow transformers exactly; the
+result is a frozen, hashable dataclass that can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxrl.kernels import NO_WINDOW
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+REMAT_POLICIES = ("none", "full", "save_dots")
+HEADS = ("causal_lm", "token_classification", "sequence_classification")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF's `rope_parameters`).
+
+    Attributes:
+        type: One of `ROPE_TYPES`.
+        theta: Base wavelength.
+        factor: Scaling factor (linear, dynamic, llama3, yarn).
+        original_max_position_embeddings: Pre-extension context (llama3, yarn).
+        low_freq_factor: llama3 smoothing parameter.
+        high_freq_factor: llama3 smoothing parameter.
+        attention_factor: yarn's cos/sin scale; None derives it from `factor` and the mscales.
+        beta_fast: yarn's fast rotation bound.
+        beta_slow: yarn's slow rotation bound.
+        mscale: yarn's mscale.
+        mscale_all_dim: yarn's mscale_all_dim.
+        truncate: yarn truncates the correction range to whole dimensions.
+        max_position_embeddings: The model's context (dynamic NTK's reference length).
+    """
+
+    type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    max_position_embeddings: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """A llama-family decoder: what the weights are and how to run them.
+
+    Attributes:
+        model_type: HF model type (`llama`, `qwen2`, `qwen3`, `mistral`).
+        vocab_size: V.
+        hidden_size: D.
+        intermediate_size: F (SwiGLU width).
+        num_layers: L.
+        num_heads: N query heads.
+        num_kv_heads: K key/value heads (N a multiple of K).
+        head_dim: H.
+        rms_norm_eps: RMSNorm epsilon.
+        rope: Rotary embedding parameters.
+        tie_word_embeddings: The LM head is the embedding matrix.
+        qkv_bias: q/k/v projections have biases.
+        o_bias: The output projection has a bias.
+        mlp_bias: gate/up/down projections have biases.
+        qk_norm: RMSNorm over the head dim of q and k before RoPE (Qwen3).
+        sliding_windows: Per layer, the sliding window in tokens or None (full attention).
+        head: `causal_lm` (logits), `token_classification` (per-token scores, the critic) or
+            `sequence_classification` (one score at the last token, a reward model).
+        num_labels: Outputs of a classification head.
+        score_bias: The classification head has a bias (HF token classification does).
+        pad_token_id: Padding token (HF's config value).
+        eos_token_id: End-of-sequence token ids.
+        param_dtype: Storage dtype of the parameters.
+        dtype: Compute dtype (parameters are cast to it on use; norms and softmax in float32).
+        remat: `none`, `full` or `save_dots`: what the scanned layer keeps for the backward pass.
+        attention_impl: Passed to `jaxrl.kernels.attention`.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
+    head: str = "causal_lm"
+    num_labels: int = 1
+    score_bias: bool = False
+    pad_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: str = "none"
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if len(self.sliding_windows) != self.num_layers:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        for name, value, allowed in (
+            ("remat", self.remat, REMAT_POLICIES),
+            ("head", self.head, HEADS),
+            ("rope.type", self.rope.type, ROPE_TYPES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}")
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def window_per_layer(self) -> tuple[int, ...]:
+        """Sliding windows with `NO_WINDOW` for full-attention layers (a scannable array)."""
+        return tuple(NO_WINDOW if w is None else w for w in self.sliding_windows)
+
+    def replace(self, **changes: Any) -> DecoderConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _rope_from_hf(hf: Any) -> RopeConfig:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if not params:  # transformers < 5 style
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported by jaxrl; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by jaxrl")
+    max_pos = hf.max_position_embeddings
+    original = params.get("original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn") and original is None:
+        original = max_pos
+    factor = params.get("factor")
+    if rope_type == "yarn" and factor is None:
+        factor = max_pos / original
+    return RopeConfig(
+        type=rope_type,
+        theta=float(params.get("rope_theta", 10000.0)),
+        factor=None if factor is None else float(factor),
+        original_max_position_embeddings=original,
+        low_freq_factor=params.get("low_freq_factor"),
+        high_freq_factor=params.get("high_freq_factor"),
+        attention_factor=params.get("attention_factor"),
+        beta_fast=params.get("beta_fast"),
+        beta_slow=params.get("beta_slow"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=params.get("truncate", True),
+        max_position_embeddings=max_pos,
+    )
+
+
+def _sliding_windows(hf: Any) -> tuple[int | None, ...]:
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    if hf.model_type == "mistral":
+        return (window,) * n
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None or window is None:
+        return (None,) * n
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _head_from_hf(hf: Any) -> tuple[str, bool]:
+    archs = getattr(hf, "architectures", None) or []
+    if any(a.endswith("ForTokenClassification") for a in archs):
+        return "token_classification", bool(getattr(hf, "token_classification_bias", True))
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return "sequence_classification", False
+    return "causal_lm", False
+
+
+def from_hf_config(
+    hf: Any, *, overrides: Mapping[str, Any] | None = None, **options: Any
+) -> DecoderConfig:
+    """A `DecoderConfig` from a `transformers.PretrainedConfig` (or `AutoConfig` output).
+
+    Args:
+        hf: The HF config.
+        overrides: HF config entries to change first (verl's `model.override_config`).
+        **options: `DecoderConfig` fields to set (`dtype`, `param_dtype`, `remat`, `head`, ...).
+
+    Raises:
+        ValueError: for a model type or option jaxrl does not implement, naming it.
+    """
+    for key, value in (overrides or {}).items():
+        setattr(hf, key, value)
+    if hf.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {hf.model_type!r} is not supported by jaxrl; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (only silu / SwiGLU)")
+    head, score_bias = _head_from_hf(hf)
+    eos = getattr(hf, "eos_token_id", None)
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+    fields = dict(
+        model_type=hf.model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope=_rope_from_hf(hf),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        o_bias=hf.model_type in ("llama", "qwen3") and bool(getattr(hf, "attention_bias", False)),
+        mlp_bias=hf.model_type == "llama" and bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=hf.model_type == "qwen3",
+        sliding_windows=_sliding_windows(hf),
+        head=head,
+        num_labels=getattr(hf, "num_labels", 1) if head != "causal_lm" else 1,
+        score_bias=score_bias,
+        pad_token_id=getattr(hf, "pad_token_id", None),
+        eos_token_id=eos,
+    )
+    fields.update(options)
+    return DecoderConfig(**fields)

@@ -1,0 +1,301 @@
+"""Reading HuggingFace checkpoint folders into sharded parameters, and writing them back.
+
+`from_pretrained` memory-maps the safetensors files (one file or several with an index) and
+builds every parameter with `jax.make_array_from_callback`: each device's shard is assembled
+from the mapped tensors for that device alone, so the model never sits whole on one device, and
+host memory holds one layer's tensor at a time. Missing, unexpected or mis-shaped tensors are
+errors that name them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxrl.models.config import DecoderConfig, from_hf_config
+from jaxrl.models.hf_names import IGNORABLE_SUFFIXES, Entry, entries, hf_names
+from jaxrl.models.params import Params, param_shapes
+from jaxrl.sharding.logical import Rules, sharding_for
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not hold what its config.json describes."""
+
+
+def load_config(path: str | os.PathLike, **options: Any) -> DecoderConfig:
+    """The `DecoderConfig` of a checkpoint folder (`config.json`, read by transformers)."""
+    from transformers import AutoConfig
+
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: no config.json; expected an HF checkpoint folder")
+    overrides = options.pop("override_config", None)
+    hf = AutoConfig.from_pretrained(str(folder))
+    return from_hf_config(hf, overrides=overrides, **options)
+
+
+@contextlib.contextmanager
+def _open_tensors(folder: Path) -> Iterator[dict[str, Any]]:
+    """name -> memory-mapped tensor handle over the folder's safetensors files."""
+    from safetensors import safe_open
+
+    if (folder / INDEX_FILE).is_file():
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise CheckpointError(
+            f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (jaxrl reads safetensors checkpoints; "
+            "convert .bin files with transformers' save_pretrained)"
+        )
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for name in files:
+            f = stack.enter_context(safe_open(str(folder / name), framework="numpy"))
+            handles.update({key: f for key in f.keys()})  # noqa: SIM118 (safe_open has no iter)
+        yield handles
+
+
+def _base_prefix(names: set[str]) -> str:
+    """`model.` for *ForCausalLM / *ForTokenClassification files, `` for bare base models."""
+    return (
+        ""
+        if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names
+        else "model."
+    )
+
+
+def _check_names(config: DecoderConfig, table: list[Entry], available: set[str], folder: Path):
+    expected = {n for e in table for n in hf_names(e, config.num_layers)}
+    missing = sorted(expected - available)
+    unexpected = sorted(
+        n
+        for n in available - expected
+        if not n.endswith(IGNORABLE_SUFFIXES)
+        and not (n == "lm_head.weight" and config.tie_word_embeddings)
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:8])}")
+    if problems:
+        raise CheckpointError(
+            f"{folder} does not match its config.json ({config.model_type}, head "
+            f"{config.head}): " + "; ".join(problems)
+        )
+
+
+def _read(handles: dict[str, Any], name: str, entry: Entry, shape: tuple[int, ...]) -> np.ndarray:
+    x = entry.to_jax(handles[name].get_tensor(name))
+    if x.shape != shape:
+        raise CheckpointError(f"tensor {name}: shape {x.shape} after layout, expected {shape}")
+    return x
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype: str | jnp.dtype = "float32",
+    mesh: Mesh | None = None,
+    layout: Rules | None = None,
+    **options: Any,
+) -> tuple[DecoderConfig, Params]:
+    """Read an HF checkpoint folder: `(config, params)`.
+
+    Args:
+        path: Folder with `config.json` and `model.safetensors` (or shards + index).
+        dtype: Parameter dtype (`config.param_dtype`); the compute dtype is `options["dtype"]`
+            via `config.replace(dtype=...)`, float32 by default.
+        mesh: Place parameters on this mesh by `layout`; None: the first device.
+        layout: Logical axis name -> mesh axes (see `jaxrl.sharding.logical`).
+        **options: Further `DecoderConfig` fields (`remat`, `head`, `override_config`, ...).
+    """
+    folder = Path(path).expanduser()
+    config = load_config(folder, param_dtype=jnp.dtype(dtype).name, **options)
+    with _open_tensors(folder) as handles:
+        prefix = _base_prefix(set(handles))
+        table = list(entries(config, prefix))
+        _check_names(config, table, set(handles), folder)
+        specs = param_shapes(config)
+        params: dict[str, Any] = {}
+        for entry in table:
+            spec = specs
+            for key in entry.path:
+                spec = spec[key]
+            shape, logical = spec
+            if mesh is None:
+                sharding = SingleDeviceSharding(jax.devices()[0])
+            else:
+                sharding = sharding_for(shape, logical, mesh, layout or {})
+            array = _make_array(handles, entry, shape, config, sharding)
+            node = params
+            for key in entry.path[:-1]:
+                node = node.setdefault(key, {})
+            node[entry.path[-1]] = array
+    return config, params
+
+
+def _make_array(handles, entry: Entry, shape, config: DecoderConfig, sharding) -> jax.Array:
+    np_dtype = np.dtype(jnp.dtype(config.param_dtype))
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        if not entry.stacked:
+            return _read(handles, entry.hf_name, entry, shape)[index].astype(np_dtype)
+        layers = range(config.num_layers)[index[0]]
+        per_layer = [
+            _read(handles, entry.hf_name.format(i=i), entry, shape[1:])[index[1:]] for i in layers
+        ]
+        return np.stack(per_layer).astype(np_dtype)
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+# ---------------------------------------------------------------------------------- export
+
+
+def _rope_parameters(config: DecoderConfig) -> dict[str, Any]:
+    r = config.rope
+    out = {"rope_type": r.type, "rope_theta": r.theta}
+    optional = ("factor", "original_max_position_embeddings", "low_freq_factor")
+    optional += ("high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale")
+    for key in (*optional, "mscale_all_dim"):
+        if getattr(r, key) is not None:
+            out[key] = getattr(r, key)
+    if r.type == "yarn" and not r.truncate:
+        out["truncate"] = False
+    return out
+
+
+_ARCH = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_HEAD_ARCH = {
+    "causal_lm": "ForCausalLM",
+    "token_classification": "ForTokenClassification",
+    "sequence_classification": "ForSequenceClassification",
+}
+
+
+def to_hf_config(config: DecoderConfig, base: Mapping[str, Any] | None = None) -> Any:
+    """A `transformers` config equal to `config` (starting from `base`, e.g. the original)."""
+    from transformers import AutoConfig
+
+    c = config
+    fields: dict[str, Any] = dict(base or {})
+    for key in ("model_type", "transformers_version", "architectures", "rope_scaling"):
+        fields.pop(key, None)
+    fields.update(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.rope.max_position_embeddings,
+        rope_parameters=_rope_parameters(c),
+        tie_word_embeddings=c.tie_word_embeddings,
+        pad_token_id=c.pad_token_id,
+        eos_token_id=list(c.eos_token_id)
+        if len(c.eos_token_id) > 1
+        else (c.eos_token_id[0] if c.eos_token_id else None),
+        architectures=[_ARCH[c.model_type] + _HEAD_ARCH[c.head]],
+        dtype=c.param_dtype,
+    )
+    if c.model_type in ("llama", "qwen3"):
+        fields["attention_bias"] = c.qkv_bias
+    if c.model_type == "llama":
+        fields["mlp_bias"] = c.mlp_bias
+    windows = {w for w in c.sliding_windows if w is not None}
+    if len(windows) > 1:
+        raise ValueError(f"HF configs hold one sliding window; this model has {sorted(windows)}")
+    window = windows.pop() if windows else None
+    if c.model_type == "mistral":
+        fields["sliding_window"] = window
+    elif c.model_type in ("qwen2", "qwen3"):
+        fields.update(
+            use_sliding_window=window is not None,
+            sliding_window=window,
+            layer_types=[
+                "full_attention" if w is None else "sliding_attention" for w in c.sliding_windows
+            ],
+        )
+    if c.head != "causal_lm":
+        fields["num_labels"] = c.num_labels
+        fields.pop("id2label", None)
+        fields.pop("label2id", None)
+    return AutoConfig.for_model(c.model_type, **fields)
+
+
+def save_pretrained(
+    config: DecoderConfig,
+    params: Params,
+    path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    base_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write an HF checkpoint folder that `transformers` loads back.
+
+    Args:
+        config: The model.
+        params: Its parameters (gathered to the host one tensor at a time).
+        path: Output folder (created).
+        tokenizer: Saved alongside when given (`tokenizer.save_pretrained`).
+        dtype: Storage dtype; default the parameters' own.
+        max_shard_bytes: Split into `model-0000i-of-0000n.safetensors` + index past this size.
+        base_config: The original `config.json` as a dict, to keep its extra entries.
+    """
+    from safetensors.numpy import save_file
+
+    out = Path(path).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
+    tensors: dict[str, np.ndarray] = {}
+    for entry in entries(config):
+        leaf = params
+        for key in entry.path:
+            leaf = leaf[key]
+        host = np.asarray(jax.device_get(leaf))
+        layers = [host[i] for i in range(config.num_layers)] if entry.stacked else [host]
+        for name, x in zip(hf_names(entry, config.num_layers), layers, strict=True):
+            tensors[name] = np.ascontiguousarray(entry.to_hf(x).astype(np_dtype))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, x in tensors.items():
+        if size and size + x.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(x.nbytes for x in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    hf_config = to_hf_config(config, base_config)
+    hf_config.dtype = np_dtype.name
+    hf_config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,119 @@
+"""Where each jaxrl parameter lives in a HuggingFace checkpoint, and how it is laid out there.
+
+HF stores `nn.Linear` weights as [out, in]; jaxrl as [in, out] with the head axes split out
+(`w_q_dnh` is `q_proj.weight` [N*H, D] transposed and reshaped to [D, N, H]). Layer tensors are
+per layer in HF (`model.layers.{i}.…`) and stacked on a leading axis in jaxrl. The four
+supported families (llama, qwen2, qwen3, mistral) share these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from jaxrl.models.config import DecoderConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter: its path in the jaxrl tree and its HF tensor.
+
+    Attributes:
+        path: Keys into the jaxrl parameter tree.
+        hf_name: HF tensor name; `{i}` stands for the layer index of stacked parameters.
+        to_jax: HF tensor -> jaxrl layout (one layer for stacked parameters).
+        to_hf: The inverse.
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    to_jax: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf_name
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _linear(*out_shape: int) -> tuple[Callable, Callable]:
+    """[out, in] <-> [in, *out_shape]."""
+
+    def to_jax(w: np.ndarray) -> np.ndarray:
+        return w.T.reshape(w.shape[1], *out_shape)
+
+    def to_hf(w: np.ndarray) -> np.ndarray:
+        return w.reshape(w.shape[0], -1).T
+
+    return to_jax, to_hf
+
+
+def _linear_in(*in_shape: int) -> tuple[Callable, Callable]:
+    """[out, prod(in_shape)] <-> [*in_shape, out] (the output projection)."""
+
+    def to_jax(w: np.ndarray) -> np.ndarray:
+        return w.T.reshape(*in_shape, w.shape[0])
+
+    def to_hf(w: np.ndarray) -> np.ndarray:
+        return w.reshape(-1, w.shape[-1]).T
+
+    return to_jax, to_hf
+
+
+def _reshape(*shape: int) -> tuple[Callable, Callable]:
+    return (lambda b: b.reshape(shape)), (lambda b: b.reshape(-1))
+
+
+def entries(config: DecoderConfig, prefix: str = "model.") -> Iterator[Entry]:
+    """Every parameter of `config` with its HF name (base-model tensors under `prefix`)."""
+    c = config
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    layer = prefix + "layers.{i}."
+    attn, mlp = layer + "self_attn.", layer + "mlp."
+    yield Entry(("embed", "tokens_vd"), prefix + "embed_tokens.weight", _same, _same)
+    yield Entry(("layers", "ln_attn_d"), layer + "input_layernorm.weight", _same, _same)
+    yield Entry(("layers", "ln_mlp_d"), layer + "post_attention_layernorm.weight", _same, _same)
+    yield Entry(("layers", "attn", "w_q_dnh"), attn + "q_proj.weight", *_linear(N, H))
+    yield Entry(("layers", "attn", "w_k_dkh"), attn + "k_proj.weight", *_linear(K, H))
+    yield Entry(("layers", "attn", "w_v_dkh"), attn + "v_proj.weight", *_linear(K, H))
+    yield Entry(("layers", "attn", "w_o_nhd"), attn + "o_proj.weight", *_linear_in(N, H))
+    if c.qkv_bias:
+        yield Entry(("layers", "attn", "b_q_nh"), attn + "q_proj.bias", *_reshape(N, H))
+        yield Entry(("layers", "attn", "b_k_kh"), attn + "k_proj.bias", *_reshape(K, H))
+        yield Entry(("layers", "attn", "b_v_kh"), attn + "v_proj.bias", *_reshape(K, H))
+    if c.o_bias:
+        yield Entry(("layers", "attn", "b_o_d"), attn + "o_proj.bias", _same, _same)
+    if c.qk_norm:
+        yield Entry(("layers", "attn", "q_norm_h"), attn + "q_norm.weight", _same, _same)
+        yield Entry(("layers", "attn", "k_norm_h"), attn + "k_norm.weight", _same, _same)
+    transpose = (lambda w: w.T), (lambda w: w.T)
+    yield Entry(("layers", "mlp", "w_gate_df"), mlp + "gate_proj.weight", *transpose)
+    yield Entry(("layers", "mlp", "w_up_df"), mlp + "up_proj.weight", *transpose)
+    yield Entry(("layers", "mlp", "w_down_fd"), mlp + "down_proj.weight", *transpose)
+    if c.mlp_bias:
+        yield Entry(("layers", "mlp", "b_gate_f"), mlp + "gate_proj.bias", _same, _same)
+        yield Entry(("layers", "mlp", "b_up_f"), mlp + "up_proj.bias", _same, _same)
+        yield Entry(("layers", "mlp", "b_down_d"), mlp + "down_proj.bias", _same, _same)
+    yield Entry(("final_norm_d",), prefix + "norm.weight", _same, _same)
+    if c.head == "causal_lm" and not c.tie_word_embeddings:
+        yield Entry(("lm_head_dv",), "lm_head.weight", *transpose)
+    if c.head != "causal_lm":
+        yield Entry(("score", "w_dc"), "score.weight", *transpose)
+        if c.score_bias:
+            yield Entry(("score", "b_c"), "score.bias", _same, _same)
+
+
+def hf_names(entry: Entry, num_layers: int) -> list[str]:
+    """The HF tensor names of an entry (one per layer when stacked)."""
+    if entry.stacked:
+        return [entry.hf_name.format(i=i) for i in range(num_layers)]
+    return [entry.hf_name]
+
+
+# Tensors some checkpoints carry that jaxrl recomputes or does not use.
+IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,118 @@
+"""What RL needs from a model: token log-probs and entropy, values, reward scores.
+
+Log-probs follow verl's `logprobs_from_logits(logits / temperature, labels)`:
+
+    log p(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / temperature
+    entropy_t  = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
+
+`token_log_probs` computes both in chunks of the sequence from the final hidden states, so the
+[B, T, V] float32 logits never exist at once; each chunk's logits are recomputed in the backward
+pass (`jax.checkpoint`), keeping the gradient's memory at one chunk too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxrl.models.config import DecoderConfig
+from jaxrl.models.params import Params
+from jaxrl.models.transformer import hidden_states, lm_logits, score_head
+
+
+def log_probs_from_logits(
+    logits: Float[Array, "*batch v"], labels: Int[Array, "*batch"]
+) -> Float[Array, "*batch"]:
+    """log softmax(logits)[labels] in float32 (verl's `logprobs_from_logits`)."""
+    logits = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def entropy_from_logits(logits: Float[Array, "*batch v"]) -> Float[Array, "*batch"]:
+    """Entropy of softmax(logits) in float32 (verl's `entropy_from_logits`)."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits) * logits, axis=-1)
+
+
+def token_log_probs(
+    config: DecoderConfig,
+    params: Params,
+    h_btd: Float[Array, "b t d"],
+    targets: Int[Array, "b t"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
+    """Log-probs of `targets` (and entropy) under softmax(logits / temperature), in chunks.
+
+    Args:
+        config: A causal LM.
+        params: Its parameters.
+        h_btd: Final hidden states, position t predicting `targets[:, t]`.
+        targets: Token ids [B, T].
+        temperature: Divides the logits (verl applies the rollout temperature here too).
+        chunk_size: Sequence positions per chunk; None: the whole sequence at once.
+        with_entropy: Also return the entropy per position.
+
+    Returns:
+        (log_probs [B, T], entropy [B, T] or None), float32.
+    """
+    b, t, d = h_btd.shape
+    c = t if chunk_size is None else min(chunk_size, t)
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    h = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, c, d).swapaxes(0, 1)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, c).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk(args):
+        h_chunk, y_chunk = args
+        z = lm_logits(config, params, h_chunk).astype(jnp.float32) / temperature
+        lp = log_probs_from_logits(z, y_chunk)
+        return lp, (entropy_from_logits(z) if with_entropy else jnp.zeros_like(lp))
+
+    lp, ent = jax.lax.map(chunk, (h, y))
+    lp = lp.swapaxes(0, 1).reshape(b, n_chunks * c)[:, :t]
+    ent = ent.swapaxes(0, 1).reshape(b, n_chunks * c)[:, :t]
+    return lp, (ent if with_entropy else None)
+
+
+def values(
+    config: DecoderConfig,
+    params: Params,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Int[Array, "b t"] | None = None,
+    **kwargs,
+) -> Float[Array, "b t"]:
+    """Per-token values [B, T] (float32) of a critic (a 1-label token-classification head)."""
+    if config.head == "causal_lm" or config.num_labels != 1:
+        raise ValueError(
+            f"values need a 1-label classification head; this model has head={config.head!r} "
+            f"with {config.num_labels} labels"
+        )
+    h = hidden_states(config, params, input_ids, attention_mask, **kwargs)
+    return score_head(config, params, h)[..., 0].astype(jnp.float32)
+
+
+def last_token_index(attention_mask: Int[Array, "b t"]) -> Int[Array, " b"]:
+    """Index of the last 1 in each row of the mask (left or right padding)."""
+    t = attention_mask.shape[-1]
+    return t - 1 - jnp.argmax(attention_mask[:, ::-1] > 0, axis=-1)
+
+
+def sequence_scores(
+    config: DecoderConfig,
+    params: Params,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Int[Array, "b t"],
+) -> Float[Array, "b c"]:
+    """Classification-head outputs at each row's last valid token [B, C] (reward-model scores)."""
+    if config.head == "causal_lm":
+        raise ValueError("reward scores need a classification head (score), not a causal LM")
+    h = hidden_states(config, params, input_ids, attention_mask)
+    idx = last_token_index(attention_mask)
+    h_last = jnp.take_along_axis(h, idx[:, None, None], axis=1)
+    return score_head(config, params, h_last)[:, 0].astype(jnp.float32)

@@ -1,0 +1,116 @@
+"""The parameter pytree of a decoder, its logical axis names, and random initialisation.
+
+Parameters are a nested dict of arrays; names end in the dimension letters of their shape
+(D model, F feed-forward, V vocab, N query heads, K kv heads, H head dim, C labels). Every
+array under `layers` has a leading L axis (layers are stacked and run with `lax.scan`):
+
+    embed/tokens_vd                          [V, D]
+    layers/ln_attn_d, layers/ln_mlp_d        [L, D]
+    layers/attn/w_q_dnh  (b_q_nh)            [L, D, N, H]
+    layers/attn/w_k_dkh, w_v_dkh  (b_*_kh)   [L, D, K, H]
+    layers/attn/w_o_nhd  (b_o_d)             [L, N, H, D]
+    layers/attn/q_norm_h, k_norm_h           [L, H]        (Qwen3)
+    layers/mlp/w_gate_df, w_up_df (b_*_f)    [L, D, F]
+    layers/mlp/w_down_fd  (b_down_d)         [L, F, D]
+    final_norm_d                             [D]
+    lm_head_dv                               [D, V]        (untied causal LM)
+    score/w_dc  (b_c)                        [D, C]        (classification heads)
+
+`logical_axes(config)` gives the same tree with a tuple of logical names per array (DESIGN §3):
+`vocab, embed, mlp, heads, kv_heads, head_dim, layers, labels`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models.config import DecoderConfig
+
+Params = dict[str, Any]
+
+
+def param_shapes(config: DecoderConfig) -> dict[str, Any]:
+    """The tree of (shape, logical axes) pairs that defines the parameter layout."""
+    c = config
+    L, D, F, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    attn: dict[str, Any] = {
+        "w_q_dnh": ((L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+        "w_k_dkh": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "w_v_dkh": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "w_o_nhd": ((L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+    }
+    if c.qkv_bias:
+        attn["b_q_nh"] = ((L, N, H), ("layers", "heads", "head_dim"))
+        attn["b_k_kh"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+        attn["b_v_kh"] = ((L, K, H), ("layers", "kv_heads", "head_dim"))
+    if c.o_bias:
+        attn["b_o_d"] = ((L, D), ("layers", "embed"))
+    if c.qk_norm:
+        attn["q_norm_h"] = ((L, H), ("layers", "head_dim"))
+        attn["k_norm_h"] = ((L, H), ("layers", "head_dim"))
+    mlp: dict[str, Any] = {
+        "w_gate_df": ((L, D, F), ("layers", "embed", "mlp")),
+        "w_up_df": ((L, D, F), ("layers", "embed", "mlp")),
+        "w_down_fd": ((L, F, D), ("layers", "mlp", "embed")),
+    }
+    if c.mlp_bias:
+        mlp["b_gate_f"] = ((L, F), ("layers", "mlp"))
+        mlp["b_up_f"] = ((L, F), ("layers", "mlp"))
+        mlp["b_down_d"] = ((L, D), ("layers", "embed"))
+    tree: dict[str, Any] = {
+        "embed": {"tokens_vd": ((V, D), ("vocab", "embed"))},
+        "layers": {
+            "ln_attn_d": ((L, D), ("layers", "embed")),
+            "ln_mlp_d": ((L, D), ("layers", "embed")),
+            "attn": attn,
+            "mlp": mlp,
+        },
+        "final_norm_d": ((D,), ("embed",)),
+    }
+    if c.head == "causal_lm" and not c.tie_word_embeddings:
+        tree["lm_head_dv"] = ((D, V), ("embed", "vocab"))
+    if c.head != "causal_lm":
+        tree["score"] = {"w_dc": ((D, c.num_labels), ("embed", "labels"))}
+        if c.score_bias:
+            tree["score"]["b_c"] = ((c.num_labels,), ("labels",))
+    return tree
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+
+def logical_axes(config: DecoderConfig) -> dict[str, Any]:
+    """The parameter tree with a tuple of logical axis names in place of each array."""
+    return jax.tree.map(lambda spec: spec[1], param_shapes(config), is_leaf=_is_spec)
+
+
+def abstract_params(config: DecoderConfig) -> dict[str, Any]:
+    """The parameter tree as `jax.ShapeDtypeStruct`s in `config.param_dtype`."""
+    dtype = jnp.dtype(config.param_dtype)
+    return jax.tree.map(
+        lambda spec: jax.ShapeDtypeStruct(spec[0], dtype), param_shapes(config), is_leaf=_is_spec
+    )
+
+
+def init_params(config: DecoderConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random parameters: normal(0, std) weights, zero biases, unit norm scales (as HF inits)."""
+    specs = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(specs, _is_spec)[0]]
+    keys = jax.random.split(key, len(leaves))
+    dtype = jnp.dtype(config.param_dtype)
+    out = []
+    for path, (shape, _), k in zip(paths, leaves, keys, strict=True):
+        name = path.rsplit("'", 2)[-2]
+        if "norm" in name or name.startswith("ln_"):
+            out.append(jnp.ones(shape, dtype))
+        elif name.startswith("b_"):
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)

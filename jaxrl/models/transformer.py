@@ -1,0 +1,167 @@
+"""The decoder forward pass as pure functions of (config, params, tokens).
+
+    h_btd = hidden_states(config, params, input_ids_bt, attention_mask_bt)
+    logits_btv = forward(config, params, input_ids_bt, attention_mask_bt)
+
+One pre-norm block per layer, scanned over the stacked layer axis:
+
+    x += W_o · attention(rope(W_q · rms(x)), rope(W_k · rms(x)), W_v · rms(x))
+    x += W_down · (silu(W_gate · rms(x)) * (W_up · rms(x)))
+
+Positions follow verl: `cumsum(attention_mask) - 1` clipped at 0 (left or right padding), or
+restarting at 0 in every segment of a packed row. Padding is its own attention segment, so real
+tokens never see it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxrl.kernels import attention
+from jaxrl.models.config import DecoderConfig
+from jaxrl.models.params import Params
+from jaxrl.models.rope import apply_rope, rope_cos_sin
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def rms_norm(x: Float[Array, "*batch d"], w_d: Float[Array, " d"], eps: float) -> Array:
+    """x / sqrt(mean(x^2) + eps) * w, with the statistics in float32 (as HF)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w_d.astype(x.dtype) * y.astype(x.dtype)
+
+
+def positions_from_mask(attention_mask: Int[Array, "b t"]) -> Int[Array, "b t"]:
+    """verl's positions: `cumsum(mask) - 1`, clipped at 0."""
+    return jnp.clip(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+
+
+def positions_from_segments(segment_ids: Int[Array, "b t"]) -> Int[Array, "b t"]:
+    """Positions restarting at 0 at the start of every segment of a packed row."""
+    t = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    starts = segment_ids != jnp.pad(segment_ids, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def _linear(x: Array, w: Array, b: Array | None, eq: str) -> Array:
+    y = jnp.einsum(eq, x, w.astype(x.dtype))
+    return y if b is None else y + b.astype(x.dtype)
+
+
+def _block(
+    config: DecoderConfig,
+    cos: Array,
+    sin: Array,
+    segment_ids: Array | None,
+    x_btd: Array,
+    layer: tuple[Params, Array],
+) -> Array:
+    p, window = layer
+    a, m, eps = p["attn"], p["mlp"], config.rms_norm_eps
+    h = rms_norm(x_btd, p["ln_attn_d"], eps)
+    q = _linear(h, a["w_q_dnh"], a.get("b_q_nh"), "btd,dnh->btnh")
+    k = _linear(h, a["w_k_dkh"], a.get("b_k_kh"), "btd,dkh->btkh")
+    v = _linear(h, a["w_v_dkh"], a.get("b_v_kh"), "btd,dkh->btkh")
+    if config.qk_norm:
+        q, k = rms_norm(q, a["q_norm_h"], eps), rms_norm(k, a["k_norm_h"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = attention(
+        q,
+        k,
+        v,
+        causal=True,
+        segment_ids=segment_ids,
+        sliding_window=window,
+        implementation=config.attention_impl,
+    )
+    x_btd = x_btd + _linear(o, a["w_o_nhd"], a.get("b_o_d"), "btnh,nhd->btd")
+    h = rms_norm(x_btd, p["ln_mlp_d"], eps)
+    gate = _linear(h, m["w_gate_df"], m.get("b_gate_f"), "btd,df->btf")
+    up = _linear(h, m["w_up_df"], m.get("b_up_f"), "btd,df->btf")
+    return x_btd + _linear(jax.nn.silu(gate) * up, m["w_down_fd"], m.get("b_down_d"), "btf,fd->btd")
+
+
+def hidden_states(
+    config: DecoderConfig,
+    params: Params,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Int[Array, "b t"] | None = None,
+    *,
+    segment_ids: Int[Array, "b t"] | None = None,
+    positions: Int[Array, "b t"] | None = None,
+) -> Float[Array, "b t d"]:
+    """The final-normed hidden states [B, T, D] in the compute dtype.
+
+    Args:
+        config: The model.
+        params: Its parameters (any float dtype; cast to `config.dtype` on use).
+        input_ids: Token ids [B, T].
+        attention_mask: 1 for tokens, 0 for padding (left or right); None: all tokens.
+        segment_ids: Packed rows: a positive id per sequence, 0 for padding. Overrides
+            `attention_mask` for masking and positions.
+        positions: Explicit positions [B, T]; default derived as described in the module doc.
+    """
+    if segment_ids is not None:
+        segments = segment_ids
+        default_positions = positions_from_segments(segment_ids)
+    elif attention_mask is not None:
+        segments = attention_mask.astype(jnp.int32)
+        default_positions = positions_from_mask(attention_mask)
+    else:
+        segments = None
+        default_positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+    positions = default_positions if positions is None else positions
+    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+    x_btd = params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype)
+
+    def body(x, layer):
+        return _block(config, cos, sin, segments, x, layer), None
+
+    if config.remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+    windows = jnp.asarray(config.window_per_layer, jnp.int32)
+    x_btd, _ = jax.lax.scan(body, x_btd, (params["layers"], windows))
+    return rms_norm(x_btd, params["final_norm_d"], config.rms_norm_eps)
+
+
+def lm_head_weight(config: DecoderConfig, params: Params) -> Float[Array, "d v"]:
+    """The [D, V] output projection (the embedding's transpose when tied)."""
+    if config.tie_word_embeddings:
+        return params["embed"]["tokens_vd"].T
+    return params["lm_head_dv"]
+
+
+def lm_logits(config: DecoderConfig, params: Params, h_btd: Array) -> Float[Array, "b t v"]:
+    """Logits [B, T, V] in the compute dtype from final hidden states."""
+    return jnp.einsum("btd,dv->btv", h_btd, lm_head_weight(config, params).astype(h_btd.dtype))
+
+
+def score_head(config: DecoderConfig, params: Params, h_btd: Array) -> Float[Array, "b t c"]:
+    """Classification-head outputs [B, T, C] (critic values, reward scores)."""
+    s = params["score"]
+    return _linear(h_btd, s["w_dc"], s.get("b_c"), "btd,dc->btc")
+
+
+def forward(
+    config: DecoderConfig,
+    params: Params,
+    input_ids: Int[Array, "b t"],
+    attention_mask: Int[Array, "b t"] | None = None,
+    *,
+    segment_ids: Int[Array, "b t"] | None = None,
+    positions: Int[Array, "b t"] | None = None,
+) -> Float[Array, "b t v"] | Float[Array, "b t c"]:
+    """Logits [B, T, V] of a causal LM, or head outputs [B, T, C] of a classification model."""
+    h = hidden_states(
+        config, params, input_ids, attention_mask, segment_ids=segment_ids, positions=positions
+    )
+    if config.head == "causal_lm":
+        return lm_logits(config, params, h)
+    return score_head(config, params, h)

@@ -1,0 +1,130 @@
+"""Tiny random HF checkpoints of every supported family, for tests and examples.
+
+Each entry of `TINY_CONFIGS` is a distinct head layout or option set; `save_tiny` writes the
+checkpoint with `transformers` (`save_pretrained`), exactly as a user's folder would look.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_COMMON = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # llama: multi-head, tied; grouped-query with explicit head_dim, biases and llama3 rope;
+    # multi-query with linear rope; dynamic NTK rope with a short trained context.
+    "llama_mha_tied": dict(
+        model_type="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True
+    ),
+    "llama_gqa_bias_llama3": dict(
+        model_type="llama",
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        mlp_bias=True,
+        max_position_embeddings=64,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
+    "llama_mqa_linear": dict(
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+    ),
+    "llama_dynamic": dict(
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        rope_scaling=dict(rope_type="dynamic", factor=2.0),
+    ),
+    # qwen2: q/k/v biases, tied; sliding window on the upper layers with yarn rope.
+    "qwen2_gqa_tied": dict(
+        model_type="qwen2", num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True
+    ),
+    "qwen2_sliding_yarn": dict(
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        max_position_embeddings=64,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    ),
+    # qwen3: q/k norm with an explicit head_dim; attention biases, multi-query, sliding window.
+    "qwen3_qknorm": dict(
+        model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    ),
+    "qwen3_bias_mqa_sliding": dict(
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,
+        attention_bias=True,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=2,
+        tie_word_embeddings=True,
+    ),
+    # mistral: sliding window everywhere; no window with an explicit head_dim.
+    "mistral_sliding": dict(
+        model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=4
+    ),
+    "mistral_headdim": dict(
+        model_type="mistral",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=20,
+        sliding_window=None,
+    ),
+}
+
+
+def hf_config(name: str, **changes: Any) -> Any:
+    """The `transformers` config of a tiny model (`changes` override entries)."""
+    from transformers import AutoConfig
+
+    spec = {**_COMMON, **TINY_CONFIGS[name], **changes}
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def save_tiny(
+    name: str, folder: str | Path, head: str = "causal_lm", seed: int = 0, **changes: Any
+) -> Path:
+    """Write a random tiny checkpoint of `TINY_CONFIGS[name]` (optionally with a head)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(name, **changes)
+    cls_suffix = {
+        "causal_lm": "ForCausalLM",
+        "token_classification": "ForTokenClassification",
+        "sequence_classification": "ForSequenceClassification",
+    }[head]
+    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    cls = getattr(transformers, family[config.model_type] + cls_suffix)
+    if head != "causal_lm":
+        config.num_labels = 1
+    model = cls(config).eval()
+    folder = Path(folder)
+    model.save_pretrained(str(folder))
+    return folder
