@@ -54,11 +54,13 @@ def make_mesh(
     """A `jax.sharding.Mesh` with the named axes of `sizes` (after `resolve_axis_sizes`).
 
     `jax.make_mesh` orders devices so that the last axes (`tp`, `sp`) stay within a host's fast
-    interconnect on multi-host runs.
+    interconnect on multi-host runs. Axes are `Auto`: XLA propagates shardings from the
+    parameters and the constraints jaxrl places, rather than requiring every op to name one.
     """
     import jax
+    from jax.sharding import AxisType
 
     devices = list(jax.devices() if devices is None else devices)
     resolved = resolve_axis_sizes(sizes, len(devices))
     shape, names = tuple(resolved.values()), tuple(resolved)
-    return jax.make_mesh(shape, names, devices=devices)
+    return jax.make_mesh(shape, names, devices=devices, axis_types=(AxisType.Auto,) * len(names))

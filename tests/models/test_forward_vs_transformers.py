@@ -9,60 +9,21 @@ import pytest
 import torch
 
 import jaxrl.models as M
+from jaxrl.testing.hf_reference import (
+    assert_close_to_scale,
+    hf_model,
+    hf_run,
+    left_padded,
+    random_batch,
+    right_padded,
+)
 from jaxrl.testing.tiny import TINY_CONFIGS, save_tiny
 
 B, T = 3, 12
-RTOL = 1e-4
 
 
-def assert_close_to_scale(ours, ref, valid=None):
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape
-    if valid is not None:
-        ours, ref = ours[valid], ref[valid]
-    scale = np.abs(ref).max()
-    err = np.abs(ours - ref).max()
-    assert err <= RTOL * scale, f"max error {err:.3g} > {RTOL} x scale {scale:.3g}"
-
-
-def hf_model(folder, head="causal_lm"):
-    """A fresh HF model per call: dynamic-NTK rope keeps state across calls."""
-    import transformers
-
-    cls = {
-        "causal_lm": transformers.AutoModelForCausalLM,
-        "token_classification": transformers.AutoModelForTokenClassification,
-        "sequence_classification": transformers.AutoModelForSequenceClassification,
-    }[head]
-    return cls.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-def hf_run(folder, ids, mask, head="causal_lm"):
-    pos = np.clip(mask.cumsum(-1) - 1, 0, None)
-    with torch.no_grad():
-        out = hf_model(folder, head)(
-            input_ids=torch.tensor(ids),
-            attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(pos),
-        )
-    return out.logits.numpy()
-
-
-def batch(seed=0, vocab=97):
-    rng = np.random.RandomState(seed)
-    ids = rng.randint(2, vocab, (B, T))
-    lengths = np.array([T, T - 4, T - 7])
-    return ids, lengths
-
-
-def right_padded(ids, lengths):
-    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int64)
-    return np.where(mask, ids, 0), mask
-
-
-def left_padded(ids, lengths):
-    mask = (np.arange(T)[None] >= (T - lengths)[:, None]).astype(np.int64)
-    return np.where(mask, ids, 0), mask
+def batch(seed=0):
+    return random_batch(B, T, vocab=97, seed=seed)
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -92,8 +53,6 @@ def test_logits_match_padded(tiny, padding):
 def test_logits_match_packed(tiny):
     """Packed row [seq0 | seq1 | seq2 | pad] equals the sequences run one by one."""
     _, folder, config, params = tiny
-    if config.rope.type == "dynamic":
-        pytest.skip("dynamic NTK depends on the longest position of the whole forward pass")
     rng = np.random.RandomState(1)
     lengths = [5, 4, 2]
     seqs = [rng.randint(2, 97, n) for n in lengths]

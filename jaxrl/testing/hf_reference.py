@@ -1,0 +1,70 @@
+"""Running `transformers` models as the reference in equivalence tests, and the comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# DESIGN §6: float32, composite ops: 1e-4 relative to the scale of the reference output.
+RTOL = 1e-4
+
+
+def assert_close_to_scale(ours, ref, valid=None, rtol: float = RTOL) -> None:
+    """max |ours - ref| <= rtol * max |ref|, over the `valid` positions."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    if valid is not None:
+        ours, ref = ours[valid], ref[valid]
+    scale = np.abs(ref).max()
+    err = np.abs(ours - ref).max()
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol} x scale {scale:.3g}"
+
+
+def hf_model(folder: str | Path, head: str = "causal_lm"):
+    """A fresh float32 HF model (dynamic-NTK rope keeps state across calls, so never reuse)."""
+    import torch
+    import transformers
+
+    cls = {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "token_classification": transformers.AutoModelForTokenClassification,
+        "sequence_classification": transformers.AutoModelForSequenceClassification,
+    }[head]
+    return cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def hf_run(folder, ids: np.ndarray, mask: np.ndarray, head: str = "causal_lm") -> np.ndarray:
+    """HF outputs with verl's positions (`cumsum(mask) - 1`, clipped at 0)."""
+    import torch
+
+    pos = np.clip(mask.cumsum(-1) - 1, 0, None)
+    with torch.no_grad():
+        out = hf_model(folder, head)(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(pos),
+        )
+    return out.logits.float().numpy()
+
+
+def random_batch(b: int, t: int, vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [B, T] in [2, vocab) and lengths [B] from T down (all rows different)."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(2, vocab, (b, t))
+    lengths = np.maximum(t - np.arange(b) * (t // (b + 1) + 1), 1)
+    return ids, lengths
+
+
+def right_padded(ids: np.ndarray, lengths: np.ndarray, pad_id: int = 0):
+    """(ids, mask) with each row's tokens first and `pad_id` after."""
+    t = ids.shape[1]
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.int64)
+    return np.where(mask, ids, pad_id), mask
+
+
+def left_padded(ids: np.ndarray, lengths: np.ndarray, pad_id: int = 0):
+    """(ids, mask) with `pad_id` first and each row's tokens last (verl's prompt layout)."""
+    t = ids.shape[1]
+    mask = (np.arange(t)[None] >= (t - lengths)[:, None]).astype(np.int64)
+    return np.where(mask, ids, pad_id), mask
