@@ -64,3 +64,41 @@ def matmul_peak_flops(n: int = 2048, dtype: str = "float32") -> float:
 def emit(result: dict[str, Any]) -> None:
     """Print the benchmark's JSON line (always the last line of stdout)."""
     print(json.dumps(result, sort_keys=True))
+
+
+# Model shapes of WORKLOADS.md (HF Qwen2, random init, float32, vocab 32000, tied).
+MODEL_SIZES = {
+    "S": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=768),
+    "M": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=1536),
+    "L": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864
+    ),
+}
+
+
+def workload_checkpoint(size: str):
+    """The HF checkpoint folder of workload model `size`, created once (seeded) in the cache."""
+    from pathlib import Path
+
+    folder = Path(os.environ.get("JAXRL_CACHE", "~/.cache/jaxrl")).expanduser()
+    folder = folder / "workloads" / f"qwen2-{size}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=32000,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        eos_token_id=1,
+        max_position_embeddings=4096,
+        **MODEL_SIZES[size],
+    )
+    Qwen2ForCausalLM(config).save_pretrained(str(folder))
+    return folder

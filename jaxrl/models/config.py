@@ -121,8 +121,13 @@ class DecoderConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if len(self.sliding_windows) != self.num_layers:
+        if not self.sliding_windows:  # default: full attention in every layer
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for "
+                f"{self.num_layers} layers"
+            )
         for name, value, allowed in (
             ("remat", self.remat, REMAT_POLICIES),
             ("head", self.head, HEADS),
