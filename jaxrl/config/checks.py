@@ -17,6 +17,7 @@ from typing import Any
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.schema import Config
 from jaxrl.sharding.mesh import AXES, resolve_axis_sizes
+from jaxrl.sharding.rules import ROLLOUT_MESH_AXES, TRAIN_MESH_AXES, rule_problems
 
 log = logging.getLogger("jaxrl.config")
 
@@ -148,6 +149,8 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
         p.choice(cfg, f"{role}.model.remat_policy", ("full", "save_dots"))
     for role in ("actor_rollout_ref.actor", "critic"):
         p.choice(cfg, f"{role}.optim.lr_scheduler_type", ("constant", "cosine"))
+    p.extend(rule_problems(dict(cfg.mesh.train_rules), TRAIN_MESH_AXES, "mesh.train_rules"))
+    p.extend(rule_problems(dict(cfg.mesh.rollout_rules), ROLLOUT_MESH_AXES, "mesh.rollout_rules"))
     for name in cfg.trainer.logger:
         if name not in LOGGERS:
             p.append(f"trainer.logger: unknown logger {name!r}; use any of {', '.join(LOGGERS)}")

@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import II, MISSING
 
+from jaxrl.sharding.rules import ROLLOUT_RULES, TRAIN_RULES
+
 # ----------------------------------------------------------------------------------------- data
 
 
@@ -627,12 +629,18 @@ class MeshConfig:
             batch split).
         tp: Tensor parallelism (heads and MLP columns split).
         sp: Sequence parallelism (ring attention over the sequence).
+        train_rules: Training layout: logical axis name -> mesh axis, list of mesh axes, or
+            null (replicated). Names: vocab, embed, mlp, heads, kv_heads, head_dim, layers,
+            labels, batch, seq, cache_seq.
+        rollout_rules: Generation layout over the rollout mesh (axes dp, tp).
     """
 
     dp: int = 1
     fsdp: int = -1
     tp: int = 1
     sp: int = 1
+    train_rules: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_RULES))
+    rollout_rules: dict[str, Any] = field(default_factory=lambda: dict(ROLLOUT_RULES))
 
 
 # ------------------------------------------------------------------------------------------ root

@@ -23,6 +23,9 @@ from jaxrl.kernels import attention
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import apply_rope, rope_cos_sin
+from jaxrl.sharding.layouts import shard
+
+_ACT = ("batch", "seq", None)  # block-boundary activations [B, T, D]
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -119,10 +122,10 @@ def hidden_states(
         default_positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
     positions = default_positions if positions is None else positions
     cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
-    x_btd = params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype)
+    x_btd = shard(params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype), _ACT)
 
     def body(x, layer):
-        return _block(config, cos, sin, segments, x, layer), None
+        return shard(_block(config, cos, sin, segments, x, layer), _ACT), None
 
     if config.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
@@ -140,7 +143,8 @@ def lm_head_weight(config: DecoderConfig, params: Params) -> Float[Array, "d v"]
 
 def lm_logits(config: DecoderConfig, params: Params, h_btd: Array) -> Float[Array, "b t v"]:
     """Logits [B, T, V] in the compute dtype from final hidden states."""
-    return jnp.einsum("btd,dv->btv", h_btd, lm_head_weight(config, params).astype(h_btd.dtype))
+    logits = jnp.einsum("btd,dv->btv", h_btd, lm_head_weight(config, params).astype(h_btd.dtype))
+    return shard(logits, ("batch", "seq", "vocab"))
 
 
 def score_head(config: DecoderConfig, params: Params, h_btd: Array) -> Float[Array, "b t c"]:

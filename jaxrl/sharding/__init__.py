@@ -1,14 +1,43 @@
-"""The named device mesh and the logical-axis layouts over it."""
+"""The named device mesh, logical-axis layouts (train, rollout), reshard and offload."""
 
+from jaxrl.sharding.layouts import (
+    KV_CACHE_AXES,
+    Layout,
+    active_layout,
+    layouts_from_config,
+    rollout_mesh,
+    shard,
+    train_mesh,
+    use_layout,
+)
 from jaxrl.sharding.logical import Rules, partition_spec, sharding_for, tree_shardings
 from jaxrl.sharding.mesh import AXES, make_mesh, resolve_axis_sizes
+from jaxrl.sharding.offload import offload, reload, supports_host_offload
+from jaxrl.sharding.reshard import free, reshard, reshard_report
+from jaxrl.sharding.rules import ROLLOUT_RULES, TRAIN_RULES
 
 __all__ = [
     "AXES",
+    "KV_CACHE_AXES",
+    "ROLLOUT_RULES",
+    "TRAIN_RULES",
+    "Layout",
     "Rules",
+    "active_layout",
+    "free",
+    "layouts_from_config",
     "make_mesh",
+    "offload",
     "partition_spec",
+    "reload",
+    "reshard",
+    "reshard_report",
     "resolve_axis_sizes",
+    "rollout_mesh",
+    "shard",
     "sharding_for",
+    "supports_host_offload",
+    "train_mesh",
     "tree_shardings",
+    "use_layout",
 ]

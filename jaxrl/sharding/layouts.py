@@ -1,0 +1,148 @@
+"""A layout is a mesh plus logical-axis rules; it names the sharding of every array jaxrl makes.
+
+    train, rollout = layouts_from_config(cfg)
+    param_shardings = train.params(model_config)           # NamedSharding tree
+    with use_layout(train):
+        loss = jax.jit(loss_fn, in_shardings=...)(params, batch)   # shard() constraints apply
+
+`shard(x, ("batch", "seq", None))` constrains an activation to the active layout; without an
+active layout it returns `x` unchanged, so the models run as they are on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl.sharding.logical import partition_spec, tree_shardings
+from jaxrl.sharding.mesh import AXES, make_mesh, resolve_axis_sizes
+from jaxrl.sharding.rules import ROLLOUT_RULES, TRAIN_RULES
+
+# The KV cache [L, B, S, K, H] and the token batch [B, T].
+KV_CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+TOKEN_AXES = ("batch", "seq")
+
+
+def _freeze_rules(rules: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    def freeze(v):
+        return tuple(v) if isinstance(v, list | tuple) else v
+
+    return tuple(sorted((k, freeze(v)) for k, v in rules.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh and the rules mapping logical axis names onto its axes (hashable).
+
+    Attributes:
+        mesh: The device mesh.
+        rules: (logical name, mesh axis / tuple of axes / None) pairs.
+    """
+
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def create(cls, mesh: Mesh, rules: Mapping[str, Any]) -> Layout:
+        return cls(mesh, _freeze_rules(rules))
+
+    @property
+    def rule_map(self) -> dict[str, Any]:
+        return dict(self.rules)
+
+    def spec(self, shape: Sequence[int], logical: Sequence[str | None]) -> PartitionSpec:
+        return partition_spec(shape, logical, self.mesh, self.rule_map)
+
+    def sharding(self, shape: Sequence[int], logical: Sequence[str | None]) -> NamedSharding:
+        """The sharding of one array of this shape and logical axes."""
+        return NamedSharding(self.mesh, self.spec(shape, logical))
+
+    def tree(self, abstract: Any, logical: Any) -> Any:
+        """Shardings for a tree of arrays / ShapeDtypeStructs and its logical-name tree."""
+        return tree_shardings(abstract, logical, self.mesh, self.rule_map)
+
+    def params(self, config) -> Any:
+        """Shardings of a decoder's parameter tree (`jaxrl.models`)."""
+        from jaxrl.models.params import abstract_params, logical_axes
+
+        return self.tree(abstract_params(config), logical_axes(config))
+
+    def tokens(self, shape: Sequence[int]) -> NamedSharding:
+        """Sharding of a [B, T] token / mask batch (batch and sequence axes)."""
+        return self.sharding(shape, TOKEN_AXES[: len(shape)])
+
+    def kv_cache(self, shape: Sequence[int]) -> NamedSharding:
+        """Sharding of a [L, B, S, K, H] KV cache."""
+        return self.sharding(shape, KV_CACHE_AXES)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def optimizer_state(self, optimizer: Any, opt_state_abstract: Any, param_shardings: Any):
+        """Shardings of an optax state: parameter-shaped leaves (moments) like the parameters,
+        everything else (step counts) replicated."""
+        import optax
+
+        replicated = self.replicated()
+        return optax.tree_utils.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            opt_state_abstract,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+        )
+
+
+def train_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The training mesh (dp, fsdp, tp, sp) over `devices` (default: all)."""
+    return make_mesh({a: sizes.get(a, 1) for a in AXES}, devices)
+
+
+def rollout_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The generation mesh (dp = rest, tp) over `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    return make_mesh(resolve_axis_sizes({"dp": -1, "tp": tp}, len(devices)), devices)
+
+
+def layouts_from_config(cfg, devices: Sequence[jax.Device] | None = None) -> tuple[Layout, Layout]:
+    """The (train, rollout) layouts of a `jaxrl.config.Config` over the same devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {a: getattr(cfg.mesh, a) for a in AXES}
+    train = Layout.create(make_mesh(sizes, devices), cfg.mesh.train_rules or TRAIN_RULES)
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    rollout = Layout.create(rollout_mesh(tp, devices), cfg.mesh.rollout_rules or ROLLOUT_RULES)
+    return train, rollout
+
+
+# ------------------------------------------------------------------ activation constraints
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None) -> Iterator[Layout | None]:
+    """Make `layout` the one `shard()` constrains to while tracing inside this block."""
+    token = _ACTIVE.set(layout)
+    try:
+        yield layout
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_layout() -> Layout | None:
+    return _ACTIVE.get()
+
+
+def shard(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Constrain an activation's sharding by logical names; a no-op without an active layout."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.sharding(x.shape, logical))

@@ -1,0 +1,110 @@
+"""One optimizer step on the mesh: gradients, torch-style clipping, a skipped non-finite step.
+
+    step = make_update_step(loss_fn, optimizer, grad_clip=1.0, layout=train, param_shardings=...)
+    state, metrics = step(state, batch)
+
+`loss_fn(params, batch) -> (loss, aux_metrics)`. Parameters and optimizer state stay in the
+train layout (in and out shardings pinned, state donated); the batch is sharded by the caller.
+The gradient is clipped as `torch.nn.utils.clip_grad_norm_` does (scale by
+max_norm / (norm + 1e-6) when below 1); a non-finite gradient norm leaves parameters and
+optimizer state unchanged and is reported as `skipped = 1`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl.sharding.layouts import Layout, use_layout
+
+
+@flax.struct.dataclass
+class UpdateState:
+    """Parameters, optimizer state and the number of optimizer steps taken.
+
+    Attributes:
+        params: The trained parameter tree.
+        opt_state: optax state.
+        step: Steps applied (skipped steps not counted).
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def apply_gradients(
+    state: UpdateState, grads: Any, optimizer: optax.GradientTransformation, grad_clip: float | None
+) -> tuple[UpdateState, dict[str, jax.Array]]:
+    """Clip, update unless the norm is non-finite; returns the new state and metrics."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm)
+    scale = 1.0 if grad_clip is None else jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
+    grads = jax.tree.map(lambda g: jnp.where(finite, g * scale, 0.0).astype(g.dtype), grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+
+    def keep_if_finite(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    new_state = UpdateState(
+        params=keep_if_finite(params, state.params),
+        opt_state=keep_if_finite(opt_state, state.opt_state),
+        step=state.step + finite.astype(state.step.dtype),
+    )
+    return new_state, {"grad_norm": grad_norm, "skipped": 1 - finite.astype(jnp.int32)}
+
+
+def init_state(
+    params: Any, optimizer: optax.GradientTransformation, layout: Layout | None, param_shardings
+) -> UpdateState:
+    """Optimizer state created directly in its sharding (moments like the parameters)."""
+    if layout is None:
+        return UpdateState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    abstract = jax.eval_shape(optimizer.init, params)
+    opt_shardings = layout.optimizer_state(optimizer, abstract, param_shardings)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), layout.replicated())
+    return UpdateState(params, opt_state, step)
+
+
+def state_shardings(state: UpdateState, optimizer, layout: Layout, param_shardings) -> UpdateState:
+    """The sharding tree of an `UpdateState` under `layout`."""
+    abstract = jax.eval_shape(lambda s: s.opt_state, state)
+    return UpdateState(
+        params=param_shardings,
+        opt_state=layout.optimizer_state(optimizer, abstract, param_shardings),
+        step=layout.replicated(),
+    )
+
+
+def make_update_step(
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]],
+    optimizer: optax.GradientTransformation,
+    *,
+    grad_clip: float | None = 1.0,
+    layout: Layout | None = None,
+    shardings: UpdateState | None = None,
+) -> Callable[[UpdateState, Any], tuple[UpdateState, dict]]:
+    """A jitted `(state, batch) -> (state, metrics)` with the state donated.
+
+    With a layout, `shard()` constraints inside `loss_fn` apply and the state keeps
+    `shardings` (see `state_shardings`) on the way in and out.
+    """
+
+    def step(state: UpdateState, batch: Any):
+        with use_layout(layout):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        new_state, metrics = apply_gradients(state, grads, optimizer, grad_clip)
+        return new_state, {"loss": loss, **aux, **metrics}
+
+    if shardings is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(
+        step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
+    )

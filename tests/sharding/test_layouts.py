@@ -1,0 +1,292 @@
+"""Layouts on 8 fake devices: shardings, forward/backward and optimizer steps equal to one device,
+train <-> rollout resharding (same devices and disjoint), host offload."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxrl.models as M
+from jaxrl.config import load_config
+from jaxrl.sharding import (
+    ROLLOUT_RULES,
+    TRAIN_RULES,
+    Layout,
+    free,
+    layouts_from_config,
+    offload,
+    reload,
+    reshard,
+    reshard_report,
+    rollout_mesh,
+    train_mesh,
+    use_layout,
+)
+from jaxrl.trainer import make_optimizer
+from jaxrl.trainer.update import init_state, make_update_step, state_shardings
+
+MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (1, 4, 2, 1), (2, 1, 2, 2)]
+CONFIG = M.DecoderConfig(
+    model_type="qwen2",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    qkv_bias=True,
+)
+B, T = 8, 16
+
+
+def train_layout(dp, fsdp, tp, sp, devices=None):
+    return Layout.create(train_mesh(dict(dp=dp, fsdp=fsdp, tp=tp, sp=sp), devices), TRAIN_RULES)
+
+
+def rollout_layout(tp, devices=None):
+    return Layout.create(rollout_mesh(tp, devices), ROLLOUT_RULES)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return M.init_params(CONFIG, jax.random.key(0), std=0.2)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, CONFIG.vocab_size, (B, T))
+    mask = (np.arange(T)[None] >= rng.randint(0, 6, (B, 1))).astype(np.int32)  # left padding
+    advantages = rng.randn(B).astype(np.float32)
+    return {"input_ids": ids, "attention_mask": mask, "advantages": advantages}
+
+
+def pg_loss(params, batch):
+    """A policy-gradient loss: -A * log p(next token), token-mean over real tokens."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    h = M.hidden_states(CONFIG, params, ids, mask)
+    lp, _ = M.token_log_probs(CONFIG, params, h[:, :-1], ids[:, 1:])
+    weights = mask[:, 1:] * batch["advantages"][:, None]
+    return -jnp.sum(lp * weights) / jnp.sum(mask[:, 1:]), {}
+
+
+def place(layout, params, batch):
+    return (
+        jax.device_put(params, layout.params(CONFIG)),
+        {
+            k: jax.device_put(v, layout.sharding(v.shape, ("batch", "seq")[: v.ndim]))
+            for k, v in batch.items()
+        },
+    )
+
+
+def assert_rel(a, b, rtol=1e-5):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(np.abs(b).max(), 1e-12)
+    assert np.abs(a - b).max() <= rtol * scale, (np.abs(a - b).max(), scale)
+
+
+def test_parameter_shardings_follow_the_layouts():
+    train = train_layout(1, 4, 2, 1).params(CONFIG)
+    rollout = rollout_layout(2).params(CONFIG)
+    assert train["layers"]["attn"]["w_q_dnh"].spec == P(None, "fsdp", "tp", None)
+    assert train["layers"]["mlp"]["w_down_fd"].spec == P(None, "tp", "fsdp")
+    assert train["embed"]["tokens_vd"].spec == P("tp", "fsdp")
+    assert train["final_norm_d"].spec == P("fsdp")
+    assert rollout["layers"]["attn"]["w_q_dnh"].spec == P(None, None, "tp", None)
+    assert rollout["layers"]["mlp"]["w_gate_df"].spec == P(None, None, "tp")
+    assert rollout["final_norm_d"].spec == P(None)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_loss_and_grads_match_one_device(shape, params, batch):
+    ref_logits = M.forward(CONFIG, params, batch["input_ids"], batch["attention_mask"])
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: pg_loss(p, batch)[0])(params)
+    layout = train_layout(*shape)
+    p, b = place(layout, params, batch)
+    with use_layout(layout):
+        logits = jax.jit(M.forward, static_argnums=0)(
+            CONFIG, p, b["input_ids"], b["attention_mask"]
+        )
+        # Gradients produced directly in the parameters' layout (ZeRO-3: a shard per device).
+        grad_fn = jax.jit(
+            jax.value_and_grad(lambda p, b: pg_loss(p, b)[0]),
+            out_shardings=(layout.replicated(), layout.params(CONFIG)),
+        )
+        loss, grads = grad_fn(p, b)
+    assert_rel(logits, ref_logits)
+    assert_rel(loss, ref_loss)
+    jax.tree.map(assert_rel, grads, ref_grads)
+    g, w = grads["layers"]["attn"]["w_q_dnh"], p["layers"]["attn"]["w_q_dnh"]
+    assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1, 1), (2, 2, 2, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_optimizer_steps_match_one_device(shape, params, batch):
+    from types import SimpleNamespace
+
+    # Adam divides by sqrt(v) per element, so a gradient entry at float32 noise level (~1e-9,
+    # where the summation order of a sharded reduction shows) would move by ~lr either way; a
+    # larger eps keeps those entries still and leaves the comparison about real updates.
+    optim = SimpleNamespace(
+        optimizer="AdamW", lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-3
+    )
+    optimizer = make_optimizer(optim, total_steps=10)
+
+    def run(layout):
+        p, b = (params, batch) if layout is None else place(layout, params, batch)
+        p = jax.tree.map(jnp.copy, p)  # the state is donated
+        shardings = None if layout is None else layout.params(CONFIG)
+        state = init_state(p, optimizer, layout, shardings)
+        step_shardings = (
+            None if layout is None else state_shardings(state, optimizer, layout, shardings)
+        )
+        step = make_update_step(
+            pg_loss, optimizer, grad_clip=1.0, layout=layout, shardings=step_shardings
+        )
+        for _ in range(2):
+            state, metrics = step(state, b)
+        return state, metrics
+
+    ref_state, ref_metrics = run(None)
+    state, metrics = run(train_layout(*shape))
+    assert int(state.step) == 2 and int(metrics["skipped"]) == 0
+    assert_rel(metrics["grad_norm"], ref_metrics["grad_norm"])
+    jax.tree.map(assert_rel, state.params, ref_state.params)
+    mu = state.opt_state[0].mu
+    assert (
+        mu["layers"]["attn"]["w_q_dnh"].sharding.spec
+        == state.params["layers"]["attn"]["w_q_dnh"].sharding.spec
+    )
+    assert state.opt_state[0].count.sharding.spec == P()
+
+
+def test_non_finite_gradient_skips_the_step(params, batch):
+    optimizer = make_optimizer({"optimizer": "AdamW", "lr": 1e-2}, total_steps=10)
+    state = init_state(jax.tree.map(jnp.copy, params), optimizer, None, None)
+    before = jax.tree.map(np.asarray, state.params)
+    bad = dict(batch, advantages=np.full(B, np.nan, np.float32))
+    state, metrics = make_update_step(pg_loss, optimizer)(state, bad)
+    assert int(metrics["skipped"]) == 1 and int(state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, state.params, before)
+
+
+REFACTORINGS = [
+    ((1, 8, 1, 1), 2),  # train fsdp=8 -> rollout dp=4, tp=2
+    ((1, 4, 2, 1), 4),  # train fsdp=4, tp=2 -> rollout dp=2, tp=4
+    ((8, 1, 1, 1), 1),
+    ((2, 2, 2, 1), 2),
+    ((2, 1, 2, 2), 8),
+]
+
+
+@pytest.mark.parametrize("train_shape, tp", REFACTORINGS, ids=str)
+@pytest.mark.parametrize("bucket_bytes", [None, 1 << 40])
+def test_reshard_round_trip_same_devices(train_shape, tp, bucket_bytes, params):
+    train, rollout = train_layout(*train_shape), rollout_layout(tp)
+    p = jax.device_put(params, train.params(CONFIG))
+    targets = rollout.params(CONFIG)
+    with jax.transfer_guard("disallow"):
+        rolled = reshard(p, targets, bucket_bytes=bucket_bytes)
+        back = reshard(rolled, train.params(CONFIG), bucket_bytes=bucket_bytes)
+    jax.tree.map(
+        lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(s)), rolled, targets
+    )
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    jax.tree.map(np.testing.assert_array_equal, rolled, params)
+    free(rolled)
+    assert all(x.is_deleted() for x in jax.tree.leaves(rolled))
+
+
+def test_reshard_to_bfloat16_rollout(params):
+    train, rollout = train_layout(1, 8, 1, 1), rollout_layout(2)
+    p = jax.device_put(params, train.params(CONFIG))
+    with jax.transfer_guard("disallow"):
+        rolled = reshard(p, rollout.params(CONFIG), dtype="bfloat16")
+    jax.tree.map(
+        lambda r, x: np.testing.assert_array_equal(r, x.astype(jnp.bfloat16)), rolled, params
+    )
+    assert rolled["final_norm_d"].dtype == jnp.bfloat16
+
+
+def test_reshard_to_disjoint_devices(params):
+    """Disaggregated: train on devices 0-3, generate on 4-7; device to device, never via host."""
+    devices = jax.devices()
+    train = train_layout(1, 4, 1, 1, devices[:4])
+    rollout = rollout_layout(2, devices[4:])
+    p = jax.device_put(params, train.params(CONFIG))
+    with (
+        jax.transfer_guard_host_to_device("disallow"),
+        jax.transfer_guard_device_to_host("disallow"),
+    ):
+        rolled = reshard(p, rollout.params(CONFIG), dtype="bfloat16")
+        back = reshard(rolled, train.params(CONFIG), dtype="float32")
+    assert {d.id for d in rolled["layers"]["attn"]["w_q_dnh"].sharding.device_set} == {4, 5, 6, 7}
+    jax.tree.map(
+        lambda r, x: np.testing.assert_array_equal(r, x.astype(jnp.bfloat16).astype(jnp.float32)),
+        back,
+        params,
+    )
+
+
+def test_reshard_report_bounds_peak_by_bucket(params):
+    train, rollout = train_layout(1, 8, 1, 1), rollout_layout(2)
+    p = jax.device_put(params, train.params(CONFIG))
+    targets = rollout.params(CONFIG)
+    per_tensor = reshard_report(p, targets, dtype="bfloat16")
+    one_program = reshard_report(p, targets, dtype="bfloat16", bucket_bytes=1 << 40)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert per_tensor["params_before"] == pytest.approx(total / 8, rel=0.05)
+    assert per_tensor["buckets"] == len(jax.tree.leaves(params)) and one_program["buckets"] == 1
+    assert per_tensor["max_bucket_temp"] <= one_program["max_bucket_temp"]
+    assert (
+        per_tensor["peak"]
+        == per_tensor["params_before"] + per_tensor["params_after"] + per_tensor["max_bucket_temp"]
+    )
+    assert 0 < per_tensor["bytes_moved"] <= 8 * per_tensor["params_after"]
+
+
+def test_offload_and_reload(params):
+    layout = train_layout(1, 8, 1, 1)
+    p = jax.device_put(params, layout.params(CONFIG))
+    parked = offload(p)
+    assert parked["final_norm_d"].sharding.memory_kind == "pinned_host"
+    back = reload(parked)
+    assert back["final_norm_d"].sharding.memory_kind == "device"
+    assert back["final_norm_d"].sharding.spec == p["final_norm_d"].sharding.spec
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_layouts_from_config():
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=/m",
+            "mesh.fsdp=4",
+            "mesh.tp=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            "mesh.train_rules.vocab=null",
+        ],
+        num_devices=8,
+    )
+    train, rollout = layouts_from_config(cfg)
+    assert dict(train.mesh.shape) == {"dp": 1, "fsdp": 4, "tp": 2, "sp": 1}
+    assert dict(rollout.mesh.shape) == {"dp": 2, "tp": 4}
+    assert train.params(CONFIG)["embed"]["tokens_vd"].spec == P(None, "fsdp")
+    assert rollout.kv_cache((2, 8, 32, 4, 8)).spec == P(None, "dp", None, "tp", None)
+
+
+def test_shard_is_a_no_op_without_layout():
+    from jaxrl.sharding import shard
+
+    x = jnp.ones((8, 4))
+    assert shard(x, ("batch", None)) is x
+    layout = train_layout(1, 8, 1, 1)
+    with use_layout(layout):
+        y = jax.jit(functools.partial(shard, logical=("batch", None)))(x)
+    assert y.sharding.is_equivalent_to(layout.sharding((8, 4), ("batch", None)), 2)
+    assert {s.data.shape for s in y.addressable_shards} == {(1, 4)}
