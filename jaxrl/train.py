@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxrl.config import Config, ConfigError, load_config, save_config, to_yaml
-from jaxrl.config.checks import check_model_context, critic_enabled, resolved_mesh
+from jaxrl.config.checks import check_model_context, critic_enabled
 from jaxrl.config.reference import attribute_docs
 
 log = logging.getLogger("jaxrl.train")
@@ -66,20 +66,16 @@ def device_summary(cfg: Config) -> str:
     """Platform, device and process counts, and the training and rollout meshes."""
     import jax
 
-    from jaxrl.sharding import make_mesh
+    from jaxrl.sharding import layouts_from_config
 
-    n = jax.device_count()
-    sizes = resolved_mesh(cfg, n)
-    train_mesh = make_mesh(sizes)
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    rollout_mesh = make_mesh({"dp": n // tp, "tp": tp})
+    train, rollout = layouts_from_config(cfg)
     kinds = sorted({d.device_kind for d in jax.devices()})
     return "\n".join(
         [
-            f"devices: {n} x {', '.join(kinds)} ({jax.default_backend()}), "
+            f"devices: {jax.device_count()} x {', '.join(kinds)} ({jax.default_backend()}), "
             f"{jax.process_count()} process(es), jax {jax.__version__}",
-            f"train mesh:   {dict(train_mesh.shape)}",
-            f"rollout mesh: {dict(rollout_mesh.shape)}",
+            f"train mesh:   {dict(train.mesh.shape)}",
+            f"rollout mesh: {dict(rollout.mesh.shape)}",
         ]
     )
 

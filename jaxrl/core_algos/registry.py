@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 
-class AdvantageEstimator(str, Enum):
+class AdvantageEstimator(StrEnum):
     """verl 0.9.1's advantage estimator names."""
 
     GAE = "gae"
