@@ -36,19 +36,19 @@ def learning_rate_schedule(optim: Any, total_steps: int) -> optax.Schedule:
     warmup = warmup_steps(optim, total)
     min_ratio = cfg_get(optim, "min_lr_ratio", 0.0) or 0.0
     cycles = cfg_get(optim, "num_cycles", 0.5)
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"lr_scheduler_type {kind!r}; use constant or cosine")
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         ramp = step / max(1.0, warmup)
         if kind == "constant":
             factor = jnp.where(step < warmup, ramp, 1.0)
-        elif kind == "cosine":
+        else:
             progress = (step - warmup) / max(1, total - warmup)
             cosine = jnp.cos(math.pi * cycles * 2.0 * progress)
             decay = jnp.maximum(min_ratio, cosine * (1 - min_ratio) * 0.5 + (1 + min_ratio) * 0.5)
             factor = jnp.where(step < warmup, ramp, decay)
-        else:
-            raise ValueError(f"lr_scheduler_type {kind!r}; use constant or cosine")
         return lr * factor
 
     return schedule
