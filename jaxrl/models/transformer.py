@@ -15,6 +15,8 @@ tokens never see it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -62,11 +64,12 @@ def _block(
     config: DecoderConfig,
     cos: Array,
     sin: Array,
-    segment_ids: Array | None,
+    attend: Callable[[Array, Array, Array, Array], Array],
     x_btd: Array,
-    layer: tuple[Params, Array],
+    p: Params,
+    window: Array,
 ) -> Array:
-    p, window = layer
+    """One pre-norm layer; `attend(q, k, v, window)` does the attention (plain or cached)."""
     a, m, eps = p["attn"], p["mlp"], config.rms_norm_eps
     h = rms_norm(x_btd, p["ln_attn_d"], eps)
     q = _linear(h, a["w_q_dnh"], a.get("b_q_nh"), "btd,dnh->btnh")
@@ -75,15 +78,7 @@ def _block(
     if config.qk_norm:
         q, k = rms_norm(q, a["q_norm_h"], eps), rms_norm(k, a["k_norm_h"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = attention(
-        q,
-        k,
-        v,
-        causal=True,
-        segment_ids=segment_ids,
-        sliding_window=window,
-        implementation=config.attention_impl,
-    )
+    o = attend(q, k, v, window)
     x_btd = x_btd + _linear(o, a["w_o_nhd"], a.get("b_o_d"), "btnh,nhd->btd")
     h = rms_norm(x_btd, p["ln_mlp_d"], eps)
     gate = _linear(h, m["w_gate_df"], m.get("b_gate_f"), "btd,df->btf")
@@ -124,8 +119,20 @@ def hidden_states(
     cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
     x_btd = shard(params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype), _ACT)
 
+    def attend(q, k, v, window):
+        return attention(
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=segments,
+            sliding_window=window,
+            implementation=config.attention_impl,
+        )
+
     def body(x, layer):
-        return shard(_block(config, cos, sin, segments, x, layer), _ACT), None
+        p, window = layer
+        return shard(_block(config, cos, sin, attend, x, p, window), _ACT), None
 
     if config.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)

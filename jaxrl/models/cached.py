@@ -1,0 +1,122 @@
+"""The decoder with a KV cache: prefill a prompt, then extend it a token at a time.
+
+    cache = init_cache(config, batch=B, length=S)
+    h_btd, cache = forward_cached(config, params, ids_bt, positions_bt, segments_bt, cache, 0)
+    h_b1d, cache = forward_cached(config, params, next_b1, pos_b1, ones_b1, cache, T)
+
+The cache is an explicit value (passed in, returned, donated by the caller's `jit`), laid out
+[L, B, S, K, H] for keys and values plus [B, S] segment ids (1: a real key, 0: padding or not
+yet written). New keys are written at cache positions [index, index + T) for every row (rows
+advance in lockstep; prompts are left-padded to a common length), and queries attend causally to
+everything written so far, with the model's sliding windows.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxrl.kernels import attention
+from jaxrl.models.config import DecoderConfig
+from jaxrl.models.params import Params
+from jaxrl.models.rope import rope_cos_sin
+from jaxrl.models.transformer import _block, rms_norm
+from jaxrl.sharding.layouts import KV_CACHE_AXES, shard
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys, values and key segment ids of every layer.
+
+    Attributes:
+        k: Keys [L, B, S, K, H].
+        v: Values [L, B, S, K, H].
+        segments: [B, S]: 1 where a real token's key is stored, else 0.
+    """
+
+    k: Float[Array, "l b s k h"]
+    v: Float[Array, "l b s k h"]
+    segments: Int[Array, "b s"]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: DecoderConfig, batch: int, length: int, dtype=None) -> KVCache:
+    """An empty cache for `batch` rows of up to `length` tokens (in the compute dtype)."""
+    dtype = config.compute_dtype if dtype is None else dtype
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        segments=jnp.zeros((batch, length), jnp.int32),
+    )
+
+
+def forward_cached(
+    config: DecoderConfig,
+    params: Params,
+    input_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    segments: Int[Array, "b t"],
+    cache: KVCache,
+    index: int | Int[Array, ""],
+) -> tuple[Float[Array, "b t d"], KVCache]:
+    """Final-normed hidden states of `input_ids`, written into the cache at `index`.
+
+    Args:
+        config: The model.
+        params: Its parameters.
+        input_ids: [B, T] new tokens (a left-padded prompt, or one token per row).
+        positions: [B, T] their positions (verl's: count of real tokens before them).
+        segments: [B, T] 1 for real tokens, 0 for padding.
+        cache: The cache; keys [0, index) are already written.
+        index: Cache position of the first new token (a traced scalar in the decode loop).
+
+    Returns:
+        (hidden states [B, T, D], the updated cache).
+    """
+    b, t = input_ids.shape
+    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+    kv_segments = jax.lax.dynamic_update_slice(
+        cache.segments, segments.astype(jnp.int32), (0, index)
+    )
+    x = params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype)
+    dtype = cache.k.dtype
+
+    def body(carry, layer):
+        x_btd, k_all, v_all = carry
+        p, window, layer_idx = layer
+        written = {}
+
+        def attend(q, k, v, window):
+            # Write only the new tokens in place; read the layer's keys back for attention.
+            at = (layer_idx, 0, index, 0, 0)
+            written["k"] = jax.lax.dynamic_update_slice(k_all, k.astype(dtype)[None], at)
+            written["v"] = jax.lax.dynamic_update_slice(v_all, v.astype(dtype)[None], at)
+            return attention(
+                q,
+                written["k"][layer_idx].astype(q.dtype),
+                written["v"][layer_idx].astype(q.dtype),
+                causal=True,
+                segment_ids=(segments, kv_segments),
+                sliding_window=window,
+                q_offset=index,
+                implementation=config.attention_impl,
+            )
+
+        x_btd = _block(config, cos, sin, attend, x_btd, p, window)
+        return (x_btd, written["k"], written["v"]), None
+
+    windows = jnp.asarray(config.window_per_layer, jnp.int32)
+    layer_ids = jnp.arange(config.num_layers)
+    (x, k_all, v_all), _ = jax.lax.scan(
+        body, (x, cache.k, cache.v), (params["layers"], windows, layer_ids)
+    )
+    k_all = shard(k_all, KV_CACHE_AXES)
+    v_all = shard(v_all, KV_CACHE_AXES)
+    h = rms_norm(x, params["final_norm_d"], config.rms_norm_eps)
+    return h, KVCache(k=k_all, v=v_all, segments=kv_segments)

@@ -1,0 +1,10 @@
+"""The rollout engine: jitted KV-cache generation with verl's sampling parameters.
+
+out = jaxrl.rollout.generate(model_config, params, input_ids, attention_mask,
+                             jaxrl.rollout.SamplingParams(max_tokens=128, n=4), rng)
+"""
+
+from jaxrl.rollout.engine import GenerationOutput, bucket, generate
+from jaxrl.rollout.sampling import SamplingParams, processed_logits, sample
+
+__all__ = ["GenerationOutput", "SamplingParams", "bucket", "generate", "processed_logits", "sample"]

@@ -1,0 +1,259 @@
+"""The rollout engine against HF generate, the model's own log-probs, and the exact
+top-k / top-p distribution; n, EOS, ignore_eos, sharding and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import jaxrl.models as M
+from jaxrl.rollout import SamplingParams, bucket, generate, sample
+from jaxrl.rollout.engine import _compiled
+from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+from jaxrl.testing.tiny import save_tiny
+
+GREEDY = dict(do_sample=False, temperature=0.0)
+FAMILIES = [
+    "llama_gqa_bias_llama3",
+    "qwen2_sliding_yarn",
+    "qwen3_bias_mqa_sliding",
+    "mistral_sliding",
+]
+
+
+def prompts(b=4, p=7, seed=0, vocab=97):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(2, vocab, (b, p))
+    lengths = np.array([p, p - 2, 2, p - 1][:b])
+    mask = (np.arange(p)[None] >= (p - lengths)[:, None]).astype(np.int64)
+    return np.where(mask, ids, 0), mask
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    folder = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    return folder, *M.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def one_model(tmp_path_factory):
+    """The sampling tests' model: sliding windows and yarn rope (the fiddliest cache path)."""
+    folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("one"))
+    return folder, *M.from_pretrained(folder)
+
+
+def hf_greedy(folder, ids, mask, max_new, eos):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    out = out[:, ids.shape[1] :].numpy()
+    return np.pad(out, ((0, 0), (0, max_new - out.shape[1])))
+
+
+def test_greedy_matches_hf_generate_with_and_without_eos(tiny):
+    folder, config, params = tiny
+    ids, mask = prompts()
+    free_run = generate(config, params, ids, mask, SamplingParams(max_tokens=10, **GREEDY))
+    # Pick as EOS a token row 0 emits mid-way, so rows stop at different steps.
+    eos = int(free_run.responses[0, 4])
+    for eos_ids in [(96,), (eos,)]:
+        out = generate(
+            config,
+            params,
+            ids,
+            mask,
+            SamplingParams(max_tokens=10, eos_token_ids=eos_ids, **GREEDY),
+        )
+        ref = hf_greedy(folder, ids, mask, 10, eos_ids[0])
+        np.testing.assert_array_equal(out.responses, ref)
+    stops = np.asarray(out.lengths)
+    assert stops[0] <= 5 and (stops <= 10).all()
+    for row, n in enumerate(stops):
+        assert out.responses[row, n - 1] == eos or n == 10
+        assert (np.asarray(out.response_mask[row]) == (np.arange(10) < n)).all()
+
+
+def test_log_probs_are_the_processed_distribution(one_model):
+    _, config, params = one_model
+    ids, mask = prompts(seed=1)
+    for sp in [
+        SamplingParams(max_tokens=6, temperature=0.7),
+        SamplingParams(max_tokens=6, temperature=1.3, top_k=5),
+        SamplingParams(max_tokens=6, temperature=1.0, top_p=0.6),
+        SamplingParams(max_tokens=6, temperature=0.9, top_k=7, top_p=0.8),
+    ]:
+        out = generate(config, params, ids, mask, sp, jax.random.key(3), max_prompt_length=7)
+        full_ids = np.concatenate([ids, np.asarray(out.responses)], axis=1)
+        full_mask = np.concatenate([mask, np.asarray(out.response_mask)], axis=1)
+        logits = np.asarray(M.forward(config, params, full_ids, full_mask), np.float64)
+        z = logits[:, ids.shape[1] - 1 : -1] / sp.temperature  # position t predicts t + 1
+        expected = reference_log_probs(z, np.asarray(out.responses), sp.top_k, sp.top_p)
+        valid = np.asarray(out.response_mask) > 0
+        np.testing.assert_allclose(np.asarray(out.log_probs)[valid], expected[valid], atol=1e-4)
+
+
+def reference_log_probs(z, tokens, top_k, top_p):
+    """log p(token) renormalised over the top-k / top-p kept set, in numpy float64."""
+    out = np.zeros(tokens.shape)
+    for i in np.ndindex(tokens.shape):
+        logits = z[i]
+        keep = np.ones(logits.shape, bool)
+        if top_k > 0:
+            keep &= logits >= np.sort(logits)[-top_k]
+        if top_p < 1:
+            kept = np.where(keep, logits, -np.inf)
+            probs = np.exp(kept - kept.max())
+            probs /= probs.sum()
+            order = np.argsort(probs)  # ascending
+            cumulative = np.cumsum(probs[order])
+            removed = cumulative <= 1 - top_p
+            removed[-1] = False
+            keep[order[removed]] = False
+        kept = np.where(keep, logits, -np.inf)
+        assert keep[tokens[i]], "sampled a filtered token"
+        out[i] = kept[tokens[i]] - (kept.max() + np.log(np.exp(kept - kept.max()).sum()))
+    return out
+
+
+@pytest.mark.parametrize("top_k, top_p", [(-1, 1.0), (3, 1.0), (-1, 0.7), (4, 0.9)])
+def test_sampling_follows_the_filtered_distribution(top_k, top_p):
+    logits = jnp.asarray([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    sp = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    draws = 20000
+    keys = jax.random.split(jax.random.key(0), draws)
+    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample(logits, sp, k)[0][0]))(keys))
+    z = np.asarray(logits[0], np.float64) / 0.8
+    probs = exact_probs(z, top_k, top_p)
+    counts = np.bincount(tokens, minlength=8)
+    assert counts[probs == 0].sum() == 0  # never a filtered token
+    kept = probs > 0
+    chi2 = ((counts[kept] - draws * probs[kept]) ** 2 / (draws * probs[kept])).sum()
+    assert chi2 < stats.chi2.ppf(0.999, kept.sum() - 1), (counts, draws * probs)
+
+
+def exact_probs(z, top_k, top_p):
+    keep = np.ones(z.shape, bool)
+    if top_k > 0:
+        keep &= z >= np.sort(z)[-top_k]
+    p = np.where(keep, np.exp(z - z.max()), 0.0)
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(p)
+        removed = np.cumsum(p[order]) <= 1 - top_p
+        removed[-1] = False
+        p[order[removed]] = 0.0
+        p /= p.sum()
+    return p
+
+
+def test_n_interleaves_and_rngs_are_fresh(one_model):
+    _, config, params = one_model
+    ids, mask = prompts(b=2)
+    greedy = generate(config, params, ids, mask, SamplingParams(max_tokens=5, n=3, **GREEDY))
+    assert greedy.responses.shape == (6, 5)
+    r = np.asarray(greedy.responses)
+    assert (r[0] == r[1]).all() and (r[1] == r[2]).all() and (r[3] == r[5]).all()
+    sp = SamplingParams(max_tokens=8, n=4, temperature=1.5)
+    a = generate(config, params, ids, mask, sp, jax.random.key(1))
+    b = generate(config, params, ids, mask, sp, jax.random.key(1))
+    c = generate(config, params, ids, mask, sp, jax.random.key(2))
+    np.testing.assert_array_equal(a.responses, b.responses)
+    assert (np.asarray(a.responses) != np.asarray(c.responses)).any()
+    assert len({tuple(row) for row in np.asarray(a.responses)[:4]}) > 1  # copies differ
+
+
+def test_ignore_eos_keeps_generating(one_model):
+    _, config, params = one_model
+    ids, mask = prompts()
+    free_run = generate(config, params, ids, mask, SamplingParams(max_tokens=8, **GREEDY))
+    eos = (int(free_run.responses[0, 1]),)
+    stopped = generate(
+        config, params, ids, mask, SamplingParams(max_tokens=8, eos_token_ids=eos, **GREEDY)
+    )
+    ignored = generate(
+        config,
+        params,
+        ids,
+        mask,
+        SamplingParams(max_tokens=8, eos_token_ids=eos, ignore_eos=True, **GREEDY),
+    )
+    first_eos = int(np.argmax(np.asarray(free_run.responses[0]) == eos[0]))
+    assert int(stopped.lengths[0]) == first_eos + 1 <= 2
+    assert (np.asarray(ignored.lengths) == 8).all() and int(ignored.response_mask.sum()) == 32
+    np.testing.assert_array_equal(ignored.responses, free_run.responses)
+
+
+def test_sharded_generation_equals_single_device(tiny):
+    _, config, params = tiny
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=8, n=2, **GREEDY)
+    ref = generate(config, params, ids, mask, sp)
+    layout = Layout.create(rollout_mesh(2), ROLLOUT_RULES)
+    sharded_params = jax.device_put(params, layout.params(config))
+    out = generate(config, sharded_params, ids, mask, sp, layout=layout)
+    np.testing.assert_array_equal(out.responses, ref.responses)
+    np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+
+
+def test_bad_input_is_named():
+    folder_config = M.DecoderConfig(
+        model_type="llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rope=M.RopeConfig(max_position_embeddings=32),
+    )
+    params = M.init_params(folder_config, jax.random.key(0))
+    ids, mask = np.ones((1, 10), np.int32), np.ones((1, 10), np.int32)
+    with pytest.raises(ValueError, match="max_prompt_length=8"):
+        generate(
+            folder_config, params, ids, mask, SamplingParams(max_tokens=4), max_prompt_length=8
+        )
+    with pytest.raises(ValueError, match=r"max_tokens=30 .* must be <= 22"):
+        generate(folder_config, params, ids, mask, SamplingParams(max_tokens=30))
+    for kwargs, text in [
+        (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+        (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+        (dict(top_k=0), "top_k=0 must be -1 (off) or >= 1"),
+        (dict(n=0), "n=0 must be >= 1"),
+        (dict(temperature=0.0), "temperature=0 means greedy"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            SamplingParams(**kwargs)
+        assert text in str(info.value)
+
+
+def test_buckets_bound_the_number_of_programs():
+    assert [bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 100)] == [8, 8, 12, 12, 16, 24, 32, 128]
+    config = M.DecoderConfig(
+        model_type="llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    params = M.init_params(config, jax.random.key(0))
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    before = _compiled.cache_info().misses
+    for p in (3, 5, 8):  # all in the 8-token prompt bucket, batch bucket 2
+        generate(config, params, np.ones((2, p), np.int32), np.ones((2, p), np.int32), sp)
+    assert _compiled.cache_info().misses - before == 1
