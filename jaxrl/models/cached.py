@@ -79,7 +79,6 @@ def forward_cached(
     Returns:
         (hidden states [B, T, D], the updated cache).
     """
-    b, t = input_ids.shape
     cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
     kv_segments = jax.lax.dynamic_update_slice(
         cache.segments, segments.astype(jnp.int32), (0, index)
