@@ -106,19 +106,51 @@ def processed_logits(logits: Float[Array, "b v"], params: SamplingParams) -> Flo
     return z
 
 
+_BLOCK = 256
+
+
+def first_argmax(z: Float[Array, "b v"]) -> Int[Array, " b"]:
+    """argmax over the last axis (first index on ties) as two plain reductions; XLA's CPU
+    argmax (a variadic reduce) is ~4x slower on [16, 32000]."""
+    top = jnp.max(z, axis=-1, keepdims=True)
+    iota = jnp.arange(z.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(z == top, iota, z.shape[-1]), axis=-1)
+
+
+def inverse_cdf(weights: Float[Array, "b v"], key: jax.Array) -> Int[Array, " b"]:
+    """A draw proportional to non-negative `weights` per row, by a two-level inverse CDF.
+
+    One uniform u per row against the cumulative weights, found block by block: a cumsum over
+    V / 256 block totals picks the block, a cumsum over its 256 entries the token. A full
+    cumsum over V is a sequential scan on the CPU (~7 ms for [16, 32000]; this is ~0.4 ms).
+    """
+    b, v = weights.shape
+    pad = -v % _BLOCK
+    blocks = jnp.pad(weights, ((0, 0), (0, pad))).reshape(b, -1, _BLOCK)
+    block_sums = jnp.sum(blocks, axis=-1)
+    block_cdf = jnp.cumsum(block_sums, axis=-1)
+    # u in (0, total]: u = 0 could select a leading zero-weight (filtered) token.
+    u = (1.0 - jax.random.uniform(key, (b, 1))) * block_cdf[:, -1:]
+    last_block = block_cdf.shape[-1] - 1
+    block = jnp.minimum(jnp.sum(block_cdf < u, axis=-1), last_block)
+    before = jnp.take_along_axis(block_cdf - block_sums, block[:, None], axis=-1)
+    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    inner_cdf = jnp.cumsum(inner, axis=-1) + before
+    # The block totals and the in-block cumsum round differently: u may pass every entry of
+    # the block. Clamp onto its last positive weight so a filtered token is never chosen.
+    last_positive = jnp.max(jnp.where(inner > 0, jnp.arange(_BLOCK), 0), axis=-1)
+    offset = jnp.minimum(jnp.sum(inner_cdf < u, axis=-1), last_positive)
+    return (block * _BLOCK + offset).astype(jnp.int32)
+
+
 def sample(
     logits: Float[Array, "b v"], params: SamplingParams, key: jax.Array
 ) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
     """(token ids [B], their log-probs under the processed distribution [B])."""
     z = processed_logits(logits, params)
-    log_norm = jax.nn.logsumexp(z, axis=-1)
-    if params.do_sample:
-        probs = jnp.exp(z - log_norm[:, None])
-        cdf = jnp.cumsum(probs, axis=-1)
-        # u in (0, 1]: u = 0 could select a leading zero-probability (filtered) token.
-        u = (1.0 - jax.random.uniform(key, (z.shape[0], 1))) * cdf[:, -1:]
-        tokens = jnp.minimum(jnp.sum(cdf < u, axis=-1), z.shape[-1] - 1)
-    else:
-        tokens = jnp.argmax(z, axis=-1)
+    top = jnp.max(z, axis=-1, keepdims=True)
+    weights = jnp.exp(z - top)  # 0 for filtered tokens
+    log_norm = jnp.log(jnp.sum(weights, axis=-1)) + top[:, 0]
+    tokens = inverse_cdf(weights, key) if params.do_sample else first_argmax(z)
     chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
-    return tokens.astype(jnp.int32), chosen - log_norm
+    return tokens, chosen - log_norm

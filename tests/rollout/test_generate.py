@@ -257,3 +257,21 @@ def test_buckets_bound_the_number_of_programs():
     for p in (3, 5, 8):  # all in the 8-token prompt bucket, batch bucket 2
         generate(config, params, np.ones((2, p), np.int32), np.ones((2, p), np.int32), sp)
     assert _compiled.cache_info().misses - before == 1
+
+
+def test_two_level_sampler_across_blocks():
+    """Vocabulary of 600 (three 256-blocks, the last padded): the kept tokens sit in different
+    blocks; only they are drawn, with their exact probabilities."""
+    rng = np.random.RandomState(5)
+    z = rng.randn(600) * 0.1
+    z[[3, 300, 599]] = [2.0, 2.5, 1.5]  # the top 3 spread over all three blocks
+    sp = SamplingParams(temperature=1.0, top_k=3)
+    draws = 12000
+    keys = jax.random.split(jax.random.key(1), draws)
+    logits = jnp.asarray(z[None], jnp.float32)
+    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample(logits, sp, k)[0][0]))(keys))
+    assert set(np.unique(tokens)) <= {3, 300, 599}
+    probs = exact_probs(z, 3, 1.0)[[3, 300, 599]]
+    counts = np.array([(tokens == t).sum() for t in (3, 300, 599)])
+    chi2 = ((counts - draws * probs) ** 2 / (draws * probs)).sum()
+    assert chi2 < stats.chi2.ppf(0.999, 2), counts

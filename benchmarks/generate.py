@@ -1,0 +1,145 @@
+"""Workload W1: generation throughput of jaxrl's engine beside HF `generate` on the same model.
+
+    python benchmarks/generate.py [--sizes S,M,L] [--dtypes float32,bfloat16]
+
+16 prompts x 64 random tokens, exactly 128 sampled tokens each (temperature 1, no top-k/top-p,
+EOS ignored), KV cache on; one warm-up call, then the median of 3. Figures: tokens/s
+(16 x 128 / median, prefill included), prefill seconds, decode tokens/s, compile seconds, and
+the decode step against its memory roofline (parameter + KV-cache bytes read per step over the
+machine's measured copy bandwidth). HF `generate` (torch, same thread count, min = max new
+tokens = 128) runs on the same checkpoint in float32 as the peer. JSON on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from common import emit, machine, median_seconds, workload_checkpoint
+
+BATCH, PROMPT, NEW = 16, 64, 128
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s of a jitted read-and-write of a 256 MiB float32 array (a copy-like kernel)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64 * 2**20,), jnp.float32)
+    double = jax.jit(lambda a: a * 2.0)
+    seconds = median_seconds(lambda: double(x).block_until_ready(), warmup=2, repeats=5)
+    return 2 * x.nbytes / seconds
+
+
+def bench_jaxrl(folder, dtype: str, bandwidth: float) -> dict:
+    import jax
+    import numpy as np
+
+    import jaxrl.models as M
+    from jaxrl.rollout import SamplingParams, generate
+
+    config, params = M.from_pretrained(folder, dtype=dtype)
+    config = config.replace(dtype=dtype)
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, config.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    mask = np.ones_like(ids)
+    sp = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    keys = iter(jax.random.split(jax.random.key(0), 100))
+
+    def run(sampling):
+        out = generate(config, params, ids, mask, sampling, next(keys))
+        jax.block_until_ready(out)
+        return out
+
+    start = time.perf_counter()
+    out = run(sp)
+    first_call = time.perf_counter() - start
+    assert int(out.lengths.min()) == NEW
+    total = median_seconds(lambda: run(sp), warmup=0)
+    prefill_sp = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
+    run(prefill_sp)
+    prefill = median_seconds(lambda: run(prefill_sp), warmup=0)
+    decode_step = (total - prefill) / (NEW - 1)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    kv_bytes = (
+        2 * config.num_layers * BATCH * (PROMPT + NEW) * config.num_kv_heads * config.head_dim
+    ) * np.dtype(dtype).itemsize
+    roofline_step = (param_bytes + kv_bytes) / bandwidth
+    return {
+        "tokens_per_s": BATCH * NEW / total,
+        "seconds": total,
+        "prefill_s": prefill,
+        "decode_tokens_per_s": BATCH * (NEW - 1) / (total - prefill),
+        "decode_step_s": decode_step,
+        "roofline_step_s": roofline_step,
+        "fraction_of_roofline": roofline_step / decode_step,
+        "compile_s": first_call - total,
+    }
+
+
+def bench_hf(folder) -> dict:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor(
+        np.random.RandomState(0).randint(3, model.config.vocab_size, (BATCH, PROMPT))
+    )
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                min_new_tokens=NEW,
+                max_new_tokens=NEW,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == PROMPT + NEW
+
+    seconds = median_seconds(run)
+    return {"tokens_per_s": BATCH * NEW / seconds, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="S,M,L")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    bandwidth = memory_bandwidth()
+    results = {}
+    for size in args.sizes.split(","):
+        folder = workload_checkpoint(size)
+        entry = {f"jaxrl_{d}": bench_jaxrl(folder, d, bandwidth) for d in args.dtypes.split(",")}
+        if not args.no_hf:
+            entry["hf_float32"] = bench_hf(folder)
+            for d in args.dtypes.split(","):
+                entry[f"ratio_{d}_vs_hf"] = (
+                    entry[f"jaxrl_{d}"]["tokens_per_s"] / entry["hf_float32"]["tokens_per_s"]
+                )
+        results[size] = entry
+        print(size, entry, flush=True)
+    emit(
+        {
+            "workload": "W1",
+            "batch": BATCH,
+            "prompt": PROMPT,
+            "new_tokens": NEW,
+            "bandwidth_bytes_per_s": bandwidth,
+            "results": results,
+            "machine": machine(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
