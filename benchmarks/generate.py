@@ -109,11 +109,55 @@ def bench_hf(folder) -> dict:
     return {"tokens_per_s": BATCH * NEW / seconds, "seconds": seconds}
 
 
+def long_tail() -> dict:
+    """Real responses end at different times: SmolLM2-135M-Instruct, 16 chat prompts x n=4,
+    up to 128 tokens with EOS. Reports the share of decode row-steps spent on finished rows."""
+    import jax
+    from transformers import AutoTokenizer
+
+    import jaxrl.models as M
+    from jaxrl.rollout import SamplingParams, generate, idle_fraction
+    from jaxrl.testing.assets import smollm2_135m_instruct
+
+    folder = smollm2_135m_instruct()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.padding_side = "left"
+    questions = [
+        f"What is {a} + {b}? Answer briefly."
+        for a, b in zip(range(3, 19), range(40, 56), strict=True)
+    ]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
+    enc = tokenizer(texts, return_tensors="np", padding=True)
+    config, params = M.from_pretrained(folder)
+    sp = SamplingParams(temperature=1.0, max_tokens=128, n=4, eos_token_ids=config.eos_token_id)
+    generate(config, params, enc["input_ids"], enc["attention_mask"], sp, jax.random.key(0))
+    start = time.perf_counter()
+    out = generate(config, params, enc["input_ids"], enc["attention_mask"], sp, jax.random.key(1))
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    lengths = out.lengths
+    return {
+        "rows": int(lengths.shape[0]),
+        "mean_length": float(lengths.mean()),
+        "max_length": int(lengths.max()),
+        "idle_fraction": idle_fraction(out),
+        "useful_tokens_per_s": float(lengths.sum()) / seconds,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="S,M,L")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument(
+        "--long-tail", action="store_true", help="also measure finished-row idling (SmolLM2)"
+    )
     args = parser.parse_args()
     bandwidth = memory_bandwidth()
     results = {}
@@ -128,6 +172,9 @@ def main() -> None:
                 )
         results[size] = entry
         print(size, entry, flush=True)
+    if args.long_tail:
+        results["long_tail_smollm2"] = long_tail()
+        print("long tail", results["long_tail_smollm2"], flush=True)
     emit(
         {
             "workload": "W1",

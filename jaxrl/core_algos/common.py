@@ -29,7 +29,7 @@ def masked_var(values: Array, mask: Array, unbiased: bool = True) -> Array:
     """Variance over the mask, with Bessel's correction n / (n - 1) when `unbiased`.
 
     verl raises for masks with fewer than two elements; under `jit` that cannot be a Python
-    error, so here such a mask gives variance 0 (and whitening then gives 0).
+    error, so here such a mask gives variance 0 (and `masked_whiten` gives 0).
     """
     mean = masked_mean(values, mask)
     variance = masked_mean((values - mean) ** 2, mask)
@@ -40,9 +40,14 @@ def masked_var(values: Array, mask: Array, unbiased: bool = True) -> Array:
 
 
 def masked_whiten(values: Array, mask: Array, shift_mean: bool = True) -> Array:
-    """(values - mean) / sqrt(var + 1e-8) over the mask (the mean re-added unless shift_mean)."""
+    """(values - mean) / sqrt(var + 1e-8) over the mask (the mean re-added unless shift_mean).
+
+    A mask with fewer than two elements (verl raises) gives zeros rather than differences
+    scaled by 1e4 at the unmasked positions.
+    """
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * jax.lax.rsqrt(var + 1e-8)
+    whitened = jnp.where(jnp.sum(mask) > 1, whitened, 0.0)
     return whitened if shift_mean else whitened + mean
 
 

@@ -158,6 +158,14 @@ def _generate(
     )
 
 
+def idle_fraction(out: GenerationOutput) -> float:
+    """Share of the decode loop's row-steps spent on rows that had already finished (the
+    long tail that continuous batching would refill): sum(steps - length) / (rows * steps)."""
+    lengths = np.asarray(out.lengths)
+    steps = int(lengths.max()) if lengths.size else 0
+    return float((steps - lengths).sum() / max(lengths.size * steps, 1))
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled(config: DecoderConfig, sp: SamplingParams, layout: Layout | None, b: int, p: int):
     log.info(

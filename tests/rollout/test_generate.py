@@ -275,3 +275,25 @@ def test_two_level_sampler_across_blocks():
     counts = np.array([(tokens == t).sum() for t in (3, 300, 599)])
     chi2 = ((counts - draws * probs) ** 2 / (draws * probs)).sum()
     assert chi2 < stats.chi2.ppf(0.999, 2), counts
+
+
+def test_sampling_params_from_config():
+    from jaxrl.config import load_config
+    from jaxrl.rollout import GenerationOutput, idle_fraction
+
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=/m",
+            "actor_rollout_ref.rollout.n=5",
+            "actor_rollout_ref.rollout.top_p=0.9",
+            "data.max_response_length=64",
+        ],
+    )
+    train = SamplingParams.from_config(cfg.actor_rollout_ref.rollout)
+    assert (train.n, train.top_p, train.max_tokens, train.do_sample) == (5, 0.9, 64, True)
+    val = SamplingParams.from_config(cfg.actor_rollout_ref.rollout, validation=True)
+    assert (val.n, val.do_sample, val.temperature, val.max_tokens) == (1, False, 0.0, 64)
+    lengths = jnp.array([4, 2, 4, 1])
+    out = GenerationOutput(lengths[:, None], lengths[:, None], lengths[:, None], lengths)
+    assert idle_fraction(out) == pytest.approx((0 + 2 + 0 + 3) / 16)
