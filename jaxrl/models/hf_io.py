@@ -153,12 +153,15 @@ def _make_array(handles, entry: Entry, shape, config: DecoderConfig, sharding) -
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         if not entry.stacked:
-            return _read(handles, entry.hf_name, entry, shape)[index].astype(np_dtype)
+            return _read(handles, entry.hf_name, entry, shape)[index].astype(np_dtype, copy=False)
         layers = range(config.num_layers)[index[0]]
-        per_layer = [
-            _read(handles, entry.hf_name.format(i=i), entry, shape[1:])[index[1:]] for i in layers
-        ]
-        return np.stack(per_layer).astype(np_dtype)
+        out = None
+        for j, i in enumerate(layers):  # fill in place: one copy per layer, no np.stack
+            layer = _read(handles, entry.hf_name.format(i=i), entry, shape[1:])[index[1:]]
+            if out is None:
+                out = np.empty((len(layers), *layer.shape), np_dtype)
+            out[j] = layer
+        return out
 
     return jax.make_array_from_callback(shape, sharding, shard)
 
