@@ -128,3 +128,21 @@ def save_tiny(
     folder = Path(folder)
     model.save_pretrained(str(folder))
     return folder
+
+
+def tiny_decoder(**changes: Any):
+    """A minimal `jaxrl.models.DecoderConfig` (llama, 1 layer, GQA 2/1) for shape and error
+    tests that need no HF checkpoint; `changes` replace fields."""
+    from jaxrl.models import DecoderConfig
+
+    fields = dict(
+        model_type="llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    return DecoderConfig(**{**fields, **changes})

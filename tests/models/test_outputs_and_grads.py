@@ -8,7 +8,7 @@ import pytest
 import jaxrl.models as M
 from jaxrl.testing import import_reference
 from jaxrl.testing.hf_reference import assert_close_to_scale, left_padded, random_batch
-from jaxrl.testing.tiny import save_tiny
+from jaxrl.testing.tiny import save_tiny, tiny_decoder
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +59,8 @@ def test_chunked_equals_whole(model, inputs, chunk_size):
 
 def test_chunking_bounds_logit_memory():
     """The compiled gradient never holds all [B, T, V] float32 logits at once."""
-    config = M.DecoderConfig(
-        model_type="llama",
-        vocab_size=4096,
-        hidden_size=32,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
+    config = tiny_decoder(
+        vocab_size=4096, hidden_size=32, intermediate_size=32, num_kv_heads=2, head_dim=16
     )
     params = M.init_params(config, jax.random.key(0))
     b, t = 4, 256
@@ -136,7 +129,7 @@ def test_shapes_and_logical_axes_agree(model):
 
 
 def test_init_params_runs_a_fresh_model():
-    config = M.DecoderConfig(
+    config = tiny_decoder(
         model_type="qwen2",
         vocab_size=64,
         hidden_size=32,
@@ -156,16 +149,7 @@ def test_init_params_runs_a_fresh_model():
 
 
 def test_bad_head_requests():
-    config = M.DecoderConfig(
-        model_type="llama",
-        vocab_size=8,
-        hidden_size=8,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-    )
+    config = tiny_decoder(vocab_size=8)
     ids = jnp.zeros((1, 3), jnp.int32)
     with pytest.raises(ValueError, match="1-label classification head"):
         M.values(config, M.init_params(config, jax.random.key(0)), ids)

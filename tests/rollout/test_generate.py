@@ -12,7 +12,7 @@ import jaxrl.models as M
 from jaxrl.rollout import SamplingParams, bucket, generate, sample
 from jaxrl.rollout.engine import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
-from jaxrl.testing.tiny import save_tiny
+from jaxrl.testing.tiny import save_tiny, tiny_decoder
 
 GREEDY = dict(do_sample=False, temperature=0.0)
 FAMILIES = [
@@ -207,17 +207,7 @@ def test_sharded_generation_equals_single_device(tiny):
 
 
 def test_bad_input_is_named():
-    folder_config = M.DecoderConfig(
-        model_type="llama",
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        rope=M.RopeConfig(max_position_embeddings=32),
-    )
+    folder_config = tiny_decoder(rope=M.RopeConfig(max_position_embeddings=32))
     params = M.init_params(folder_config, jax.random.key(0))
     ids, mask = np.ones((1, 10), np.int32), np.ones((1, 10), np.int32)
     with pytest.raises(ValueError, match="max_prompt_length=8"):
@@ -241,16 +231,7 @@ def test_bad_input_is_named():
 
 def test_buckets_bound_the_number_of_programs():
     assert [bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 100)] == [8, 8, 12, 12, 16, 24, 32, 128]
-    config = M.DecoderConfig(
-        model_type="llama",
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-    )
+    config = tiny_decoder()
     params = M.init_params(config, jax.random.key(0))
     sp = SamplingParams(max_tokens=3, **GREEDY)
     before = _compiled.cache_info().misses
