@@ -120,9 +120,14 @@ def from_pretrained(
         dtype: Parameter dtype (`config.param_dtype`); the compute dtype is `options["dtype"]`
             via `config.replace(dtype=...)`, float32 by default.
         mesh: Place parameters on this mesh by `layout`; None: the first device.
-        layout: Logical axis name -> mesh axes (see `jaxrl.sharding.logical`).
+        layout: A `jaxrl.sharding.Layout` (its mesh is used when `mesh` is None), or a mapping
+            of logical axis names to mesh axes.
         **options: Further `DecoderConfig` fields (`remat`, `head`, `override_config`, ...).
     """
+    from jaxrl.sharding.layouts import Layout
+
+    if isinstance(layout, Layout):
+        mesh, layout = mesh or layout.mesh, layout.rule_map
     folder = Path(path).expanduser()
     config = load_config(folder, param_dtype=jnp.dtype(dtype).name, **options)
     with _open_tensors(folder) as handles:

@@ -58,6 +58,17 @@ def test_load_onto_mesh_gives_same_logits(qwen2):
     assert_close_to_scale(logits, hf_run(qwen2, ids, mask), mask > 0)
 
 
+def test_load_with_a_layout_object(qwen2):
+    from jaxrl.sharding import TRAIN_RULES, Layout
+
+    layout = Layout.create(make_mesh({"fsdp": 4, "tp": 2}), TRAIN_RULES)
+    config, params = M.from_pretrained(qwen2, layout=layout)
+    expected = layout.params(config)
+    jax.tree.map(
+        lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(s)), params, expected
+    )
+
+
 def test_indivisible_dims_are_replicated(qwen2):
     mesh = make_mesh({"fsdp": 8})  # vocab 97 and kv heads 2 do not divide by 8
     _, params = M.from_pretrained(qwen2, mesh=mesh, layout={"vocab": "fsdp", "kv_heads": "fsdp"})
