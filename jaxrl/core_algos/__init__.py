@@ -11,8 +11,22 @@ Deliberate differences from verl (all forced by running under `jit`):
 - `masked_var` (and so GAE's whitening) gives variance 0 for a mask with fewer than two
   elements, where verl raises.
 - `agg_loss` takes the global counts as arrays as well as numbers.
+- `masked_whiten` gives zeros (not NaN) for a mask with fewer than two elements.
+- `compute_grpo_passk_outcome_advantage` gives 0 advantage to a singleton group (verl raises).
+- `clip_cov` draws its token subset from a jax PRNG key (`rng=`), not torch's global RNG;
+  `kl_cov` breaks ties in its top-k by position (torch's `topk` order is unspecified).
+- Invalid config values raise `ValueError` where verl uses `assert`.
+
+Every function of verl's registries is registered on import of this package: estimators in
+`advantages` / `advantages_token`, losses in `policy_losses` / `policy_losses_cov`, and bypass
+mode's rollout correction in `policy_losses_rollout_corr`.
 """
 
+from jaxrl.core_algos import advantages, policy_losses  # noqa: F401  (registers)
+from jaxrl.core_algos.advantages import (
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+)
 from jaxrl.core_algos.aggregation import LOSS_AGG_MODES, agg_loss, global_batch_info
 from jaxrl.core_algos.common import (
     clip_by_value,
@@ -30,6 +44,13 @@ from jaxrl.core_algos.kl import (
     get_kl_controller,
     kl_penalty,
     kl_penalty_forward,
+)
+from jaxrl.core_algos.policy_losses import (
+    compute_policy_loss_reinforce,
+    compute_policy_loss_vanilla,
+)
+from jaxrl.core_algos.policy_losses_rollout_corr import (
+    compute_rollout_correction_and_rejection_mask,
 )
 from jaxrl.core_algos.registry import (
     ADV_ESTIMATOR_REGISTRY,
@@ -53,7 +74,12 @@ __all__ = [
     "agg_loss",
     "clip_by_value",
     "compute_entropy_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_vanilla",
     "compute_rewards",
+    "compute_rollout_correction_and_rejection_mask",
     "compute_value_loss",
     "dense_group_ids",
     "get_adv_estimator_fn",

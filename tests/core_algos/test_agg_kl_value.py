@@ -198,3 +198,17 @@ def test_dense_group_ids():
     for i in range(len(ids)):
         for j in range(len(ids)):
             assert (dense[i] == dense[j]) == (ids[i] == ids[j])
+
+
+def test_config_choices_are_the_registries():
+    """The config checks list exactly the names core_algos registers (and verl's)."""
+    import jaxrl.core_algos.advantages
+    import jaxrl.core_algos.policy_losses  # noqa: F401
+    from jaxrl.config import checks
+
+    verl = verl_core_algos()
+    assert set(checks.ADV_ESTIMATORS) == set(C.ADV_ESTIMATOR_REGISTRY)
+    assert set(checks.ADV_ESTIMATORS) == set(verl.ADV_ESTIMATOR_REGISTRY)
+    assert set(checks.POLICY_LOSSES) == set(C.POLICY_LOSS_REGISTRY)
+    assert set(checks.POLICY_LOSSES) == set(verl.POLICY_LOSS_REGISTRY)
+    assert set(checks.LOSS_AGG_MODES) == set(C.LOSS_AGG_MODES)
