@@ -111,7 +111,8 @@ def bench_hf(folder) -> dict:
 
 def long_tail() -> dict:
     """Real responses end at different times: SmolLM2-135M-Instruct, 16 chat prompts x n=4,
-    up to 128 tokens with EOS. Reports the share of decode row-steps spent on finished rows."""
+    up to 128 tokens with EOS, static batching (64 slots) against continuous batching (16 and 32
+    slots). Reports the share of decode slot-steps that produced no token, and throughput."""
     import jax
     from transformers import AutoTokenizer
 
@@ -135,19 +136,36 @@ def long_tail() -> dict:
     enc = tokenizer(texts, return_tensors="np", padding=True)
     config, params = M.from_pretrained(folder)
     sp = SamplingParams(temperature=1.0, max_tokens=128, n=4, eos_token_ids=config.eos_token_id)
-    generate(config, params, enc["input_ids"], enc["attention_mask"], sp, jax.random.key(0))
-    start = time.perf_counter()
-    out = generate(config, params, enc["input_ids"], enc["attention_mask"], sp, jax.random.key(1))
-    jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
-    lengths = out.lengths
-    return {
-        "rows": int(lengths.shape[0]),
-        "mean_length": float(lengths.mean()),
-        "max_length": int(lengths.max()),
-        "idle_fraction": idle_fraction(out),
-        "useful_tokens_per_s": float(lengths.sum()) / seconds,
-    }
+    results = {}
+    for slots in (None, 32, 16):
+
+        def run(key, slots=slots):
+            out = generate(
+                config,
+                params,
+                enc["input_ids"],
+                enc["attention_mask"],
+                sp,
+                key,
+                max_num_seqs=slots,
+            )
+            return jax.block_until_ready(out)
+
+        run(jax.random.key(0))
+        start = time.perf_counter()
+        out = run(jax.random.key(1))
+        seconds = time.perf_counter() - start
+        lengths = out.lengths
+        results[f"slots_{out.slots}"] = {
+            "rows": int(lengths.shape[0]),
+            "mean_length": float(lengths.mean()),
+            "max_length": int(lengths.max()),
+            "decode_steps": int(out.decode_steps),
+            "idle_fraction": idle_fraction(out),
+            "seconds": seconds,
+            "useful_tokens_per_s": float(lengths.sum()) / seconds,
+        }
+    return results
 
 
 def main() -> None:

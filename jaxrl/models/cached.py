@@ -3,12 +3,15 @@
     cache = init_cache(config, batch=B, length=S)
     h_btd, cache = forward_cached(config, params, ids_bt, positions_bt, segments_bt, cache, 0)
     h_b1d, cache = forward_cached(config, params, next_b1, pos_b1, ones_b1, cache, T)
+    h_bd, cache = decode_step(config, params, tokens_b, positions_b, cache, write_index_b, live)
 
 The cache is an explicit value (passed in, returned, donated by the caller's `jit`), laid out
 [L, B, S, K, H] for keys and values plus [B, S] segment ids (1: a real key, 0: padding or not
-yet written). New keys are written at cache positions [index, index + T) for every row (rows
-advance in lockstep; prompts are left-padded to a common length), and queries attend causally to
-everything written so far, with the model's sliding windows.
+yet written). `forward_cached` writes new keys at cache positions [index, index + T) for every
+row (rows in lockstep; prompts are left-padded to a common length) and attends causally to
+everything written so far, with the model's sliding windows. `decode_step` advances each row by
+one token at its own cache index (rows at different points: continuous batching) and reads
+only the cache's live blocks (`jaxrl.kernels.decode_attention`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxrl.kernels import attention
+from jaxrl.kernels.decode import decode_attention
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import rope_cos_sin
@@ -43,6 +47,10 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.k.shape[2]
+
+
+def _embed(config: DecoderConfig, params: Params, ids: Array) -> Array:
+    return params["embed"]["tokens_vd"][ids].astype(config.compute_dtype)
 
 
 def init_cache(config: DecoderConfig, batch: int, length: int, dtype=None) -> KVCache:
@@ -83,7 +91,7 @@ def forward_cached(
     kv_segments = jax.lax.dynamic_update_slice(
         cache.segments, segments.astype(jnp.int32), (0, index)
     )
-    x = params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype)
+    x = _embed(config, params, input_ids)
     dtype = cache.k.dtype
 
     def body(carry, layer):
@@ -119,3 +127,69 @@ def forward_cached(
     v_all = shard(v_all, KV_CACHE_AXES)
     h = rms_norm(x, params["final_norm_d"], config.rms_norm_eps)
     return h, KVCache(k=k_all, v=v_all, segments=kv_segments)
+
+
+def decode_step(
+    config: DecoderConfig,
+    params: Params,
+    tokens: Int[Array, " b"],
+    positions: Int[Array, " b"],
+    cache: KVCache,
+    write_index: Int[Array, " b"],
+    live: Int[Array, ""],
+    block: int,
+) -> tuple[Float[Array, "b d"], KVCache]:
+    """One token per row, each written at its own cache index, attending to the live prefix.
+
+    Args:
+        config: The model.
+        params: Its parameters.
+        tokens: [B] the rows' newest tokens.
+        positions: [B] their positions.
+        cache: The cache; row b holds its keys below `write_index[b]` (`segments` marks them).
+        write_index: [B] cache index for each row's token.
+        live: Bound on `write_index + 1` over all rows: cache blocks at or past it are not read.
+        block: Key block of the attention (the cache length is a multiple of it).
+
+    Returns:
+        (final-normed hidden states [B, D], the updated cache).
+    """
+    rows = jnp.arange(tokens.shape[0])
+    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions[:, None])
+    segments = cache.segments.at[rows, write_index].set(1)
+    kv_valid = segments > 0
+    x = _embed(config, params, tokens[:, None])
+    dtype = cache.k.dtype
+
+    def body(carry, layer):
+        x_btd, k_all, v_all = carry
+        p, window, layer_idx = layer
+        written = {}
+
+        def attend(q, k, v, window):
+            written["k"] = k_all.at[layer_idx, rows, write_index].set(k[:, 0].astype(dtype))
+            written["v"] = v_all.at[layer_idx, rows, write_index].set(v[:, 0].astype(dtype))
+            return decode_attention(
+                q,
+                written["k"],
+                written["v"],
+                layer_idx,
+                kv_valid,
+                write_index,
+                live=live,
+                sliding_window=window,
+                block=block,
+            )
+
+        x_btd = _block(config, cos, sin, attend, x_btd, p, window)
+        return (x_btd, written["k"], written["v"]), None
+
+    windows = jnp.asarray(config.window_per_layer, jnp.int32)
+    layer_ids = jnp.arange(config.num_layers)
+    (x, k_all, v_all), _ = jax.lax.scan(
+        body, (x, cache.k, cache.v), (params["layers"], windows, layer_ids)
+    )
+    k_all = shard(k_all, KV_CACHE_AXES)
+    v_all = shard(v_all, KV_CACHE_AXES)
+    h = rms_norm(x[:, 0], params["final_norm_d"], config.rms_norm_eps)
+    return h, KVCache(k=k_all, v=v_all, segments=segments)

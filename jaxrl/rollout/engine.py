@@ -5,10 +5,13 @@
 
 Prompts come left-padded (verl's layout). Each prompt is repeated `n` times (interleaved), the
 batch and prompt length are padded up to buckets (so a run compiles a bounded number of
-programs; every new program is logged), one jitted program prefills the prompts and then
-decodes until every row has produced EOS or `max_tokens` tokens. Finished rows emit padding and
-are masked; `response_mask` covers the tokens up to and including EOS (with `ignore_eos`, all
-`max_tokens`).
+programs; every new program is logged), and one jitted program does the rest: the rows are a
+queue and the KV cache has `max_num_seqs` slots; the first prompts are prefilled into the slots,
+then a `lax.while_loop` decodes one token for every busy slot per step (each slot at its own
+cache index, attending only to the cache's live blocks), and a slot whose row produced EOS or
+`max_tokens` tokens is refilled with the next queued prompt (continuous batching), until the
+queue is empty. `response_mask` covers the tokens up to and including EOS (with `ignore_eos`,
+all `max_tokens`).
 
 With a `layout` (the rollout layout), parameters are expected in it, the batch is split over
 its `dp` axis and the KV cache over batch and kv heads.
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxrl.models.cached import KVCache, forward_cached, init_cache
+from jaxrl.models.cached import KVCache, decode_step, forward_cached, init_cache
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import lm_logits, positions_from_mask
 from jaxrl.rollout.sampling import SamplingParams, sample
@@ -44,24 +47,45 @@ class GenerationOutput:
         response_mask: 1 on response tokens (EOS included), 0 after.
         log_probs: Log-probs of the tokens under the processed distribution (0 on padding).
         lengths: Response lengths [B*n].
+        decode_steps: Iterations of the decode loop (one token for every busy slot each).
+        slots: Rows decoded at once (KV-cache slots).
     """
 
     responses: Int[Array, "b r"]
     response_mask: Int[Array, "b r"]
     log_probs: Float[Array, "b r"]
     lengths: Int[Array, " b"]
+    decode_steps: Int[Array, ""]
+    slots: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
+class _Slots:
+    """The decode batch: which queued row each slot holds and how far it has got.
+
+    Attributes:
+        row: [S] queue row in the slot; Q (one past the last row) marks a free slot.
+        step: [S] tokens generated so far.
+        last: [S] the newest token (fed to the next decode step).
+        start: [S] position of the first response token (the prompt's real tokens).
+    """
+
+    row: Int[Array, " s"]
+    step: Int[Array, " s"]
+    last: Int[Array, " s"]
+    start: Int[Array, " s"]
 
 
 @flax.struct.dataclass
 class _LoopState:
-    step: Int[Array, ""]
-    last: Int[Array, " b"]
-    tokens: Int[Array, "b r"]
-    log_probs: Float[Array, "b r"]
-    done: Array
-    lengths: Int[Array, " b"]
+    slots: _Slots
+    next_row: Int[Array, ""]  # the first queued row not yet in a slot
+    tokens: Int[Array, "q1 r"]  # [Q + 1, R]: row Q takes the writes of free slots
+    log_probs: Float[Array, "q1 r"]
+    lengths: Int[Array, " q1"]
     cache: KVCache
     key: jax.Array
+    decode_steps: Int[Array, ""]
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -75,111 +99,205 @@ def bucket(n: int, minimum: int = 8) -> int:
     return size
 
 
+def cache_geometry(prompt_len: int, max_tokens: int, block: int = 128) -> tuple[int, int]:
+    """(cache length, attention block): the length is prompt + response rounded up to a
+    multiple of the block; short caches are one block."""
+    length = -(-(prompt_len + max_tokens) // 8) * 8
+    if length <= block:
+        return length, length
+    return -(-length // block) * block, block
+
+
+def refill_sizes(slots: int, queued: int) -> tuple[int, ...]:
+    """Static batch sizes of the refill prefills: powers of 4 below `slots`, and `slots`
+    (a refill of k free slots runs the smallest size >= k, so at most 4x padded rows)."""
+    if queued <= slots:
+        return (slots,)
+    sizes, size = [], 1
+    while size < slots:
+        sizes.append(size)
+        size *= 4
+    return (*sizes, slots)
+
+
 def _is_eos(tokens: Array, eos_ids: tuple[int, ...]) -> Array:
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
+def _constrain_cache(cache: KVCache, layout: Layout | None) -> KVCache:
+    if layout is None:
+        return cache
+    return cache.replace(
+        k=jax.lax.with_sharding_constraint(cache.k, layout.sharding(cache.k.shape, KV_CACHE_AXES)),
+        v=jax.lax.with_sharding_constraint(cache.v, layout.sharding(cache.v.shape, KV_CACHE_AXES)),
+    )
+
+
 def _generate(
     config: DecoderConfig,
     sp: SamplingParams,
     layout: Layout | None,
+    num_slots: int,
     params: Any,
-    input_ids: Int[Array, "b p"],
-    attention_mask: Int[Array, "b p"],
+    input_ids: Int[Array, "q p"],
+    attention_mask: Int[Array, "q p"],
     key: jax.Array,
+    num_rows: Int[Array, ""],
 ) -> GenerationOutput:
-    b, p = input_ids.shape
-    r = sp.max_tokens
+    """Continuous batching: `num_slots` rows decode at once; a slot whose row finishes (EOS or
+    `max_tokens`) is refilled with the next queued prompt (prefilled into the slot's cache),
+    until the queue is empty and every slot is free. With as many slots as rows this is plain
+    static batching: one prefill, then decode until the last row finishes. Queue rows from
+    `num_rows` on (bucket padding) are never decoded."""
+    q, p = input_ids.shape
+    r, s = sp.max_tokens, num_slots
+    length, block = cache_geometry(p, r)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     eos_ids = () if sp.ignore_eos else (sp.eos_token_ids or config.eos_token_id)
-    with use_layout(layout):
-        cache = init_cache(config, b, p + r)
-        if layout is not None:
-            cache = KVCache(
-                k=jax.lax.with_sharding_constraint(
-                    cache.k, layout.sharding(cache.k.shape, KV_CACHE_AXES)
-                ),
-                v=jax.lax.with_sharding_constraint(
-                    cache.v, layout.sharding(cache.v.shape, KV_CACHE_AXES)
-                ),
-                segments=cache.segments,
-            )
-        positions = positions_from_mask(attention_mask)
-        h, cache = forward_cached(config, params, input_ids, positions, attention_mask, cache, 0)
-        key, sub = jax.random.split(key)
-        first, first_lp = sample(lm_logits(config, params, h[:, -1:])[:, 0], sp, sub)
-        done = _is_eos(first, eos_ids)
-        state = _LoopState(
-            step=jnp.int32(1),
-            last=first,
-            tokens=jnp.full((b, r), pad_id, jnp.int32).at[:, 0].set(first),
-            log_probs=jnp.zeros((b, r), jnp.float32).at[:, 0].set(first_lp),
-            done=done,
-            lengths=jnp.where(done, 1, r).astype(jnp.int32),
-            cache=cache,
+
+    def retire(st: _LoopState) -> _LoopState:
+        """Free the slots whose row just ended (EOS or max_tokens), recording its length."""
+        sl = st.slots
+        ended = (sl.row < q) & ((sl.step >= r) | _is_eos(sl.last, eos_ids))
+        lengths = st.lengths.at[jnp.where(ended, sl.row, q)].set(sl.step)
+        return st.replace(slots=sl.replace(row=jnp.where(ended, q, sl.row)), lengths=lengths)
+
+    def refill(st: _LoopState, f: int) -> _LoopState:
+        """Prefill up to `f` queued prompts into the first free slots."""
+        sl = st.slots
+        free = sl.row == q
+        slot_ids = jnp.argsort(~free, stable=True)[:f]  # free slots first, in order
+        rows = st.next_row + jnp.arange(f)
+        take = free[slot_ids] & (rows < num_rows)
+        ids = input_ids[jnp.minimum(rows, q - 1)]
+        mask = attention_mask[jnp.minimum(rows, q - 1)] * take[:, None]
+        small = init_cache(config, f, p, st.cache.k.dtype)
+        h, small = forward_cached(config, params, ids, positions_from_mask(mask), mask, small, 0)
+        key, sub = jax.random.split(st.key)
+        tok, lp = sample(lm_logits(config, params, h[:, -1:])[:, 0], sp, sub)
+        into = jnp.where(take, slot_ids, s)  # s: out of range, dropped
+        out_row = jnp.where(take, rows, q)
+        segments = jnp.pad(small.segments, ((0, 0), (0, length - p)))
+        cache = KVCache(
+            k=st.cache.k.at[:, into, :p].set(small.k, mode="drop"),
+            v=st.cache.v.at[:, into, :p].set(small.v, mode="drop"),
+            segments=st.cache.segments.at[into].set(segments, mode="drop"),
+        )
+        slots = _Slots(
+            row=sl.row.at[into].set(rows, mode="drop"),
+            step=sl.step.at[into].set(1, mode="drop"),
+            last=sl.last.at[into].set(tok, mode="drop"),
+            start=sl.start.at[into].set(jnp.sum(mask, axis=-1), mode="drop"),
+        )
+        st = st.replace(
+            slots=slots,
+            next_row=st.next_row + jnp.sum(take),
+            tokens=st.tokens.at[out_row, 0].set(tok),
+            log_probs=st.log_probs.at[out_row, 0].set(lp),
+            cache=_constrain_cache(cache, layout),
             key=key,
         )
-        next_position = jnp.sum(attention_mask, axis=-1).astype(jnp.int32)  # real prompt tokens
+        return retire(st)
 
-        def cond(s: _LoopState):
-            return (s.step < r) & ~jnp.all(s.done)
+    def decode(st: _LoopState) -> _LoopState:
+        sl = st.slots
+        busy = sl.row < q
+        write_index = jnp.minimum(p + sl.step - 1, length - 1)
+        live = jnp.max(jnp.where(busy, write_index + 1, 1))
+        h, cache = decode_step(
+            config, params, sl.last, sl.start + sl.step - 1, st.cache, write_index, live, block
+        )
+        key, sub = jax.random.split(st.key)
+        tok, lp = sample(lm_logits(config, params, h[:, None])[:, 0], sp, sub)
+        out_row = jnp.where(busy, sl.row, q)
+        column = jnp.minimum(sl.step, r - 1)
+        st = st.replace(
+            slots=sl.replace(step=sl.step + busy, last=jnp.where(busy, tok, pad_id)),
+            tokens=st.tokens.at[out_row, column].set(tok),
+            log_probs=st.log_probs.at[out_row, column].set(lp),
+            cache=_constrain_cache(cache, layout),
+            key=key,
+            decode_steps=st.decode_steps + 1,
+        )
+        return retire(st)
 
-        def body(s: _LoopState):
-            ones = jnp.ones((b, 1), jnp.int32)
-            pos = (next_position + s.step - 1)[:, None]
-            h, cache = forward_cached(
-                config, params, s.last[:, None], pos, ones, s.cache, p + s.step - 1
-            )
-            key, sub = jax.random.split(s.key)
-            tok, lp = sample(lm_logits(config, params, h)[:, 0], sp, sub)
-            tok = jnp.where(s.done, pad_id, tok)
-            lp = jnp.where(s.done, 0.0, lp)
-            ended = ~s.done & _is_eos(tok, eos_ids)
-            return _LoopState(
-                step=s.step + 1,
-                last=tok,
-                tokens=jax.lax.dynamic_update_index_in_dim(s.tokens, tok, s.step, 1),
-                log_probs=jax.lax.dynamic_update_index_in_dim(s.log_probs, lp, s.step, 1),
-                done=s.done | ended,
-                lengths=jnp.where(ended, s.step + 1, s.lengths),
-                cache=cache,
-                key=key,
-            )
+    with use_layout(layout):
+        state = _LoopState(
+            slots=_Slots(
+                row=jnp.full((s,), q, jnp.int32),
+                step=jnp.zeros((s,), jnp.int32),
+                last=jnp.full((s,), pad_id, jnp.int32),
+                start=jnp.zeros((s,), jnp.int32),
+            ),
+            next_row=jnp.int32(0),
+            tokens=jnp.full((q + 1, r), pad_id, jnp.int32),
+            log_probs=jnp.zeros((q + 1, r), jnp.float32),
+            lengths=jnp.zeros((q + 1,), jnp.int32),
+            cache=_constrain_cache(init_cache(config, s, length), layout),
+            key=key,
+            decode_steps=jnp.int32(0),
+        )
+        state = refill(state, s)
+        sizes = refill_sizes(s, q)
+
+        def cond(st: _LoopState):
+            return jnp.any(st.slots.row < q) | (st.next_row < num_rows)
+
+        def body(st: _LoopState):
+            if q > s:
+                wanted = jnp.minimum(jnp.sum(st.slots.row == q), num_rows - st.next_row)
+                branch = jnp.searchsorted(jnp.asarray(sizes), wanted)
+                st = jax.lax.cond(
+                    wanted > 0,
+                    lambda x: jax.lax.switch(
+                        branch, [functools.partial(refill, f=f) for f in sizes], x
+                    ),
+                    lambda x: x,
+                    st,
+                )
+            return decode(st)
 
         state = jax.lax.while_loop(cond, body, state)
-    mask = (jnp.arange(r)[None, :] < state.lengths[:, None]).astype(jnp.int32)
+    lengths = state.lengths[:q]
+    mask = (jnp.arange(r)[None, :] < lengths[:, None]).astype(jnp.int32)
     return GenerationOutput(
-        responses=jnp.where(mask > 0, state.tokens, pad_id),
+        responses=jnp.where(mask > 0, state.tokens[:q], pad_id),
         response_mask=mask,
-        log_probs=state.log_probs * mask,
-        lengths=state.lengths,
+        log_probs=state.log_probs[:q] * mask,
+        lengths=lengths,
+        decode_steps=state.decode_steps,
+        slots=s,
     )
 
 
 def idle_fraction(out: GenerationOutput) -> float:
-    """Share of the decode loop's row-steps spent on rows that had already finished (the
-    long tail that continuous batching would refill): sum(steps - length) / (rows * steps)."""
-    lengths = np.asarray(out.lengths)
-    steps = int(lengths.max()) if lengths.size else 0
-    return float((steps - lengths).sum() / max(lengths.size * steps, 1))
+    """Share of the decode loop's slot-steps that produced no token (slots whose row had
+    finished with nothing left to refill them: RL's long tail):
+    1 - sum_i (length_i - 1) / (decode_steps * slots), the first token coming from prefill."""
+    produced = float(np.maximum(np.asarray(out.lengths) - 1, 0).sum())
+    capacity = int(out.decode_steps) * out.slots
+    return 1.0 - produced / capacity if capacity else 0.0
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(config: DecoderConfig, sp: SamplingParams, layout: Layout | None, b: int, p: int):
+def _compiled(
+    config: DecoderConfig, sp: SamplingParams, layout: Layout | None, b: int, p: int, slots: int
+):
     log.info(
-        "compiling generate: batch %d, prompt %d, max_tokens %d (%s)",
+        "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)",
         b,
         p,
         sp.max_tokens,
+        slots,
         "greedy" if not sp.do_sample else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}",
     )
-    fn = functools.partial(_generate, config, sp, layout)
+    fn = functools.partial(_generate, config, sp, layout, slots)
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
-    return jax.jit(fn, in_shardings=(None, tokens, tokens, None))
+    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None))
 
 
 def generate(
@@ -192,6 +310,7 @@ def generate(
     *,
     layout: Layout | None = None,
     max_prompt_length: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> GenerationOutput:
     """Generate responses for left-padded prompts.
 
@@ -205,6 +324,9 @@ def generate(
             None derives it from `sampling_params.seed`.
         layout: The rollout layout (mesh dp x tp) to generate on; None: one device.
         max_prompt_length: Refuse prompts longer than this (the configured maximum).
+        max_num_seqs: Rows decoded at once (KV-cache slots; verl's `rollout.max_num_seqs`).
+            With fewer slots than rows, a finished row's slot is refilled with the next
+            prompt (continuous batching); None: one slot per row.
 
     Raises:
         ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
@@ -229,6 +351,8 @@ def generate(
             f"max_tokens={sp.max_tokens} with a {longest}-token prompt exceeds the model's context "
             f"of {context}; max_tokens must be <= {max(context - longest, 0)}"
         )
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: one per row)")
     if rng is None:
         rng = jax.random.key(0 if sp.seed is None else sp.seed)
     ids = jnp.repeat(jnp.asarray(input_ids, jnp.int32), sp.n, axis=0)
@@ -239,5 +363,14 @@ def generate(
     padded_len = bucket(p)
     ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
     mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
-    out = _compiled(config, sp, layout, padded_rows, padded_len)(params, ids, mask, rng)
-    return jax.tree.map(lambda x: x[:rows], out)
+    slots = padded_rows
+    if max_num_seqs is not None and max_num_seqs < padded_rows:
+        slots = max(max_num_seqs // dp, 1) * dp
+    fn = _compiled(config, sp, layout, padded_rows, padded_len, slots)
+    out = fn(params, ids, mask, rng, jnp.int32(rows))
+    return out.replace(
+        responses=out.responses[:rows],
+        response_mask=out.response_mask[:rows],
+        log_probs=out.log_probs[:rows],
+        lengths=out.lengths[:rows],
+    )

@@ -9,7 +9,8 @@ import torch
 from scipy import stats
 
 import jaxrl.models as M
-from jaxrl.rollout import SamplingParams, bucket, generate, sample
+from jaxrl.kernels import attention, decode_attention
+from jaxrl.rollout import SamplingParams, bucket, generate, idle_fraction, sample
 from jaxrl.rollout.engine import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.tiny import save_tiny, tiny_decoder
@@ -260,7 +261,7 @@ def test_two_level_sampler_across_blocks():
 
 def test_sampling_params_from_config():
     from jaxrl.config import load_config
-    from jaxrl.rollout import GenerationOutput, idle_fraction
+    from jaxrl.rollout import GenerationOutput
 
     cfg = load_config(
         None,
@@ -276,5 +277,83 @@ def test_sampling_params_from_config():
     val = SamplingParams.from_config(cfg.actor_rollout_ref.rollout, validation=True)
     assert (val.n, val.do_sample, val.temperature, val.max_tokens) == (1, False, 0.0, 64)
     lengths = jnp.array([4, 2, 4, 1])
-    out = GenerationOutput(lengths[:, None], lengths[:, None], lengths[:, None], lengths)
-    assert idle_fraction(out) == pytest.approx((0 + 2 + 0 + 3) / 16)
+    steps = jnp.int32(3)  # static batching: the longest row's decode steps
+    out = GenerationOutput(lengths[:, None], lengths[:, None], lengths[:, None], lengths, steps, 4)
+    assert idle_fraction(out) == pytest.approx((0 + 2 + 0 + 3) / 12)
+
+
+def test_continuous_batching_equals_static_batching(one_model):
+    """Two slots for eight rows of different lengths (EOS stops): each finished row's slot is
+    refilled, and every row comes out as with one slot per row."""
+    _, config, params = one_model
+    ids, mask = prompts()
+    free_run = generate(config, params, ids, mask, SamplingParams(max_tokens=10, **GREEDY))
+    eos = (int(free_run.responses[1, 2]), int(free_run.responses[3, 0]))
+    sp = SamplingParams(max_tokens=10, n=2, eos_token_ids=eos, **GREEDY)
+    static = generate(config, params, ids, mask, sp)
+    lengths = np.asarray(static.lengths)
+    assert len(set(lengths.tolist())) > 2, lengths  # a real long tail
+    for slots in (2, 3):
+        cb = generate(config, params, ids, mask, sp, max_num_seqs=slots)
+        assert cb.slots == slots
+        np.testing.assert_array_equal(cb.responses, static.responses)
+        np.testing.assert_array_equal(cb.lengths, static.lengths)
+        np.testing.assert_allclose(cb.log_probs, static.log_probs, atol=1e-5)
+        produced = int((lengths - 1).sum())
+        assert -(-produced // slots) <= int(cb.decode_steps) <= produced
+    assert idle_fraction(cb) < idle_fraction(static)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        generate(config, params, ids, mask, sp, max_num_seqs=0)
+
+
+def test_continuous_batching_sampled_and_sharded(one_model):
+    """Sampled rows under refills keep exact log-probs; sharded slots equal one device."""
+    _, config, params = one_model
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=6, n=3, temperature=0.8, top_k=20, eos_token_ids=(5, 7, 11))
+    out = generate(config, params, ids, mask, sp, jax.random.key(3), max_num_seqs=4)
+    assert int(out.decode_steps) < 6 * 3  # slots were refilled: fewer steps than 12 rows / 4
+    full_ids = np.concatenate([np.repeat(ids, 3, axis=0), np.asarray(out.responses)], axis=1)
+    full_mask = np.concatenate([np.repeat(mask, 3, axis=0), np.asarray(out.response_mask)], 1)
+    logits = np.asarray(M.forward(config, params, full_ids, full_mask), np.float64)
+    z = logits[:, ids.shape[1] - 1 : -1] / sp.temperature
+    expected = reference_log_probs(z, np.asarray(out.responses), sp.top_k, sp.top_p)
+    valid = np.asarray(out.response_mask) > 0
+    np.testing.assert_allclose(np.asarray(out.log_probs)[valid], expected[valid], atol=1e-4)
+    layout = Layout.create(rollout_mesh(2), ROLLOUT_RULES)
+    greedy = SamplingParams(max_tokens=6, n=3, eos_token_ids=(5, 7, 11), **GREEDY)
+    sharded_params = jax.device_put(params, layout.params(config))
+    sharded = generate(config, sharded_params, ids, mask, greedy, layout=layout, max_num_seqs=4)
+    single = generate(config, params, ids, mask, greedy)
+    np.testing.assert_array_equal(sharded.responses, single.responses)
+
+
+def test_decode_attention_equals_dense_reference():
+    """Rows at different cache indices, holes (left padding), sliding windows, several blocks,
+    and a `live` bound that skips the cache's unwritten tail."""
+    rng = np.random.RandomState(0)
+    b, s, n, kv, h, layers = 3, 64, 4, 2, 8, 2
+    k = jnp.asarray(rng.randn(layers, b, s, kv, h), jnp.float32)
+    v = jnp.asarray(rng.randn(layers, b, s, kv, h), jnp.float32)
+    q = jnp.asarray(rng.randn(b, 1, n, h), jnp.float32)
+    query_index = jnp.array([5, 40, 23])
+    valid = np.arange(s)[None] <= np.asarray(query_index)[:, None]
+    valid[1, :7] = False  # left padding
+    valid = jnp.asarray(valid)
+    kv_segments = valid.astype(jnp.int32)
+    for window in (None, 9):
+        got = decode_attention(
+            q, k, v, 1, valid, query_index, live=41, sliding_window=window, block=16
+        )
+        for row in range(b):
+            i = int(query_index[row])
+            want = attention(
+                q[row : row + 1],
+                k[1, row : row + 1, : i + 1],
+                v[1, row : row + 1, : i + 1],
+                causal=True,
+                segment_ids=(jnp.ones((1, 1), jnp.int32), kv_segments[row : row + 1, : i + 1]),
+                sliding_window=window,
+                q_offset=i,
+            )
+            np.testing.assert_allclose(got[row], want[0], atol=1e-5)
