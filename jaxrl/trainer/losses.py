@@ -1,0 +1,120 @@
+"""The actor's and the critic's loss on one micro-batch, normalised by global mini-batch counts.
+
+Actor (verl's `ppo_loss`), with lp the new log-probs and `agg` = `agg_loss(..., **info)`:
+
+    loss = pg_loss(old_lp, lp, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(lp, ref))
+
+Critic (verl's `value_loss`): the clipped value loss of `core_algos.compute_value_loss`.
+
+`info` holds the GLOBAL counts of the whole mini-batch (`core_algos.global_batch_info`), so the
+mini-batch loss is the sum of its micro-batch losses in every aggregation mode, and gradient
+accumulation gives the same update however the mini-batch is split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from jaxrl.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
+from jaxrl.core_algos.common import cfg_get, masked_mean
+from jaxrl.models.config import DecoderConfig
+from jaxrl.trainer.sequences import response_log_probs, response_values
+
+
+class WithBatchInfo:
+    """An actor config seen with `global_batch_info` set (what verl mutates in place)."""
+
+    def __init__(self, base: Any, info: dict[str, Any]):
+        self._base, self.global_batch_info = base, info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+def loss_mode(actor_cfg: Any) -> str:
+    policy_loss = cfg_get(actor_cfg, "policy_loss")
+    return cfg_get(policy_loss, "loss_mode", "vanilla") if policy_loss is not None else "vanilla"
+
+
+def actor_loss(
+    params: Any,
+    mb: dict[str, Array],
+    info: dict[str, Any],
+    *,
+    config: DecoderConfig,
+    actor_cfg: Any,
+    temperature: float,
+) -> tuple[Array, dict[str, Array]]:
+    """(loss, metrics) of one micro-batch; see the module doc. Without `old_log_probs` in the
+    micro-batch (on-policy: one mini-batch, one epoch) the old policy is the current one,
+    `old_log_probs = stop_gradient(log_probs)`. The entropy is always computed (a metric)."""
+    chunk = actor_cfg.entropy_from_logits_chunk_size
+    lp, entropy = response_log_probs(
+        config,
+        params,
+        mb["prompts"],
+        mb["prompt_mask"],
+        mb["responses"],
+        mb["response_mask"],
+        temperature=temperature,
+        chunk_size=chunk if actor_cfg.entropy_from_logits_with_chunking else None,
+        with_entropy=True,
+    )
+    old_log_probs = mb.get("old_log_probs")
+    if old_log_probs is None:
+        old_log_probs = jax.lax.stop_gradient(lp)
+    mask = mb["response_mask"].astype(jnp.float32)
+    mode = actor_cfg.loss_agg_mode
+    info = {**info, "loss_scale_factor": actor_cfg.loss_scale_factor}
+    pg_loss, pg_metrics = get_policy_loss_fn(loss_mode(actor_cfg))(
+        old_log_prob=old_log_probs,
+        log_prob=lp,
+        advantages=mb["advantages"],
+        response_mask=mask,
+        loss_agg_mode=mode,
+        config=WithBatchInfo(actor_cfg, info),
+        rollout_is_weights=mb.get("rollout_is_weights"),
+    )
+    loss = pg_loss
+    sums = {"actor/pg_loss": pg_loss}
+    entropy_loss = agg_loss(entropy, mask, mode, **info)
+    if actor_cfg.entropy_coeff != 0:
+        loss = loss - actor_cfg.entropy_coeff * entropy_loss
+    sums["actor/entropy"] = entropy_loss
+    if actor_cfg.use_kl_loss:
+        kld = kl_penalty(lp, mb["ref_log_probs"], actor_cfg.kl_loss_type)
+        kl_loss = agg_loss(kld, mask, mode, **info)
+        loss = loss + actor_cfg.kl_loss_coef * kl_loss
+        sums["actor/kl_loss"] = kl_loss
+    means = {k if k.startswith("actor/") else f"actor/{k}": v for k, v in pg_metrics.items()}
+    return loss, {"sum": sums, "mean": means, "tokens": jnp.sum(mask)}
+
+
+def critic_loss(
+    params: Any,
+    mb: dict[str, Array],
+    info: dict[str, Any],
+    *,
+    config: DecoderConfig,
+    critic_cfg: Any,
+) -> tuple[Array, dict[str, Array]]:
+    """(value loss, metrics) of one micro-batch."""
+    vpreds = response_values(
+        config, params, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
+    )
+    mask = mb["response_mask"].astype(jnp.float32)
+    vf_loss, vf_clipfrac = compute_value_loss(
+        vpreds=vpreds,
+        returns=mb["returns"],
+        values=mb["values"],
+        response_mask=mask,
+        cliprange_value=critic_cfg.cliprange_value,
+        loss_agg_mode=critic_cfg.loss_agg_mode,
+        **info,
+    )
+    means = {"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": masked_mean(vpreds, mask)}
+    return vf_loss, {"sum": {"critic/vf_loss": vf_loss}, "mean": means, "tokens": jnp.sum(mask)}

@@ -1,0 +1,84 @@
+"""Step metrics with verl's names (`verl.trainer.ppo.metric_utils`), from host arrays.
+
+    critic/score/{mean,max,min}       sequence sums of token_level_scores (non-empty responses)
+    critic/rewards/{mean,max,min}     the same of token_level_rewards (after KL in reward)
+    critic/advantages/..., critic/returns/...   over response tokens
+    critic/values/..., critic/vf_explained_var  (with a critic) 1 - Var(G - V) / (Var(G) + 1e-5)
+    response_length/{mean,max,min,clip_ratio}, prompt_length/..., response/aborted_ratio
+    timing_s/{name}, timing_per_token_ms/{name}   ("gen" per response token, others per token)
+    perf/total_num_tokens, perf/time_per_step, perf/throughput (tokens / s / device)
+
+The figures are computed from the rows this process holds (all rows with one process).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
+    if x.size == 0:
+        return {f"{prefix}/mean": float("nan"), f"{prefix}/max": float("nan"),
+                f"{prefix}/min": float("nan")}  # fmt: skip
+    return {
+        f"{prefix}/mean": float(x.mean()),
+        f"{prefix}/max": float(x.max()),
+        f"{prefix}/min": float(x.min()),
+    }
+
+
+def data_metrics(batch: dict[str, np.ndarray], use_critic: bool) -> dict[str, float]:
+    """verl's `compute_data_metrics` for a batch of host arrays."""
+    mask = batch["response_mask"] > 0
+    response_length = mask.sum(-1).astype(np.float64)
+    prompt_length = batch["prompt_mask"].sum(-1).astype(np.float64)
+    max_response = batch["responses"].shape[-1]
+    max_prompt = batch["prompts"].shape[-1]
+    alive = response_length > 0
+    score = batch["token_level_scores"].sum(-1)[alive]
+    reward = batch["token_level_rewards"].sum(-1)[alive]
+    out = {
+        **_stats("critic/score", score),
+        **_stats("critic/rewards", reward),
+        **_stats("critic/advantages", batch["advantages"][mask]),
+        **_stats("critic/returns", batch["returns"][mask]),
+    }
+    if use_critic:
+        values, returns = batch["values"][mask], batch["returns"][mask]
+        out.update(_stats("critic/values", values))
+        explained = 1.0 - np.var(returns - values, ddof=1) / (np.var(returns, ddof=1) + 1e-5)
+        out["critic/vf_explained_var"] = float(explained) if values.size > 1 else float("nan")
+    out.update(_stats("response_length", response_length))
+    out["response_length/clip_ratio"] = float(np.mean(response_length == max_response))
+    out.update(_stats("response_length_non_aborted", response_length[alive]))
+    out["response/aborted_ratio"] = float(np.mean(~alive))
+    out.update(_stats("prompt_length", prompt_length))
+    out["prompt_length/clip_ratio"] = float(np.mean(prompt_length == max_prompt))
+    return out
+
+
+def timing_metrics(batch: dict[str, np.ndarray], timing: dict[str, float]) -> dict[str, float]:
+    """`timing_s/*` and `timing_per_token_ms/*` (verl's `compute_timing_metrics`)."""
+    response_tokens = float(batch["response_mask"].sum())
+    all_tokens = response_tokens + float(batch["prompt_mask"].sum())
+    per_token = {"gen": response_tokens}
+    per_token.update(
+        {k: all_tokens for k in ("ref", "values", "adv", "update_critic", "update_actor")}
+    )
+    out = {f"timing_s/{k}": v for k, v in timing.items()}
+    for name, tokens in per_token.items():
+        if name in timing and tokens > 0:
+            out[f"timing_per_token_ms/{name}"] = timing[name] * 1000 / tokens
+    return out
+
+
+def throughput_metrics(
+    batch: dict[str, np.ndarray], step_seconds: float, devices: int
+) -> dict[str, float]:
+    """`perf/*` (verl's `compute_throughout_metrics`)."""
+    tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+    return {
+        "perf/total_num_tokens": tokens,
+        "perf/time_per_step": step_seconds,
+        "perf/throughput": tokens / (step_seconds * devices),
+    }

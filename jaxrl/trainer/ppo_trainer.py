@@ -1,0 +1,377 @@
+"""One RL step with verl's semantics (`RayPPOTrainer.fit`'s body), on the mesh.
+
+    step(prompts) :
+      reshard actor -> rollout layout (rollout dtype); generate n responses per prompt; free
+      reward        scores on the last valid response token (host)
+      old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward)
+      ref           reference log-probs (KL loss / KL in reward)
+      values        critic pass (GAE)
+      adv           KL in reward, then the advantage estimator
+      update_critic, update_actor (after `critic_warmup` steps)
+
+Every array of the step lives on the host as numpy rows of this process between the jitted
+passes; the passes run on global arrays over the train layout's batch axes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
+from jaxrl.data.batch import PromptBatch
+from jaxrl.rollout import SamplingParams, generate
+from jaxrl.sharding.layouts import layouts_from_config
+from jaxrl.sharding.reshard import free, reshard
+from jaxrl.trainer import losses
+from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
+from jaxrl.trainer.learner import Learner, infer
+from jaxrl.trainer.metrics import data_metrics, throughput_metrics, timing_metrics
+from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
+from jaxrl.trainer.roles import (
+    critic_from_policy,
+    dtype_name,
+    load_model,
+    log_prob_fn,
+    values_fn,
+)
+from jaxrl.trainer.update import init_state
+
+# (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
+RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
+
+
+@contextlib.contextmanager
+def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def uses_critic(cfg) -> bool:
+    enable = cfg.critic.enable
+    return cfg.algorithm.adv_estimator == AdvantageEstimator.GAE if enable is None else enable
+
+
+def uses_reference(cfg) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+class _WithPolicyLoss:
+    """The actor config with `policy_loss` replaced (bypass mode's loss and correction)."""
+
+    def __init__(self, base: Any, policy_loss: Any):
+        self._base, self.policy_loss = base, policy_loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+class PPOTrainer:
+    """The roles of a run on the mesh and its step (`step`) and validation pass (`validate`).
+
+    Args:
+        cfg: The run's `jaxrl.config.Config`.
+        reward_fn: Scores training responses (see `RewardFn`).
+        val_reward_fn: Scores validation responses; default `reward_fn`.
+        total_steps: Optimizer-schedule length (steps of the run).
+        devices: The mesh's devices; default all.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        reward_fn: RewardFn,
+        *,
+        val_reward_fn: RewardFn | None = None,
+        total_steps: int,
+        devices=None,
+    ):
+        self.cfg, self.reward_fn = cfg, reward_fn
+        self.val_reward_fn = val_reward_fn or reward_fn
+        arr = cfg.actor_rollout_ref
+        actor_cfg, rollout_cfg = arr.actor, arr.rollout
+        if cfg.algorithm.adv_estimator in (
+            AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
+            AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
+        ):
+            raise ValueError(
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the trainer does not "
+                "compute sum_pi_squared yet; the estimator itself is in jaxrl.core_algos"
+            )
+        self.train_layout, self.rollout_layout = layouts_from_config(cfg, devices)
+        self.devices = self.train_layout.mesh.devices.size
+        remat = arr.model.remat_policy if arr.model.enable_gradient_checkpointing else "none"
+        self.actor_config, params = load_model(
+            arr.model.path,
+            param_dtype=dtype_name(actor_cfg.model_dtype, "actor.model_dtype"),
+            compute_dtype=dtype_name(actor_cfg.dtype, "actor.dtype"),
+            layout=self.train_layout,
+            remat=remat,
+            override_config=dict(arr.model.override_config),
+        )
+        policy_cfg = actor_cfg
+        self.bypass = bool(cfg.algorithm.rollout_correction.bypass_mode)
+        if self.bypass:
+            correction = cfg.algorithm.rollout_correction
+            loss = dict(loss_mode="bypass_mode", rollout_correction=correction)
+            policy_cfg = _WithPolicyLoss(actor_cfg, loss)
+        optimizer = make_optimizer(actor_cfg.optim, total_steps)
+        self._actor_lr = learning_rate_schedule(actor_cfg.optim, total_steps)
+        state = init_state(params, optimizer, self.train_layout, _shardings(params))
+        self.temperature = rollout_cfg.temperature if rollout_cfg.do_sample else 1.0
+        self.actor = Learner(
+            self.actor_config,
+            state,
+            optimizer,
+            functools.partial(
+                losses.actor_loss,
+                config=self.actor_config,
+                actor_cfg=policy_cfg,
+                temperature=self.temperature,
+            ),
+            layout=self.train_layout,
+            grad_clip=actor_cfg.grad_clip,
+        )
+        chunk = (
+            actor_cfg.entropy_from_logits_chunk_size
+            if actor_cfg.entropy_from_logits_with_chunking
+            else None
+        )
+        self._log_prob = log_prob_fn(
+            self.actor_config,
+            self.train_layout,
+            temperature=self.temperature,
+            chunk_size=chunk,
+            with_entropy=True,
+        )
+        self.ref_params = self._ref_config = None
+        if uses_reference(cfg):
+            self._ref_config, self.ref_params = load_model(
+                arr.model.path,
+                param_dtype=dtype_name(arr.ref.model_dtype, "ref.model_dtype"),
+                compute_dtype=dtype_name(arr.ref.dtype, "ref.dtype"),
+                layout=self.train_layout,
+                override_config=dict(arr.model.override_config),
+            )
+            self._ref_log_prob = log_prob_fn(
+                self._ref_config, self.train_layout, temperature=self.temperature, chunk_size=chunk
+            )
+        self.critic = None
+        if uses_critic(cfg):
+            c = cfg.critic
+            config, params = load_model(
+                c.model.path,
+                param_dtype=dtype_name(c.model_dtype, "critic.model_dtype"),
+                compute_dtype=dtype_name(c.dtype, "critic.dtype"),
+                layout=self.train_layout,
+                remat=remat,
+                override_config=dict(c.model.override_config),
+            )
+            config, params = critic_from_policy(c.model.path, config, params, self.train_layout)
+            optimizer = make_optimizer(c.optim, total_steps)
+            state = init_state(params, optimizer, self.train_layout, _shardings(params))
+            self.critic = Learner(
+                config,
+                state,
+                optimizer,
+                functools.partial(losses.critic_loss, config=config, critic_cfg=c),
+                layout=self.train_layout,
+                grad_clip=c.grad_clip,
+            )
+            self._values = values_fn(config, self.train_layout)
+        self.kl_ctrl = (
+            get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        )
+        self.rollout_config = self.actor_config.replace(
+            dtype=dtype_name(rollout_cfg.dtype, "rollout.dtype"), remat="none"
+        )
+        self._rollout_shardings = self.rollout_layout.params(self.rollout_config)
+        self.sampling = SamplingParams.from_config(rollout_cfg)
+        self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
+
+    # ----------------------------------------------------------------------------- rollout
+
+    def generate(
+        self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array
+    ) -> dict[str, np.ndarray]:
+        """Rows of the generated batch (prompts repeated n times, interleaved)."""
+        rollout_params = reshard(
+            self.actor.params, self._rollout_shardings, dtype=self.rollout_config.param_dtype
+        )
+        try:
+            out = generate(
+                self.rollout_config,
+                rollout_params,
+                prompts.input_ids,
+                prompts.attention_mask,
+                sampling,
+                rng,
+                layout=self.rollout_layout,
+                max_prompt_length=self.cfg.data.max_prompt_length,
+                max_num_seqs=self.cfg.actor_rollout_ref.rollout.max_num_seqs,
+            )
+            out = jax.device_get(out)
+        finally:
+            free(rollout_params)
+        return {
+            "prompts": np.repeat(prompts.input_ids, sampling.n, axis=0),
+            "prompt_mask": np.repeat(prompts.attention_mask, sampling.n, axis=0),
+            "responses": np.asarray(out.responses),
+            "response_mask": np.asarray(out.response_mask),
+            "rollout_log_probs": np.asarray(out.log_probs),
+        }
+
+    # -------------------------------------------------------------------------------- step
+
+    def step(self, prompts: PromptBatch, global_step: int) -> dict[str, float]:
+        """One RL step on `prompts` (this process's rows); returns its metrics."""
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        actor_cfg, n = arr.actor, self.sampling.n
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        rng = jax.random.fold_in(jax.random.key(arr.rollout.seed), global_step)
+        with timer("step", timing):
+            with timer("gen", timing):
+                batch = self.generate(prompts, self.sampling, rng)
+            repeated = prompts.repeat(n)
+            group_ids = repeated.group_ids
+            with timer("reward", timing):
+                scores, reward_metrics, extra = self.reward_fn(
+                    repeated, batch["responses"], batch["response_mask"]
+                )
+                batch["token_level_scores"] = scores.astype(np.float32)
+                metrics.update(reward_metrics)
+            if cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
+                with timer("gen_max", timing):
+                    greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
+                    base = self.generate(prompts, dataclasses.replace(greedy, n=1), rng)
+                    base_scores, _, _ = self.reward_fn(
+                        prompts, base["responses"], base["response_mask"]
+                    )
+                    batch["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
+            mini_rows = actor_cfg.ppo_mini_batch_size * n // jax.process_count()
+            on_policy = (
+                mini_rows >= len(batch["responses"])
+                and actor_cfg.ppo_epochs == 1
+                and not cfg.algorithm.use_kl_in_reward
+            )
+            micro = self._log_prob_micro()
+            if self.bypass:
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            elif not on_policy:
+                with timer("old_log_prob", timing):
+                    old, entropy = infer(
+                        self._log_prob,
+                        self.actor.params,
+                        batch,
+                        layout=self.train_layout,
+                        **micro,
+                    )
+                    batch["old_log_probs"] = old
+                    metrics["actor/entropy"] = float(
+                        agg_loss(
+                            entropy,
+                            batch["response_mask"].astype(np.float32),
+                            actor_cfg.loss_agg_mode,
+                            loss_scale_factor=actor_cfg.loss_scale_factor,
+                        )
+                    )
+            if self.ref_params is not None:
+                with timer("ref", timing):
+                    batch["ref_log_probs"] = infer(
+                        self._ref_log_prob,
+                        self.ref_params,
+                        batch,
+                        layout=self.train_layout,
+                        **micro,
+                    )
+            if self.critic is not None:
+                with timer("values", timing):
+                    c = cfg.critic
+                    batch["values"] = infer(
+                        self._values,
+                        self.critic.params,
+                        batch,
+                        layout=self.train_layout,
+                        micro_rows=c.forward_micro_batch_size_per_gpu,
+                        token_budget=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                    )
+            with timer("adv", timing):
+                if self.kl_ctrl is not None:
+                    rewards, kl_metrics = apply_kl_penalty(
+                        batch, self.kl_ctrl, cfg.algorithm.kl_penalty
+                    )
+                    batch["token_level_rewards"] = rewards
+                    metrics.update(kl_metrics)
+                else:
+                    batch["token_level_rewards"] = batch["token_level_scores"]
+                adv, ret = compute_advantage(batch, group_ids, cfg.algorithm, extra)
+                batch["advantages"], batch["returns"] = adv, ret
+            if self.critic is not None:
+                with timer("update_critic", timing):
+                    c = cfg.critic
+                    critic_metrics = self.critic.update(
+                        batch,
+                        mini_batch_rows=c.ppo_mini_batch_size * n // jax.process_count(),
+                        epochs=c.ppo_epochs,
+                        shuffle=c.shuffle,
+                        seed=c.data_loader_seed + global_step,
+                        micro_rows=c.ppo_micro_batch_size_per_gpu,
+                        token_budget=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                        fields=("values", "returns"),
+                    )
+                    metrics.update(_prefixed(critic_metrics, "critic"))
+            if global_step >= cfg.trainer.critic_warmup:
+                with timer("update_actor", timing):
+                    actor_metrics = self.actor.update(
+                        batch,
+                        mini_batch_rows=mini_rows,
+                        epochs=actor_cfg.ppo_epochs,
+                        shuffle=actor_cfg.shuffle,
+                        seed=actor_cfg.data_loader_seed + global_step,
+                        micro_rows=actor_cfg.ppo_micro_batch_size_per_gpu,
+                        token_budget=(
+                            actor_cfg.ppo_max_token_len_per_gpu
+                            if actor_cfg.use_dynamic_bsz
+                            else None
+                        ),
+                        fields=self._actor_fields(batch, on_policy),
+                    )
+                    for k, v in _prefixed(actor_metrics, "actor").items():
+                        metrics.setdefault(k, v)  # actor/entropy: the old-log-prob pass's
+                    metrics["actor/lr"] = float(self._actor_lr(int(self.actor.state.step)))
+        metrics.update(data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(timing_metrics(batch, timing))
+        metrics.update(throughput_metrics(batch, timing["step"], self.devices))
+        metrics["training/global_step"] = global_step
+        self.last_batch = batch
+        return metrics
+
+    def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
+        fields = ["advantages"]
+        fields.append("old_log_probs" if not on_policy else "")
+        for name in ("ref_log_probs", "rollout_is_weights"):
+            if name in batch:
+                fields.append(name)
+        return tuple(f for f in fields if f)
+
+    def _log_prob_micro(self) -> dict[str, Any]:
+        r = self.cfg.actor_rollout_ref.rollout
+        budget = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None
+        return {"micro_rows": r.log_prob_micro_batch_size_per_gpu, "token_budget": budget}
+
+
+def _prefixed(metrics: dict[str, float], role: str) -> dict[str, float]:
+    return {k if "/" in k else f"{role}/{k}": v for k, v in metrics.items()}
+
+
+def _shardings(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, tree)

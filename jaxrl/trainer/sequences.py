@@ -1,0 +1,80 @@
+"""Per-token quantities of the responses in an RL batch: log-probs, entropy, values.
+
+A sequence is a left-padded prompt [P] followed by a right-padded response [R]; the model reads
+`input_ids = concat(prompts, responses)` [B, P + R] with `attention_mask` likewise. As in verl,
+the response's log-probs and values come from the positions `[-R-1:-1]` (position t predicts
+token t + 1):
+
+    log_probs[b, j] = log softmax(logits[b, P - 1 + j] / temperature)[responses[b, j]]
+    values[b, j]    = critic_head(h[b, P - 1 + j])
+
+so `values[b, j]` is the value of the state before response token j.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxrl.models.config import DecoderConfig
+from jaxrl.models.outputs import token_log_probs
+from jaxrl.models.params import Params
+from jaxrl.models.transformer import hidden_states, score_head
+
+
+def _response_hidden(
+    config: DecoderConfig,
+    params: Params,
+    prompts: Int[Array, "b p"],
+    prompt_mask: Int[Array, "b p"],
+    responses: Int[Array, "b r"],
+    response_mask: Int[Array, "b r"],
+) -> Float[Array, "b r d"]:
+    input_ids = jnp.concatenate([prompts, responses], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    h = hidden_states(config, params, input_ids, mask)
+    r = responses.shape[1]
+    return h[:, -r - 1 : -1]
+
+
+def response_log_probs(
+    config: DecoderConfig,
+    params: Params,
+    prompts: Int[Array, "b p"],
+    prompt_mask: Int[Array, "b p"],
+    responses: Int[Array, "b r"],
+    response_mask: Int[Array, "b r"],
+    *,
+    temperature: float,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[Float[Array, "b r"], Float[Array, "b r"] | None]:
+    """(log-probs [B, R] of the response tokens under logits / temperature, entropy or None)."""
+    h = _response_hidden(config, params, prompts, prompt_mask, responses, response_mask)
+    return token_log_probs(
+        config,
+        params,
+        h,
+        responses,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+
+
+def response_values(
+    config: DecoderConfig,
+    params: Params,
+    prompts: Int[Array, "b p"],
+    prompt_mask: Int[Array, "b p"],
+    responses: Int[Array, "b r"],
+    response_mask: Int[Array, "b r"],
+) -> Float[Array, "b r"]:
+    """Critic values [B, R] (float32) of the states before each response token."""
+    if config.head != "token_classification" or config.num_labels != 1:
+        raise ValueError(
+            f"the critic needs a 1-label token-classification head, not {config.head!r} with "
+            f"{config.num_labels} labels"
+        )
+    h = _response_hidden(config, params, prompts, prompt_mask, responses, response_mask)
+    return score_head(config, params, h)[..., 0].astype(jnp.float32)
