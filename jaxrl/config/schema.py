@@ -455,17 +455,44 @@ class RewardModelPathConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """`reward_model.overlong_buffer.*`: DAPO's soft penalty for responses near the maximum
+    length (the `dapo` manager; verl's DAPO recipe keys).
+
+    Attributes:
+        enable: Apply the penalty.
+        len: Buffer length L: a response longer than max_response_length - L loses
+            (length - (max - L)) / L * penalty_factor, at most penalty_factor.
+        penalty_factor: Penalty at the maximum length.
+        log: Record the penalty in the reward extra info.
+    """
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
     """`reward_model.*`: model-based reward and the reward manager.
 
     Attributes:
-        enable: Score responses with a reward model.
+        enable: Score responses with a reward model (its score replaces the rule-based one).
         model: Its checkpoint.
         micro_batch_size_per_gpu: Sequences per device per scoring pass; null: all at once.
         max_length: Longest scored sequence; null: prompt + response length.
         reward_manager: How rule-based scores are computed: `naive` (per sample), `batch`
-            (the whole batch in one call) or `dapo` (with overlong penalty).
+            (the whole batch in one call), `dapo` (with overlong penalty) or `prime` (alias
+            `parallel`: worker processes with a per-sample timeout).
         dtype: Compute dtype of the reward model.
+        overlong_buffer: DAPO's overlong penalty (`dapo` manager).
+        compute_score_timeout: Seconds per sample for `naive`/`dapo` (main thread only);
+            null: none.
+        num_workers: *jaxrl*. Scoring processes of the `prime` manager.
+        timeout_s: *jaxrl*. Seconds per sample in the `prime` manager before its worker is
+            killed and the sample scores 0.
+        reward_kwargs: Extra keyword arguments of the `batch` manager's scoring function.
     """
 
     enable: bool = False
@@ -474,6 +501,11 @@ class RewardModelConfig:
     max_length: int | None = None
     reward_manager: str = "naive"
     dtype: str = "bfloat16"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    compute_score_timeout: float | None = None
+    num_workers: int = 4
+    timeout_s: float = 300.0
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

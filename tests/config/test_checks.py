@@ -150,7 +150,7 @@ def test_nodes_times_gpus_must_match_devices():
         ("trainer.resume_mode=latest", None),
         ("actor_rollout_ref.model.remat_policy=dots", "did you mean 'save_dots'"),
         ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosin", "did you mean 'cosine'"),
-        ("reward_model.reward_manager=prime", None),
+        ("reward_model.reward_manager=naiv", "did you mean 'naive'"),
     ],
 )
 def test_choices_name_key_value_and_options(override, hint):

@@ -7,6 +7,7 @@
 | `HuggingFaceH4/MATH-500`                                      |                        |
 | `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`           | `math_dapo` (dict)     |
 | `searchR1_nq`, `searchR1_triviaqa`, ... (7 sources)           | `qa_em`                |
+| `jaxrl/synthetic_{repeat,copy,reverse}` (jaxrl's own task)    | `jaxrl.data.synthetic` |
 
 verl's remaining sources (`numina_*` via prime_math, code contests via a sandbox or prime_code,
 `hiyouga/geometry3k` via mathruler) are not ported: they raise `NotImplementedError` that says
@@ -26,6 +27,7 @@ SEARCH_R1_SOURCES = tuple(
     "searchR1_" + s
     for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 )
+SYNTHETIC_PREFIX = "jaxrl/synthetic_"
 NOT_PORTED = {
     **dict.fromkeys(
         (
@@ -52,6 +54,11 @@ def _select(data_source: str):
         return math_dapo.compute_score
     if data_source in SEARCH_R1_SOURCES:
         return qa_em.compute_score
+    if data_source.startswith(SYNTHETIC_PREFIX):
+        from jaxrl.data import synthetic  # lazily: scoring workers stay light
+
+        if synthetic.is_synthetic(data_source):
+            return synthetic.compute_score
     if data_source in NOT_PORTED:
         raise NotImplementedError(
             f"data_source {data_source!r} uses verl's {NOT_PORTED[data_source]} scorer, which "
@@ -60,7 +67,8 @@ def _select(data_source: str):
         )
     raise NotImplementedError(
         f"no rule-based scorer for data_source={data_source!r}; built in: "
-        f"{[*GSM8K_SOURCES, *MATH_SOURCES, *MATH_DAPO_SOURCES, 'aime*', *SEARCH_R1_SOURCES]}. "
+        f"{[*GSM8K_SOURCES, *MATH_SOURCES, *MATH_DAPO_SOURCES, 'aime*', *SEARCH_R1_SOURCES]} "
+        "and jaxrl/synthetic_*. "
         "Set custom_reward_function.path/name to score it with your own function"
     )
 
