@@ -2,8 +2,8 @@
 
 Loads and checks the configuration against the devices JAX sees, prints the resolved config and
 the device/mesh summary, and writes the resolved config to the run directory
-(`trainer.default_local_dir/config.yaml`). The RL step loop is the trainer issue's; until it
-lands the command stops after these checks and says so.
+(`trainer.default_local_dir/config.yaml`), makes the files `assets.*` asks for (the
+quickstart's model and data), and runs the RL loop (`jaxrl.trainer.fit`).
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides, num_devices=jax.device_count())
+        from jaxrl.assets import prepare
+
+        for path in prepare(cfg):
+            print(f"wrote {path}")
         for key, model in [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)] + (
             [("critic.model", cfg.critic.model)] if critic_enabled(cfg) else []
         ):
@@ -102,10 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(device_summary(cfg))
     path = save_config(cfg, cfg.trainer.default_local_dir)
     print(f"resolved config written to {path}")
-    print(
-        "configuration valid. The RL step loop is not implemented yet (the trainer issue); "
-        "stopping after the checks."
-    )
+    from jaxrl.trainer.fit import fit
+
+    metrics = fit(cfg)
+    core = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+    print(f"done: {cfg.trainer.default_local_dir} ({core or 'no validation'})")
     return 0
 
 

@@ -143,6 +143,7 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
     p.choice(cfg, "algorithm.kl_ctrl.type", ("fixed", "adaptive"))
     p.choice(cfg, "algorithm.rollout_correction.rollout_is", (None, "token", "sequence"))
     p.choice(cfg, "algorithm.rollout_correction.loss_type", ("ppo_clip", "reinforce"))
+    p.choice(cfg, "assets.task", ("repeat", "copy", "reverse"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))
     p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))
     for role in ("actor_rollout_ref", "critic"):

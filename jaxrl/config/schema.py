@@ -581,6 +581,9 @@ class AlgorithmConfig:
         kl_penalty: KL estimator of that penalty.
         kl_ctrl: Its coefficient controller.
         rollout_correction: Rollout/training mismatch correction.
+        gdpo_reward_keys: GDPO: the reward components (keys of the scorer's returned dict)
+            normalised separately.
+        gdpo_reward_weights: GDPO: their weights (null: equal).
     """
 
     adv_estimator: str = "gae"
@@ -591,6 +594,8 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None
 
 
 # --------------------------------------------------------------------------------------- trainer
@@ -679,6 +684,31 @@ class MeshConfig:
     rollout_rules: dict[str, Any] = field(default_factory=lambda: dict(ROLLOUT_RULES))
 
 
+# ---------------------------------------------------------------------------------------- assets
+
+
+@dataclass(frozen=True)
+class AssetsConfig:
+    """`assets.*`: *jaxrl*. Files a run makes for itself, offline, when they are missing.
+
+    Attributes:
+        quickstart: Write a tiny random Qwen2 policy with jaxrl's synthetic-task tokenizer to
+            `actor_rollout_ref.model.path`, and the synthetic task as verl-format parquet to
+            `data.train_files` / `data.val_files`, where those do not exist yet (see
+            `configs/quickstart.yaml`). Existing files are never overwritten.
+        task: The synthetic task: `repeat`, `copy` or `reverse`.
+        task_length: Digits in each answer.
+        train_size: Training rows to write.
+        val_size: Validation rows to write.
+    """
+
+    quickstart: bool = False
+    task: str = "repeat"
+    task_length: int = 4
+    train_size: int = 1024
+    val_size: int = 64
+
+
 # ------------------------------------------------------------------------------------------ root
 
 
@@ -695,6 +725,7 @@ class Config:
         algorithm: Advantage estimator and KL in reward.
         trainer: Step loop, logging, validation and checkpoints.
         mesh: The device mesh (jaxrl).
+        assets: Files the run makes for itself (jaxrl).
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -707,6 +738,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    assets: AssetsConfig = field(default_factory=AssetsConfig)
 
 
 def is_group(tp: Any) -> bool:

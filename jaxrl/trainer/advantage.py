@@ -89,7 +89,16 @@ def compute_advantage(
             kwargs["reward_baselines"] = jnp.asarray(batch["reward_baselines"])
         if name == AdvantageEstimator.GDPO:
             attention = np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
-            kwargs["non_tensor_batch"] = {k: jnp.asarray(v) for k, v in (extra or {}).items()}
+            keys = list(getattr(algorithm, "gdpo_reward_keys", None) or (extra or {}))
+            missing = [k for k in keys if k not in (extra or {})]
+            if missing:
+                raise ValueError(
+                    f"gdpo needs the reward components {missing} from the scorer's extra info "
+                    f"(it returned {sorted(extra or {})}); return them from compute_score"
+                )
+            kwargs["non_tensor_batch"] = {
+                k: jnp.asarray(np.asarray(extra[k], np.float32)) for k in keys
+            }
             kwargs["batch"] = {"attention_mask": jnp.asarray(attention)}
         if name in (
             AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,

@@ -62,17 +62,16 @@ def plan(
     token_budget: int | None,
 ) -> list[MicroBatch]:
     """Micro-batches of `rows`; `micro_rows` / `token_budget` are per batch-shard device
-    (verl's `*_per_gpu` keys) and scale with the number of shards."""
-    shards = batch_shards(layout)
+    (verl's `*_per_gpu` keys)."""
     return plan_micro_batches(
         rows,
         batch["prompt_mask"].sum(-1),
         batch["response_mask"].sum(-1),
         batch["prompts"].shape[1],
         batch["responses"].shape[1],
-        micro_rows=None if micro_rows is None else micro_rows * shards,
-        token_budget=None if token_budget is None else token_budget * shards,
-        row_multiple=shards,
+        micro_rows=micro_rows,
+        token_budget=token_budget,
+        shards=batch_shards(layout),
     )
 
 

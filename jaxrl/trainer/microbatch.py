@@ -10,8 +10,11 @@ batch-shard count with all-padding rows (row index -1), which carry no loss.
 Two ways to form them (verl's keys):
 
 - `micro_rows` (`*_micro_batch_size_per_gpu` x batch shards): consecutive rows, a fixed count;
-- `token_budget` (`use_dynamic_bsz`, `*_max_token_len_per_gpu` x batch shards): rows sorted by
-  length, longest first, filled while rows x (p + r) stays within the budget.
+- `token_budget` (`use_dynamic_bsz`, `*_max_token_len_per_gpu`): the rows are split into the
+  batch shards' contiguous blocks, each shard's block is cut by `jaxrl.data.dynamic_micro_batches`
+  (verl's `rearrange_micro_batches`: the same number of micro-batches on every shard, each
+  within the budget of valid tokens), and micro-batch k gathers every shard's k-th part, padded
+  to the longest part.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def _width(lengths: np.ndarray, full: int) -> int:
 
 
 def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
+    rows = rows.astype(np.int64)
     extra = -len(rows) % multiple
-    return np.concatenate([rows, np.full(extra, -1, rows.dtype)]) if extra else rows
+    return np.concatenate([rows, np.full(extra, -1, np.int64)]) if extra else rows
 
 
 def plan_micro_batches(
@@ -54,7 +58,7 @@ def plan_micro_batches(
     *,
     micro_rows: int | None = None,
     token_budget: int | None = None,
-    row_multiple: int = 1,
+    shards: int = 1,
 ) -> list[MicroBatch]:
     """Split `rows` (indices into the batch) into micro-batches.
 
@@ -64,50 +68,51 @@ def plan_micro_batches(
         response_lengths: Real response tokens of every row of the batch [N].
         prompt_width: P, the batch's prompt columns.
         response_width: R, the batch's response columns.
-        micro_rows: Rows per micro-batch (fixed count); None with no budget: all rows at once.
-        token_budget: Padded tokens per micro-batch (dynamic batch size); overrides micro_rows.
-        row_multiple: Every micro-batch's row count is padded to a multiple of this.
-
-    Raises:
-        ValueError: if one row alone exceeds the token budget (naming the budget needed).
+        micro_rows: Rows per shard per micro-batch (fixed count); None with no budget: all
+            rows at once.
+        token_budget: Valid tokens per shard per micro-batch (dynamic batch size); overrides
+            `micro_rows`.
+        shards: Devices the batch axis is split over; every micro-batch's row count is a
+            multiple of it.
     """
-    rows = np.asarray(rows)
+    rows = _pad_rows(np.asarray(rows), shards)
     if token_budget is not None:
-        groups = _by_budget(rows, prompt_lengths, response_lengths, token_budget, row_multiple)
+        groups = _by_budget(rows, prompt_lengths + response_lengths, token_budget, shards)
     else:
-        size = len(rows) if micro_rows is None else micro_rows
+        size = len(rows) if micro_rows is None else micro_rows * shards
         groups = [rows[i : i + size] for i in range(0, len(rows), max(size, 1))]
     out = []
     for group in groups:
-        p = _width(prompt_lengths[group], prompt_width)
-        r = _width(response_lengths[group], response_width)
-        out.append(MicroBatch(_pad_rows(group, row_multiple), p, r))
+        real = group[group >= 0]
+        p = _width(prompt_lengths[real], prompt_width)
+        r = _width(response_lengths[real], response_width)
+        out.append(MicroBatch(_pad_rows(group, shards), p, r))
     return out
 
 
-def _by_budget(rows, prompt_lengths, response_lengths, budget, row_multiple) -> list[np.ndarray]:
-    total = prompt_lengths[rows] + response_lengths[rows]
-    order = rows[np.argsort(-total, kind="stable")]
-    groups, current = [], []
-    for row in order:
-        candidate = [*current, row]
-        p = _width(prompt_lengths[candidate], 1 << 30)
-        r = _width(response_lengths[candidate], 1 << 30)
-        padded_rows = -(-len(candidate) // row_multiple) * row_multiple
-        if padded_rows * (p + r) <= budget:
-            current = candidate
-            continue
-        if not current:
-            raise ValueError(
-                f"a sequence of {p + r} padded tokens ({row_multiple} rows per shard step) does "
-                f"not fit the token budget {budget}; raise ppo_max_token_len_per_gpu to at "
-                f"least {-(-padded_rows * (p + r) // row_multiple)}"
-            )
-        groups.append(np.asarray(current))
-        current = [row]
-    if current:
-        groups.append(np.asarray(current))
+def _by_budget(rows, seq_lengths, budget, shards) -> list[np.ndarray]:
+    from jaxrl.data.dynamic import dynamic_micro_batches
+
+    blocks = np.split(rows, shards)  # what each shard holds of a [rows] array
+    blocks = [b[b >= 0] for b in blocks]
+    lengths = [seq_lengths[b] if len(b) else np.zeros(0, np.int64) for b in blocks]
+    parts = dynamic_micro_batches([x for x in lengths if len(x)], budget)
+    parts_iter = iter(parts)
+    per_shard = [next(parts_iter) if len(b) else [] for b in blocks]
+    count = len(parts[0])
+    groups = []
+    for k in range(count):
+        pieces = [
+            b[p[k]] if p else np.zeros(0, rows.dtype)
+            for b, p in zip(blocks, per_shard, strict=True)
+        ]
+        width = max(len(x) for x in pieces)
+        groups.append(np.concatenate([_pad_to(x, width) for x in pieces]))
     return groups
+
+
+def _pad_to(rows: np.ndarray, n: int) -> np.ndarray:
+    return np.concatenate([rows, np.full(n - len(rows), -1, np.int64)]).astype(np.int64)
 
 
 def take(batch: dict[str, np.ndarray], mb: MicroBatch) -> dict[str, np.ndarray]:

@@ -1,0 +1,90 @@
+"""Files a run makes for itself, offline (`assets.*`): the quickstart's tiny policy and task.
+
+    written = jaxrl.assets.prepare(cfg)   # paths created; [] when everything exists
+
+With `assets.quickstart`, a missing `actor_rollout_ref.model.path` becomes a tiny random Qwen2
+policy (2 layers, hidden 64, tied embeddings; initialised by jaxrl, no torch needed) with the
+synthetic task's word-level tokenizer, and missing `data.train_files` / `data.val_files` become
+verl-format parquet of `jaxrl.data.synthetic`'s task. Nothing that exists is overwritten.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+QUICKSTART_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def _single(files, key: str) -> Path:
+    files = [files] if isinstance(files, str) else list(files)
+    if len(files) != 1:
+        raise ValueError(f"assets.quickstart writes one parquet file; {key} lists {len(files)}")
+    return Path(files[0]).expanduser()
+
+
+def write_quickstart_model(folder: Path, seed: int = 0) -> None:
+    """A tiny random Qwen2 causal LM and its tokenizer, as an HF checkpoint folder."""
+    import jax
+    from transformers import AutoTokenizer, Qwen2Config
+
+    from jaxrl.data import synthetic
+    from jaxrl.models import from_hf_config, init_params, save_pretrained
+
+    with tempfile.TemporaryDirectory() as tmp:  # write whole, then move: no half folders
+        staging = Path(tmp) / "model"
+        synthetic.write_tokenizer(staging)
+        tokenizer = AutoTokenizer.from_pretrained(str(staging))
+        vocab = -(-len(tokenizer) // 8) * 8
+        hf = Qwen2Config(
+            vocab_size=vocab,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            **QUICKSTART_MODEL,
+        )
+        config = from_hf_config(hf)
+        params = init_params(config, jax.random.key(seed))
+        save_pretrained(config, params, staging, tokenizer, base_config=hf.to_dict())
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staging), str(folder))
+
+
+def prepare(cfg) -> list[str]:
+    """Create the missing files `cfg.assets` asks for; returns what was written."""
+    if not cfg.assets.quickstart:
+        return []
+    from jaxrl.data import synthetic
+    from jaxrl.data.rows import write_parquet
+
+    written = []
+    model = Path(cfg.actor_rollout_ref.model.path).expanduser()
+    if not (model / "config.json").is_file():
+        write_quickstart_model(model, seed=cfg.data.seed or 0)
+        written.append(str(model))
+    train = _single(cfg.data.train_files, "data.train_files")
+    val = _single(cfg.data.val_files, "data.val_files")
+    a = cfg.assets
+    for path, split, size in ((train, "train", a.train_size), (val, "test", a.val_size)):
+        if path.is_file():
+            continue
+        records = synthetic.make_records(
+            size, task=a.task, length=a.task_length, seed=cfg.data.seed or 0, split=split
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".partial")
+        write_parquet(records, tmp)
+        tmp.replace(path)
+        written.append(str(path))
+    return written

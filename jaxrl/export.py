@@ -1,0 +1,88 @@
+"""`python -m jaxrl.export --checkpoint DIR --out HF_DIR`: a checkpoint's actor as an HF folder
+(verl's model merger).
+
+DIR is a step folder of a run's checkpoints (`.../checkpoints/40`), a run's `checkpoints`
+folder, or a run directory (both: the newest step). The folder written has the original
+checkpoint's `config.json` entries, the trained weights (safetensors) and the tokenizer, and
+loads with `transformers.AutoModelForCausalLM.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def resolve_step(path: Path) -> tuple[Path, int]:
+    """(checkpoints folder, step) for a step folder, a checkpoints folder or a run directory."""
+    path = path.expanduser().absolute()
+    if path.name.isdigit() and path.is_dir():
+        return path.parent, int(path.name)
+    for folder in (path, path / "checkpoints"):
+        steps = [int(p.name) for p in folder.glob("*") if p.name.isdigit() and p.is_dir()]
+        if steps:
+            return folder, max(steps)
+    raise FileNotFoundError(
+        f"{path}: no checkpoint found; pass a run directory, its checkpoints folder, or a step "
+        "folder such as RUN/checkpoints/40"
+    )
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Write the actor of `checkpoint` to the HF folder `out`; returns `out`."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxrl.models import abstract_params, load_config, save_pretrained
+    from jaxrl.trainer.checkpoint import Checkpoints
+
+    folder, step = resolve_step(Path(checkpoint))
+    ckpts = Checkpoints(folder)
+    meta = ckpts.read_meta(step)
+    source = Path(meta["model_path"])
+    config = load_config(
+        source, param_dtype=meta["param_dtype"], override_config=meta.get("override_config") or None
+    )
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_params(config)
+    )
+    restored = ckpts._manager.restore(
+        step, args=ocp.args.Composite(actor_params=ocp.args.StandardRestore(target))
+    )
+    ckpts.close()
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError):
+        pass  # a checkpoint without a tokenizer: weights and config only
+    base = json.loads((source / "config.json").read_text())
+    return save_pretrained(
+        config, restored["actor_params"], out, tokenizer, dtype=dtype, base_config=base
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxrl.export", description=__doc__)
+    parser.add_argument(
+        "--checkpoint", type=Path, required=True, help="step, checkpoints or run dir"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="HF folder to write")
+    parser.add_argument("--dtype", default=None, help="storage dtype (default: the parameters')")
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.checkpoint, args.out, args.dtype)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

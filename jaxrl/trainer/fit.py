@@ -1,0 +1,243 @@
+"""The run: data, rewards, roles, the step loop, validation, checkpoints and logs
+(`RayPPOTrainer.fit`). `python -m jaxrl.train` calls `fit(cfg)`.
+
+Steps are numbered from 1 as in verl. Step s validates when `test_freq > 0` and s is a multiple
+of it or the last step (and before step 1 with `val_before_train`), and checkpoints when
+`save_freq > 0` and s is a multiple of it or the last step. A resumed run (`resume_mode: auto`
+finds the newest checkpoint of the run directory) restores the actor and critic parameters and
+optimizer states, the data iterator, the KL coefficient and the step, so every later step
+computes what an uninterrupted run computes: the sampler's key is derived from the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
+from jaxrl.data.batch import PromptBatch
+from jaxrl.rewards import RewardInputs, make_reward_manager
+from jaxrl.trainer.checkpoint import Checkpoints, abstract
+from jaxrl.trainer.loggers import Tracking
+from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
+from jaxrl.trainer.update import UpdateState
+from jaxrl.trainer.validation import validate
+
+log = logging.getLogger("jaxrl.train")
+
+
+def reward_fn_from(manager: Any, reward_model: Any = None) -> RewardFn:
+    """A `RewardFn` over a reward manager (rule-based / custom scores), or a reward model whose
+    score replaces them when `reward_model.enable` (as verl's managers return `rm_scores`)."""
+
+    def fn(prompts: PromptBatch, responses: np.ndarray, mask: np.ndarray):
+        if reward_model is not None:
+            scores = reward_model.compute_rm_score(
+                prompts.input_ids,
+                prompts.attention_mask,
+                responses,
+                mask,
+                raw_prompts=list(prompts.raw_prompt),
+            )
+            return np.asarray(scores, np.float32), {}, {}
+        inputs = RewardInputs(
+            response_mask=mask,
+            data_sources=[str(s) for s in prompts.data_source],
+            ground_truths=list(prompts.ground_truth),
+            response_ids=responses,
+            extra_infos=list(prompts.extra_info),
+        )
+        out = manager(inputs)
+        return out.reward_tensor, dict(out.metrics), dict(out.reward_extra_info)
+
+    return fn
+
+
+def total_steps(cfg, loader: PromptIterator) -> int:
+    if cfg.trainer.total_training_steps is not None:
+        return int(cfg.trainer.total_training_steps)
+    return loader.batches_per_epoch * cfg.trainer.total_epochs
+
+
+def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
+    mode = cfg.trainer.resume_mode
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        path = Path(str(cfg.trainer.resume_from_path)).expanduser()
+        if not path.is_dir() or not path.name.isdigit():
+            raise FileNotFoundError(
+                f"trainer.resume_from_path={path}: expected a step folder of a run's "
+                "checkpoints (e.g. checkpoints/PROJECT/EXP/checkpoints/40)"
+            )
+        return Checkpoints(path.parent), int(path.name)
+    step = ckpts.latest_step()
+    return None if step is None else (ckpts, step)
+
+
+def _refuse_overwrite(cfg, ckpts: Checkpoints) -> None:
+    """A fresh run must not write over (or be confused by) another run's checkpoints."""
+    steps = ckpts.all_steps()
+    if steps and cfg.trainer.resume_mode == "disable":
+        raise FileExistsError(
+            f"{ckpts.directory} already holds checkpoints of steps {sorted(steps)}, and "
+            f"trainer.resume_mode={cfg.trainer.resume_mode} starts over: set "
+            "trainer.resume_mode=auto to continue that run, or choose another "
+            "trainer.experiment_name / trainer.default_local_dir (or remove the folder)"
+        )
+
+
+def _state_items(trainer: PPOTrainer) -> dict[str, Any]:
+    items = {"actor_params": trainer.actor.state.params, "actor_opt": trainer.actor.state.opt_state}
+    if trainer.critic is not None:
+        items["critic_params"] = trainer.critic.state.params
+        items["critic_opt"] = trainer.critic.state.opt_state
+    return items
+
+
+def _meta(cfg, trainer: PPOTrainer, loader: PromptIterator, step: int) -> dict[str, Any]:
+    return {
+        "global_step": step,
+        "data": loader.state_dict(),
+        "kl_coef": None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value),
+        "actor_steps": int(trainer.actor.state.step),
+        "critic_steps": None if trainer.critic is None else int(trainer.critic.state.step),
+        "model_path": str(Path(cfg.actor_rollout_ref.model.path).expanduser().absolute()),
+        "param_dtype": trainer.actor_config.param_dtype,
+        "override_config": dict(cfg.actor_rollout_ref.model.override_config),
+    }
+
+
+def _restore(trainer: PPOTrainer, loader: PromptIterator, ckpts: Checkpoints, step: int) -> int:
+    items, meta = ckpts.restore(step, abstract(_state_items(trainer)))
+    trainer.actor.state = UpdateState(
+        items["actor_params"],
+        items["actor_opt"],
+        _scalar_like(trainer.actor.state.step, meta["actor_steps"]),
+    )
+    if trainer.critic is not None:
+        trainer.critic.state = UpdateState(
+            items["critic_params"],
+            items["critic_opt"],
+            _scalar_like(trainer.critic.state.step, meta["critic_steps"]),
+        )
+    if trainer.kl_ctrl is not None and meta.get("kl_coef") is not None:
+        trainer.kl_ctrl.value = meta["kl_coef"]
+    loader.load_state_dict(meta["data"])
+    return int(meta["global_step"])
+
+
+def _scalar_like(like: jax.Array, value: int) -> jax.Array:
+    return jax.device_put(np.asarray(value, like.dtype), like.sharding)
+
+
+def fit(cfg, devices=None) -> dict[str, float]:
+    """Run `cfg` to its last step; returns the last step's metrics."""
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    model = cfg.actor_rollout_ref.model
+    tokenizer = load_tokenizer(
+        model.tokenizer_path or model.path,
+        trust_remote_code=model.trust_remote_code,
+        custom_chat_template=model.custom_chat_template,
+    )
+    train_loader = PromptIterator(
+        RLDataset.from_config(cfg.data, tokenizer, "train"),
+        cfg.data.train_batch_size,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
+    )
+    val_loader = None
+    if cfg.data.val_files and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train):
+        val_loader = PromptIterator.for_validation(
+            RLDataset.from_config(cfg.data, tokenizer, "val"), cfg.data.val_batch_size
+        )
+    steps = total_steps(cfg, train_loader)
+    reward_model = None
+    if cfg.reward_model.enable:
+        from jaxrl.rewards.reward_model import RewardModel
+
+        reward_model = RewardModel.from_config(cfg.reward_model, tokenizer)
+    manager = make_reward_manager(cfg, tokenizer)
+    val_manager = make_reward_manager(cfg, tokenizer, num_examine=1)
+    trainer = PPOTrainer(
+        cfg,
+        reward_fn_from(manager, reward_model),
+        val_reward_fn=reward_fn_from(val_manager, reward_model),
+        total_steps=steps,
+        devices=devices,
+    )
+    trainer.tokenizer = tokenizer
+    ckpts = Checkpoints(run_dir / "checkpoints", max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
+    start = 0
+    _refuse_overwrite(cfg, ckpts)
+    source = _resume_source(cfg, ckpts)
+    if source is not None:
+        start = _restore(trainer, train_loader, *source)
+        log.info("resumed from step %d of %d (%s)", start, steps, source[0].directory)
+        if start >= steps:
+            log.warning(
+                "the run is already at its last step (%d); raise trainer.total_training_steps "
+                "to train further",
+                steps,
+            )
+    tracking = Tracking(
+        run_dir,
+        cfg.trainer.logger,
+        cfg.trainer.project_name,
+        cfg.trainer.experiment_name,
+        resume_step=start,
+    )
+    metrics: dict[str, float] = {}
+    try:
+        if val_loader is not None and cfg.trainer.val_before_train and start == 0:
+            val = validate(trainer, val_loader, 0, cfg.trainer.validation_data_dir)
+            tracking.log(val, 0)
+            if cfg.trainer.val_only:
+                return val
+        progress = tqdm(range(start + 1, steps + 1), initial=start, total=steps, disable=None)
+        for step in progress:
+            metrics = trainer.step(next(train_loader), step)
+            last = step == steps
+            freq = cfg.trainer.test_freq
+            if val_loader is not None and freq > 0 and (step % freq == 0 or last):
+                metrics.update(validate(trainer, val_loader, step, cfg.trainer.validation_data_dir))
+            if cfg.trainer.rollout_data_dir:
+                _dump_rollout(trainer, step, cfg.trainer.rollout_data_dir)
+            save = cfg.trainer.save_freq
+            if save > 0 and (step % save == 0 or last):
+                ckpts.save(step, _state_items(trainer), _meta(cfg, trainer, train_loader, step))
+            tracking.log(metrics, step)
+    finally:
+        ckpts.close()
+        tracking.close()
+    if jax.process_index() == 0:
+        from jaxrl.plot import plot_run
+
+        plot_run(run_dir)
+    return metrics
+
+
+def _dump_rollout(trainer: PPOTrainer, step: int, folder: str) -> None:
+    import json
+
+    if jax.process_index() != 0:
+        return
+    batch, tokenizer = trainer.last_batch, trainer.tokenizer
+    out = Path(folder).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / f"{step}.jsonl").open("w") as f:
+        for i in range(len(batch["responses"])):
+            prompt = batch["prompts"][i][batch["prompt_mask"][i] > 0]
+            response = batch["responses"][i][batch["response_mask"][i] > 0]
+            row = {
+                "step": step,
+                "input": tokenizer.decode(prompt, skip_special_tokens=True),
+                "output": tokenizer.decode(response, skip_special_tokens=True),
+                "score": float(batch["token_level_scores"][i].sum()),
+            }
+            f.write(json.dumps(row) + "\n")

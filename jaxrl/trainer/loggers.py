@@ -1,0 +1,126 @@
+"""Where step metrics go: `metrics.jsonl` (always), the console, TensorBoard and W&B.
+
+    loggers = Tracking(run_dir, ("console", "tensorboard"), project, experiment, config)
+    loggers.log(metrics, step)
+    loggers.close()
+
+Only process 0 writes (the metrics are already those of the run). `metrics.jsonl` holds one
+JSON object per line with `training/global_step` and verl's metric names. A fresh run starts it
+anew; a run resumed after step s keeps the lines of steps <= s and appends, so no step appears
+twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+LOGGERS = ("console", "tensorboard", "wandb")
+_CONSOLE_KEYS = (
+    "critic/score/mean",
+    "val-core/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/kl_loss",
+    "critic/vf_loss",
+    "response_length/mean",
+    "timing_s/step",
+    "perf/throughput",
+)
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's `metrics.jsonl`."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Tracking:
+    """verl's `Tracking`: fan step metrics out to the configured backends."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        backends: Sequence[str],
+        project: str,
+        experiment: str,
+        config: dict[str, Any] | None = None,
+        resume_step: int = 0,  # the last step already done (0: a fresh run)
+    ):
+        unknown = [b for b in backends if b not in LOGGERS]
+        if unknown:
+            raise ValueError(f"trainer.logger: unknown {unknown}; use any of {list(LOGGERS)}")
+        self.enabled = jax.process_index() == 0
+        self.run_dir = Path(run_dir)
+        self.backends = tuple(backends)
+        self._tb = self._wandb = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "metrics.jsonl"
+        rows = read_metrics(self.run_dir) if resume_step > 0 else []
+        kept = [r for r in rows if r.get("training/global_step", 0) <= resume_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._jsonl = path.open("a")
+        if "tensorboard" in self.backends:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "trainer.logger has tensorboard but tensorboardX is not installed: "
+                    "pip install tensorboardX"
+                ) from e
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if "wandb" in self.backends:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError(
+                    "trainer.logger has wandb but it is not installed: pip install wandb"
+                ) from e
+            self._wandb = wandb.init(project=project, name=experiment, config=config or {})
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"training/global_step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
+        if self._tb is not None:
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+        if "console" in self.backends:
+            shown = [k for k in _CONSOLE_KEYS if k in numbers]
+            shown += sorted(k for k in numbers if k.startswith("val-core/") and k not in shown)
+            text = " ".join(f"{k}={numbers[k]:.4g}" for k in shown)
+            print(f"step {step}: {text}", flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

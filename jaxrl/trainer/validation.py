@@ -1,0 +1,121 @@
+"""Validation: generate for every validation prompt with `val_kwargs` (greedy by default), score,
+and report verl's `val-core/*` / `val-aux/*` metrics.
+
+For each data source and each scored variable v (`reward`, the sequence score, plus what the
+scorer returns as extra info, e.g. `acc`), over the n responses of each prompt:
+
+    {sec}/{data_source}/{v}/mean@n    mean over prompts of the mean of their n values
+    {sec}/{data_source}/{v}/std@n     mean over prompts of the std of their n values (n > 1)
+    {sec}/{data_source}/{v}/best@n    mean over prompts of the best of their n values (n > 1)
+    {sec}/{data_source}/{v}/worst@n   ... of the worst (n > 1)
+
+`sec` is `val-core` for the core variable (`acc` when the scorer reports it, else `reward`) and
+its mean/best, `val-aux` otherwise, as verl's `_val_metrics_update` sorts them. (verl's best/
+worst are bootstrap estimates; with all n samples they equal these exact values in expectation.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.data.iterator import PromptIterator
+
+
+def _numeric(values: list[Any]) -> np.ndarray | None:
+    try:
+        out = np.asarray([np.nan if v is None else float(v) for v in values], np.float64)
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
+def validation_metrics(
+    data_sources: list[str], group_ids: np.ndarray, infos: dict[str, list[Any]]
+) -> dict[str, float]:
+    """verl's validation metrics (see the module doc) from per-response values."""
+    metrics: dict[str, float] = {}
+    sources = np.asarray(data_sources, dtype=object)
+    for source in sorted(set(data_sources)):
+        rows = np.flatnonzero(sources == source)
+        variables = {k: _numeric([v[i] for i in rows]) for k, v in infos.items()}
+        variables = {k: v for k, v in variables.items() if v is not None}
+        core = "acc" if "acc" in variables else "reward"
+        groups: dict[int, list[int]] = defaultdict(list)
+        for j, i in enumerate(rows):
+            groups[int(group_ids[i])].append(j)
+        n = max(len(g) for g in groups.values())
+        for name, values in variables.items():
+            per_group = [values[g] for g in groups.values()]
+            stats = {f"mean@{n}": np.nanmean([np.nanmean(v) for v in per_group])}
+            if n > 1:
+                stats[f"std@{n}"] = np.nanmean([np.nanstd(v) for v in per_group])
+                stats[f"best@{n}"] = np.nanmean([np.nanmax(v) for v in per_group])
+                stats[f"worst@{n}"] = np.nanmean([np.nanmin(v) for v in per_group])
+            for stat, value in stats.items():
+                core_stat = name == core and stat.startswith(("mean", "best"))
+                section = "val-core" if core_stat else "val-aux"
+                metrics[f"{section}/{source}/{name}/{stat}"] = float(value)
+    return metrics
+
+
+def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = None) -> dict:
+    """One pass over the validation set: metrics (and a JSONL dump of the generations)."""
+    sampling = trainer.val_sampling
+    sources: list[str] = []
+    group_ids: list[np.ndarray] = []
+    infos: dict[str, list[Any]] = defaultdict(list)
+    dump: list[dict[str, Any]] = []
+    offset = 0
+    rng = jax.random.fold_in(jax.random.key(trainer.cfg.actor_rollout_ref.rollout.seed + 1), step)
+    loader.epoch, loader.position = 0, 0  # every validation is one whole pass
+    for prompts in loader.one_epoch():
+        keep = ~prompts.is_padding
+        batch = trainer.generate(prompts, sampling, jax.random.fold_in(rng, offset))
+        repeated = prompts.repeat(sampling.n)
+        scores, _, extra = trainer.val_reward_fn(
+            repeated, batch["responses"], batch["response_mask"]
+        )
+        keep_rows = np.repeat(keep, sampling.n)
+        reward = scores.sum(-1)
+        sources += [str(s) for s in repeated.data_source[keep_rows]]
+        group_ids.append(repeated.group_ids[keep_rows] + offset)
+        infos["reward"] += reward[keep_rows].tolist()
+        for key, values in extra.items():
+            if key != "reward":
+                infos[key] += [v for v, k in zip(values, keep_rows, strict=True) if k]
+        if dump_dir is not None and jax.process_index() == 0:
+            dump += _dump_rows(trainer, repeated, batch, reward, keep_rows, step)
+        offset += len(prompts)
+    metrics = validation_metrics(sources, np.concatenate(group_ids), dict(infos))
+    if dump_dir is not None and jax.process_index() == 0:
+        folder = Path(dump_dir).expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / f"{step}.jsonl").open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in dump)
+    return metrics
+
+
+def _dump_rows(trainer, repeated, batch, reward, keep_rows, step) -> list[dict[str, Any]]:
+    tokenizer = trainer.tokenizer
+    if tokenizer is None:
+        return []
+    rows = []
+    for i in np.flatnonzero(keep_rows):
+        prompt = batch["prompts"][i][batch["prompt_mask"][i] > 0]
+        response = batch["responses"][i][batch["response_mask"][i] > 0]
+        rows.append(
+            {
+                "step": step,
+                "input": tokenizer.decode(prompt, skip_special_tokens=True),
+                "output": tokenizer.decode(response, skip_special_tokens=True),
+                "gts": str(repeated.ground_truth[i]),
+                "score": float(reward[i]),
+            }
+        )
+    return rows
