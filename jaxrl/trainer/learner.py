@@ -133,13 +133,13 @@ class Learner:
 
         if layout is None:
             self._accumulate = jax.jit(accumulate, donate_argnums=1)
-            self._apply = jax.jit(apply, donate_argnums=(0, 1))
+            self._apply = jax.jit(apply, donate_argnums=0)
             self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
         else:
             shardings = state_shardings(state, optimizer, layout, _shardings(state.params))
             grads_sh = shardings.params
             self._accumulate = jax.jit(accumulate, donate_argnums=1, out_shardings=(grads_sh, None))
-            self._apply = jax.jit(apply, donate_argnums=(0, 1), out_shardings=(shardings, None))
+            self._apply = jax.jit(apply, donate_argnums=0, out_shardings=(shardings, None))
             self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=grads_sh)
 
     @property

@@ -1,0 +1,198 @@
+"""The RL loop end to end on 8 fake devices: every role and option runs two steps; resume is
+exact; a killed save leaves the previous checkpoint; the update does not depend on the
+micro-batch split; the exported actor loads in transformers with the trained weights."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.assets import prepare
+from jaxrl.config import load_config
+from jaxrl.trainer.fit import fit
+from jaxrl.trainer.loggers import read_metrics
+
+MESH_2221 = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "mesh.sp=1"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The quickstart's tiny model and synthetic parquet, written once for the module."""
+    root = tmp_path_factory.mktemp("assets")
+    overrides = base_overrides(root, root / "run")
+    prepare(load_config("configs/quickstart.yaml", overrides))
+    return root
+
+
+def base_overrides(assets_dir, run_dir) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={assets_dir}/model",
+        f"data.train_files={assets_dir}/train.parquet",
+        f"data.val_files={assets_dir}/test.parquet",
+        f"trainer.default_local_dir={run_dir}",
+        "assets.val_size=8",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "trainer.logger=[]",
+        "trainer.test_freq=2",
+        "trainer.total_training_steps=2",
+    ]
+
+
+def config(assets_dir, run_dir, *extra, mesh=MESH_2221):
+    return load_config(
+        "configs/quickstart.yaml",
+        [*base_overrides(assets_dir, run_dir), *mesh, *extra],
+        num_devices=jax.device_count(),
+    )
+
+
+VERL_KEYS = (
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "prompt_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/gen",
+    "timing_s/step",
+    "timing_s/update_actor",
+    "timing_per_token_ms/gen",
+    "perf/throughput",
+    "training/global_step",
+)
+
+
+@pytest.mark.entry
+@pytest.mark.parametrize(
+    "name, extra, expect",
+    [
+        ("grpo", ["trainer.logger=[console,tensorboard]"], ()),
+        (
+            "ppo_critic",
+            ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=1"],
+            ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var"),
+        ),
+        (
+            "kl_loss_ref",
+            ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2"],
+            ("actor/kl_loss", "timing_s/ref", "timing_s/old_log_prob"),
+        ),
+        (
+            "kl_in_reward_adaptive",
+            ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"],
+            ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"),
+        ),
+        (
+            "dynamic_bsz",
+            [
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            ],
+            ("timing_s/old_log_prob",),
+        ),
+    ],
+)
+def test_two_steps(assets, tmp_path, name, extra, expect):
+    fit(config(assets, tmp_path, *extra))
+    rows = read_metrics(tmp_path)
+    assert [r["training/global_step"] for r in rows] == [0, 1, 2]
+    assert any(k.startswith("val-core/jaxrl/synthetic_repeat/") for k in rows[0])
+    for key in (*VERL_KEYS, *expect):
+        assert key in rows[2], f"{name}: {key} missing"
+        assert np.isfinite(rows[2][key]), f"{name}: {key} = {rows[2][key]}"
+    assert rows[2]["actor/skipped_steps"] == 0
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    if name == "grpo":
+        assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.entry
+def test_resume_equals_uninterrupted_run(assets, tmp_path):
+    """4 steps straight, against 2 steps + a checkpoint + a new process resuming to 4."""
+    common = ["trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+    mesh = ["mesh.fsdp=4", "mesh.dp=2", "mesh.tp=1"]
+    straight = tmp_path / "straight"
+    fit(config(assets, straight, *common, "trainer.total_training_steps=4", mesh=mesh))
+    stopped = tmp_path / "stopped"
+    fit(config(assets, stopped, *common, "trainer.total_training_steps=2", mesh=mesh))
+    fit(config(assets, stopped, *common, "trainer.total_training_steps=4", mesh=mesh))
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert [r["training/global_step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        for key, value in ra.items():
+            if key.startswith(("timing", "perf/time", "perf/throughput")):
+                continue
+            assert rb[key] == value, (ra["training/global_step"], key, value, rb[key])
+
+
+@pytest.mark.entry
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    """A process killed while writing step 2 leaves step 1 as the newest, restorable."""
+    script = textwrap.dedent(
+        f"""
+        import os, jax.numpy as jnp
+        from jaxrl.trainer.checkpoint import Checkpoints
+        c = Checkpoints({str(tmp_path)!r})
+        c.save(1, {{"item": {{"x": jnp.arange(4.0)}}}}, {{"global_step": 1}})
+        c.wait()
+        c.save(2, {{"item": {{"x": jnp.ones((4096, 4096))}}}}, {{"global_step": 2}})
+        os._exit(0)  # killed mid-save: no wait, no close
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    from jaxrl.trainer.checkpoint import Checkpoints, abstract
+
+    c = Checkpoints(tmp_path)
+    assert c.latest_step() == 1
+    state, meta = c.restore(1, {"item": abstract({"x": jax.numpy.zeros(4)})})
+    np.testing.assert_array_equal(state["item"]["x"], np.arange(4.0))
+    assert meta["global_step"] == 1
+    c.close()
+
+
+@pytest.mark.entry
+def test_fresh_run_refuses_existing_checkpoints(assets, tmp_path):
+    fit(config(assets, tmp_path, "trainer.save_freq=1", "trainer.total_training_steps=1"))
+    with pytest.raises(FileExistsError, match="resume_mode=auto"):
+        fit(config(assets, tmp_path, "trainer.resume_mode=disable"))
+
+
+@pytest.mark.entry
+def test_export_loads_in_transformers_with_trained_weights(assets, tmp_path):
+    import torch
+    import transformers
+
+    import jaxrl.models as M
+    from jaxrl.export import export
+
+    run = tmp_path / "run"
+    fit(config(assets, run, "trainer.save_freq=2", "trainer.test_freq=-1"))
+    out = export(run, tmp_path / "hf")
+    initial = transformers.AutoModelForCausalLM.from_pretrained(str(assets / "model"))
+    trained = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    changed = [
+        not torch.equal(p, q)
+        for p, q in zip(initial.parameters(), trained.parameters(), strict=True)
+    ]
+    assert any(changed)  # the weights are the trained ones, not the initial checkpoint
+    ids = np.array([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        ref = trained(torch.tensor(ids)).logits.numpy()
+    config_, params = M.from_pretrained(out)
+    np.testing.assert_allclose(M.forward(config_, params, ids), ref, atol=1e-4)
+    assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"

@@ -1,0 +1,114 @@
+"""The PPO update: one optimizer step per mini-batch whose gradient does not depend on how the
+mini-batch is cut into micro-batches (fixed counts, token budgets) or laid out on the mesh."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxrl.models as M
+from jaxrl.config import load_config
+from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh
+from jaxrl.testing.tiny import save_tiny
+from jaxrl.trainer import losses
+from jaxrl.trainer.learner import Learner
+from jaxrl.trainer.microbatch import plan_micro_batches
+from jaxrl.trainer.update import init_state
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("m"))
+    return M.from_pretrained(folder)
+
+
+def rl_batch(n=8, p=6, r=7, seed=0, vocab=90):
+    rng = np.random.RandomState(seed)
+    p_len = rng.randint(1, p + 1, n)
+    r_len = rng.randint(1, r + 1, n)
+    r_len[0] = 0  # an empty response
+    prompt_mask = (np.arange(p)[None] >= (p - p_len)[:, None]).astype(np.int32)
+    response_mask = (np.arange(r)[None] < r_len[:, None]).astype(np.int32)
+    return {
+        "prompts": rng.randint(2, vocab, (n, p)).astype(np.int32) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "responses": rng.randint(2, vocab, (n, r)).astype(np.int32) * response_mask,
+        "response_mask": response_mask,
+        "old_log_probs": (rng.randn(n, r) * 0.1 - 4.0).astype(np.float32),
+        "advantages": rng.randn(n, r).astype(np.float32),
+        "ref_log_probs": (rng.randn(n, r) * 0.1 - 4.0).astype(np.float32),
+    }
+
+
+def updated_params(model, layout, mode, **split):
+    config, params = model
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=unused",
+            f"actor_rollout_ref.actor.loss_agg_mode={mode}",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+        ],
+    ).actor_rollout_ref.actor
+    params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its state
+    if layout is not None:
+        params = jax.device_put(params, layout.params(config))
+    optimizer = optax.sgd(1.0)  # the parameter change is the gradient itself
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    state = init_state(params, optimizer, layout, shardings)
+    loss = functools.partial(losses.actor_loss, config=config, actor_cfg=cfg, temperature=0.9)
+    learner = Learner(config, state, optimizer, loss, layout=layout, grad_clip=None)
+    metrics = learner.update(
+        rl_batch(),
+        mini_batch_rows=8,
+        epochs=1,
+        shuffle=False,
+        seed=0,
+        fields=("old_log_probs", "advantages", "ref_log_probs"),
+        **split,
+    )
+    return jax.device_get(learner.params), metrics
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_update_does_not_depend_on_micro_batches(model, mode):
+    """With SGD(1) the parameter change is the gradient: equal for every split, to float32
+    summation order (1e-5 of the largest gradient entry)."""
+    before = jax.device_get(model[1])
+    whole, m_whole = updated_params(model, None, mode, micro_rows=None, token_budget=None)
+    grad_whole = jax.tree.map(lambda a, b: a - b, whole, before)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grad_whole))
+    mesh = Layout.create(train_mesh({"dp": 2, "fsdp": 2, "tp": 2}), TRAIN_RULES)
+    for layout, split in [
+        (None, dict(micro_rows=1, token_budget=None)),
+        (None, dict(micro_rows=None, token_budget=16)),
+        (mesh, dict(micro_rows=1, token_budget=None)),
+        (mesh, dict(micro_rows=None, token_budget=14)),
+    ]:
+        params, metrics = updated_params(model, layout, mode, **split)
+        grad = jax.tree.map(lambda a, b: a - b, params, before)
+        for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_whole), strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "grad_norm"):
+            np.testing.assert_allclose(metrics[key], m_whole[key], rtol=1e-5, err_msg=key)
+
+
+def test_micro_batch_plans():
+    p_len = np.array([3, 1, 6, 2, 5, 4, 1, 2])
+    r_len = np.array([7, 0, 2, 7, 1, 3, 2, 5])
+    fixed = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, micro_rows=3, shards=2)
+    assert [len(mb.rows) for mb in fixed] == [6, 2]
+    assert sorted(r for mb in fixed for r in mb.rows if r >= 0) == list(range(8))
+    assert all(mb.prompt_len <= 6 and mb.response_len <= 7 for mb in fixed)
+    budget = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, token_budget=12, shards=2)
+    for mb in budget:
+        assert len(mb.rows) % 2 == 0
+        for shard in np.split(mb.rows, 2):
+            shard = shard[shard >= 0]
+            assert (p_len[shard] + r_len[shard]).sum() <= 12
+    assert sorted(r for mb in budget for r in mb.rows if r >= 0) == list(range(8))
+    with pytest.raises(ValueError, match="max_token_len"):
+        plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, token_budget=8, shards=2)
