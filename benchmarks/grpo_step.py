@@ -1,0 +1,203 @@
+"""Workload W3: one end-to-end GRPO step of jaxrl's trainer beside the same work in PyTorch.
+
+    python benchmarks/grpo_step.py [--sizes S,M] [--no-torch]
+
+32 prompts x 64 random tokens, rollout.n = 4 (128 responses of exactly 128 tokens, EOS
+ignored), reward = count of response tokens whose id % 10 == 7, GRPO advantages, one policy
+forward + backward over all 128 sequences and one AdamW step (lr 1e-6, weight decay 0.01); no
+reference, no KL, no old-log-prob pass (one mini-batch, one epoch: on-policy). Median of 3 steps
+after 1 warm-up, split into generation, scoring and update. The update's FLOPs are
+6 * N * 128 * 192 (N all parameters, tied embedding once); its MFU is against the matmul peak
+measured in the same run.
+
+The PyTorch peer (torch, same thread count) does the same work with the usual tools: HF
+`generate` (sampling, min = max new tokens = 128) and a forward/backward of the same GRPO loss
+with `torch.optim.AdamW` - the core of TRL's GRPOTrainer without its bookkeeping.
+JSON on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from common import emit, machine, matmul_peak_flops, workload_checkpoint
+
+PROMPTS, PROMPT_LEN, N, NEW = 32, 64, 4, 128
+
+
+def rule_reward(responses, mask):
+    """Count of response tokens with id % 10 == 7, on the last valid token."""
+    import numpy as np
+
+    scores = np.zeros(responses.shape, np.float32)
+    counts = ((responses % 10 == 7) * mask).sum(-1)
+    last = np.maximum(mask.sum(-1) - 1, 0)
+    scores[np.arange(len(counts)), last] = counts
+    return scores
+
+
+def prompt_ids(vocab: int):
+    import numpy as np
+
+    return np.random.RandomState(0).randint(3, vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)
+
+
+def bench_jaxrl(folder, micro: int | None) -> dict:
+    import numpy as np
+
+    from jaxrl.config import load_config
+    from jaxrl.data.batch import PromptBatch, object_array
+    from jaxrl.trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={folder}",
+            f"data.train_batch_size={PROMPTS}",
+            f"data.max_prompt_length={PROMPT_LEN}",
+            f"data.max_response_length={NEW}",
+            f"actor_rollout_ref.rollout.n={N}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            "actor_rollout_ref.rollout.dtype=float32",
+            "actor_rollout_ref.actor.dtype=float32",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro or 'null'}",
+            "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
+            "actor_rollout_ref.actor.entropy_from_logits_chunk_size=2048",
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "actor_rollout_ref.actor.optim.weight_decay=0.01",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+            "algorithm.adv_estimator=grpo",
+        ],
+        num_devices=1,
+    )
+
+    def reward(prompts, responses, mask):
+        return rule_reward(responses, mask), {}, {}
+
+    trainer = PPOTrainer(cfg, reward, total_steps=10)
+    ids = prompt_ids(trainer.actor_config.vocab_size)
+    b = PROMPTS
+    batch = PromptBatch(
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        group_ids=np.arange(b, dtype=np.int32),
+        uid=object_array([str(i) for i in range(b)]),
+        row_ids=np.arange(b),
+        data_source=object_array(["w3"] * b),
+        ground_truth=object_array([""] * b),
+        ability=object_array([""] * b),
+        extra_info=object_array([{}] * b),
+        raw_prompt=object_array([()] * b),
+        is_padding=np.zeros(b, bool),
+    )
+    steps = [trainer.step(batch, s) for s in range(1, 5)]
+    timed = steps[1:]
+    assert all(m["response_length/min"] == NEW for m in steps)
+
+    def med(key):
+        return statistics.median(m.get(key, 0.0) for m in timed)
+
+    return {
+        "step_s": med("timing_s/step"),
+        "generation_s": med("timing_s/gen"),
+        "scoring_s": med("timing_s/reward"),
+        "advantage_s": med("timing_s/adv"),
+        "update_s": med("timing_s/update_actor"),
+        "first_step_s": steps[0]["timing_s/step"],
+    }
+
+
+def bench_torch(folder) -> dict:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    ids = torch.tensor(prompt_ids(model.config.vocab_size), dtype=torch.long).repeat_interleave(
+        N, 0
+    )
+
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                min_new_tokens=NEW,
+                max_new_tokens=NEW,
+                pad_token_id=0,
+            )
+        t1 = time.perf_counter()
+        responses = out[:, PROMPT_LEN:].numpy()
+        mask = np.ones_like(responses)
+        scores = rule_reward(responses, mask).sum(-1).reshape(PROMPTS, N)
+        adv = (scores - scores.mean(1, keepdims=True)) / (scores.std(1, ddof=1, keepdims=True) + 1e-6)
+        t2 = time.perf_counter()
+        model.train()
+        logits = model(out).logits[:, PROMPT_LEN - 1 : -1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, out[:, PROMPT_LEN:, None])[..., 0]
+        ratio = torch.exp(lp - lp.detach())
+        a = torch.tensor(adv.reshape(-1, 1), dtype=torch.float32)
+        loss = (-a * ratio).mean()
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        t3 = time.perf_counter()
+        return {"step_s": t3 - t0, "generation_s": t1 - t0, "scoring_s": t2 - t1,
+                "update_s": t3 - t2}  # fmt: skip
+
+    runs = [step() for _ in range(4)][1:]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="S,M")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--micro", type=int, default=32, help="ppo_micro_batch_size_per_gpu")
+    args = parser.parse_args()
+    peak = matmul_peak_flops()
+    results = {}
+    for size in args.sizes.split(","):
+        folder = workload_checkpoint(size)
+        entry = {"jaxrl": bench_jaxrl(folder, args.micro)}
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(folder))
+        n_params = _param_count(hf)
+        flops = 6 * n_params * N * PROMPTS * (PROMPT_LEN + NEW)
+        entry["update_flops"] = flops
+        entry["jaxrl"]["update_mfu"] = flops / entry["jaxrl"]["update_s"] / peak
+        if not args.no_torch:
+            entry["torch"] = bench_torch(folder)
+            entry["speedup_vs_torch"] = entry["torch"]["step_s"] / entry["jaxrl"]["step_s"]
+        results[size] = entry
+        print(size, entry, flush=True)
+    emit({"workload": "W3", "prompts": PROMPTS, "n": N, "prompt_len": PROMPT_LEN,
+          "new_tokens": NEW, "peak_flops": peak, "results": results,
+          "machine": machine()})  # fmt: skip
+
+
+def _param_count(hf) -> int:
+    d, f, v, layers = hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_hidden_layers
+    kv = hf.num_key_value_heads * (d // hf.num_attention_heads)
+    attn = d * d * 2 + d * kv * 2 + d + 2 * kv  # q, o; k, v; biases
+    mlp = 3 * d * f
+    return v * d + layers * (attn + mlp + 2 * d) + d
+
+
+if __name__ == "__main__":
+    main()
