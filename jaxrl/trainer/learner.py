@@ -60,9 +60,10 @@ def plan(
     layout: Layout | None,
     micro_rows: int | None,
     token_budget: int | None,
+    balance: bool = False,
 ) -> list[MicroBatch]:
     """Micro-batches of `rows`; `micro_rows` / `token_budget` are per batch-shard device
-    (verl's `*_per_gpu` keys)."""
+    (verl's `*_per_gpu` keys); `balance` deals equal work to the shards."""
     return plan_micro_batches(
         rows,
         batch["prompt_mask"].sum(-1),
@@ -72,6 +73,7 @@ def plan(
         micro_rows=micro_rows,
         token_budget=token_budget,
         shards=batch_shards(layout),
+        balance=balance,
     )
 
 
@@ -86,6 +88,7 @@ def infer(
     layout: Layout | None,
     micro_rows: int | None,
     token_budget: int | None,
+    balance: bool = False,
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r]` (or a tuple of them; jitted by the caller) over
     the whole batch, as host [N, R] float32 arrays (zeros past each micro-batch's trimmed
@@ -94,7 +97,7 @@ def infer(
     outs: list[np.ndarray] | None = None
     arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
     single = False
-    for mb in plan(batch, np.arange(n), layout, micro_rows, token_budget):
+    for mb in plan(batch, np.arange(n), layout, micro_rows, token_budget, balance):
         results = jax.device_get(fn(params, to_device(take(arrays, mb), layout)))
         single = not isinstance(results, tuple)
         results = (results,) if single else results
@@ -157,6 +160,7 @@ class Learner:
         micro_rows: int | None,
         token_budget: int | None,
         fields: tuple[str, ...],
+        balance: bool = False,
     ) -> dict[str, float]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_rows`, one optimizer
         step each; `micro_rows` / `token_budget` are per batch-shard device (verl's
@@ -176,7 +180,7 @@ class Learner:
                 sums: dict[str, float] = defaultdict(float)
                 weighted: dict[str, float] = defaultdict(float)
                 tokens = 0.0
-                for mb in plan(batch, rows, self.layout, micro_rows, token_budget):
+                for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
                     acc, m = self._accumulate(
                         self.state.params, acc, to_device(take(arrays, mb), self.layout), info
                     )

@@ -7,13 +7,43 @@
     response_length/{mean,max,min,clip_ratio}, prompt_length/..., response/aborted_ratio
     timing_s/{name}, timing_per_token_ms/{name}   ("gen" per response token, others per token)
     perf/total_num_tokens, perf/time_per_step, perf/throughput (tokens / s / device)
+    perf/mfu/actor            6 N T / update time / (devices x peak), with N the actor's
+                              parameters and T the batch's tokens x ppo_epochs; the peak is
+                              the device kind's dense bf16 FLOP/s (`PEAK_FLOPS`), or the
+                              `JAXRL_PEAK_FLOPS` environment variable (CPUs: no default)
 
 The figures are computed from the rows this process holds (all rows with one process).
 """
 
 from __future__ import annotations
 
+import os
+
+import jax
 import numpy as np
+
+# Dense bf16 FLOP/s per device by `device_kind` prefix (vendor figures, no sparsity).
+PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA L4": 121e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 197e12,
+    "TPU v4": 275e12,
+}
+
+
+def device_peak_flops() -> float | None:
+    """Peak FLOP/s of one device of this run (None where unknown, e.g. CPUs)."""
+    if "JAXRL_PEAK_FLOPS" in os.environ:
+        return float(os.environ["JAXRL_PEAK_FLOPS"])
+    kind = jax.devices()[0].device_kind
+    for prefix, flops in PEAK_FLOPS.items():
+        if kind.startswith(prefix):
+            return flops
+    return None
 
 
 def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
@@ -51,6 +81,10 @@ def data_metrics(batch: dict[str, np.ndarray], use_critic: bool) -> dict[str, fl
     out.update(_stats("response_length", response_length))
     out["response_length/clip_ratio"] = float(np.mean(response_length == max_response))
     out.update(_stats("response_length_non_aborted", response_length[alive]))
+    clipped = response_length[alive] == max_response
+    out["response_length_non_aborted/clip_ratio"] = (
+        float(np.mean(clipped)) if clipped.size else float("nan")
+    )
     out["response/aborted_ratio"] = float(np.mean(~alive))
     out.update(_stats("prompt_length", prompt_length))
     out["prompt_length/clip_ratio"] = float(np.mean(prompt_length == max_prompt))
@@ -82,3 +116,20 @@ def throughput_metrics(
         "perf/time_per_step": step_seconds,
         "perf/throughput": tokens / (step_seconds * devices),
     }
+
+
+def mfu_metrics(
+    batch: dict[str, np.ndarray], timing: dict[str, float], params: int, epochs: int, devices: int
+) -> dict[str, float]:
+    """`perf/mfu/actor` (and `perf/mfu/actor_infer` for the old-log-prob pass) where the
+    device peak is known."""
+    peak = device_peak_flops()
+    if peak is None:
+        return {}
+    tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+    out = {}
+    if timing.get("update_actor"):
+        out["perf/mfu/actor"] = 6 * params * tokens * epochs / timing["update_actor"]
+    if timing.get("old_log_prob"):
+        out["perf/mfu/actor_infer"] = 2 * params * tokens / timing["old_log_prob"]
+    return {k: v / (devices * peak) for k, v in out.items()}

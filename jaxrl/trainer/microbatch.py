@@ -9,12 +9,11 @@ batch-shard count with all-padding rows (row index -1), which carry no loss.
 
 Two ways to form them (verl's keys):
 
-- `micro_rows` (`*_micro_batch_size_per_gpu` x batch shards): consecutive rows, a fixed count;
-- `token_budget` (`use_dynamic_bsz`, `*_max_token_len_per_gpu`): the rows are split into the
-  batch shards' contiguous blocks, each shard's block is cut by `jaxrl.data.dynamic_micro_batches`
-  (verl's `rearrange_micro_batches`: the same number of micro-batches on every shard, each
-  within the budget of valid tokens), and micro-batch k gathers every shard's k-th part, padded
-  to the longest part.
+- `micro_rows` (`*_micro_batch_size_per_gpu`): a fixed count of rows per shard;
+- `token_budget` (`use_dynamic_bsz`, `*_max_token_len_per_gpu`): each shard's block is cut by
+  `jaxrl.data.dynamic_micro_batches` (verl's `rearrange_micro_batches`: the same number of
+  micro-batches on every shard, each within the budget of valid tokens), and micro-batch k
+  gathers every shard's k-th part, padded to the longest part.
 """
 
 from __future__ import annotations
@@ -59,8 +58,14 @@ def plan_micro_batches(
     micro_rows: int | None = None,
     token_budget: int | None = None,
     shards: int = 1,
+    balance: bool = False,
 ) -> list[MicroBatch]:
     """Split `rows` (indices into the batch) into micro-batches.
+
+    The rows are first dealt to the `shards` batch-shard devices as contiguous blocks (with
+    `balance`, as blocks of equal token work: verl's `trainer.balance_batch`, Karmarkar-Karp
+    over prompt + response lengths); micro-batch k holds every shard's k-th part, so each
+    device works through its own block.
 
     Args:
         rows: Row indices of the (mini-)batch to split.
@@ -74,37 +79,48 @@ def plan_micro_batches(
             `micro_rows`.
         shards: Devices the batch axis is split over; every micro-batch's row count is a
             multiple of it.
+        balance: Deal rows to shards by equal work instead of in order.
     """
     rows = _pad_rows(np.asarray(rows), shards)
-    if token_budget is not None:
-        groups = _by_budget(rows, prompt_lengths + response_lengths, token_budget, shards)
+    lengths = np.where(rows >= 0, (prompt_lengths + response_lengths)[rows], 0)
+    if balance and shards > 1:
+        from jaxrl.data.balance import calculate_workload, get_seqlen_balanced_partitions
+
+        parts = get_seqlen_balanced_partitions(
+            calculate_workload(lengths).tolist(), shards, equal_size=True
+        )
+        blocks = [rows[np.sort(np.asarray(p, np.int64))] for p in parts]
     else:
-        size = len(rows) if micro_rows is None else micro_rows * shards
-        groups = [rows[i : i + size] for i in range(0, len(rows), max(size, 1))]
+        blocks = np.split(rows, shards)
+    if token_budget is not None:
+        groups = _by_budget(blocks, prompt_lengths + response_lengths, token_budget)
+    else:
+        size = len(blocks[0]) if micro_rows is None else micro_rows
+        groups = [
+            np.concatenate([b[k : k + size] for b in blocks])
+            for k in range(0, len(blocks[0]), max(size, 1))
+        ]
     out = []
     for group in groups:
         real = group[group >= 0]
         p = _width(prompt_lengths[real], prompt_width)
         r = _width(response_lengths[real], response_width)
-        out.append(MicroBatch(_pad_rows(group, shards), p, r))
+        out.append(MicroBatch(group, p, r))
     return out
 
 
-def _by_budget(rows, seq_lengths, budget, shards) -> list[np.ndarray]:
+def _by_budget(blocks, seq_lengths, budget) -> list[np.ndarray]:
     from jaxrl.data.dynamic import dynamic_micro_batches
 
-    blocks = np.split(rows, shards)  # what each shard holds of a [rows] array
     blocks = [b[b >= 0] for b in blocks]
-    lengths = [seq_lengths[b] if len(b) else np.zeros(0, np.int64) for b in blocks]
-    parts = dynamic_micro_batches([x for x in lengths if len(x)], budget)
-    parts_iter = iter(parts)
-    per_shard = [next(parts_iter) if len(b) else [] for b in blocks]
-    count = len(parts[0])
+    filled = [b for b in blocks if len(b)]
+    parts = iter(dynamic_micro_batches([seq_lengths[b] for b in filled], budget))
+    per_shard = [next(parts) if len(b) else [] for b in blocks]
+    count = max(len(p) for p in per_shard)
     groups = []
     for k in range(count):
         pieces = [
-            b[p[k]] if p else np.zeros(0, rows.dtype)
-            for b, p in zip(blocks, per_shard, strict=True)
+            b[p[k]] if p else np.zeros(0, np.int64) for b, p in zip(blocks, per_shard, strict=True)
         ]
         width = max(len(x) for x in pieces)
         groups.append(np.concatenate([_pad_to(x, width) for x in pieces]))

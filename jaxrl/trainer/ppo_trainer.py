@@ -33,7 +33,12 @@ from jaxrl.sharding.reshard import free, reshard
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
 from jaxrl.trainer.learner import Learner, infer
-from jaxrl.trainer.metrics import data_metrics, throughput_metrics, timing_metrics
+from jaxrl.trainer.metrics import (
+    data_metrics,
+    mfu_metrics,
+    throughput_metrics,
+    timing_metrics,
+)
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
 from jaxrl.trainer.roles import (
     critic_from_policy,
@@ -117,6 +122,7 @@ class PPOTrainer:
             remat=remat,
             override_config=dict(arr.model.override_config),
         )
+        self._actor_size = sum(x.size for x in jax.tree.leaves(params))
         policy_cfg = actor_cfg
         self.bypass = bool(cfg.algorithm.rollout_correction.bypass_mode)
         if self.bypass:
@@ -303,6 +309,7 @@ class PPOTrainer:
                         layout=self.train_layout,
                         micro_rows=c.forward_micro_batch_size_per_gpu,
                         token_budget=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                        balance=cfg.trainer.balance_batch,
                     )
             with timer("adv", timing):
                 if self.kl_ctrl is not None:
@@ -327,6 +334,7 @@ class PPOTrainer:
                         micro_rows=c.ppo_micro_batch_size_per_gpu,
                         token_budget=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
                         fields=("values", "returns"),
+                        balance=cfg.trainer.balance_batch,
                     )
                     metrics.update(_prefixed(critic_metrics, "critic"))
             if global_step >= cfg.trainer.critic_warmup:
@@ -344,6 +352,7 @@ class PPOTrainer:
                             else None
                         ),
                         fields=self._actor_fields(batch, on_policy),
+                        balance=cfg.trainer.balance_batch,
                     )
                     for k, v in _prefixed(actor_metrics, "actor").items():
                         metrics.setdefault(k, v)  # actor/entropy: the old-log-prob pass's
@@ -351,6 +360,9 @@ class PPOTrainer:
         metrics.update(data_metrics(batch, use_critic=self.critic is not None))
         metrics.update(timing_metrics(batch, timing))
         metrics.update(throughput_metrics(batch, timing["step"], self.devices))
+        metrics.update(
+            mfu_metrics(batch, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
+        )
         metrics["training/global_step"] = global_step
         self.last_batch = batch
         return metrics
@@ -366,7 +378,11 @@ class PPOTrainer:
     def _log_prob_micro(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
         budget = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None
-        return {"micro_rows": r.log_prob_micro_batch_size_per_gpu, "token_budget": budget}
+        return {
+            "micro_rows": r.log_prob_micro_batch_size_per_gpu,
+            "token_budget": budget,
+            "balance": self.cfg.trainer.balance_batch,
+        }
 
 
 def _prefixed(metrics: dict[str, float], role: str) -> dict[str, float]:

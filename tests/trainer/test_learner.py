@@ -42,7 +42,7 @@ def rl_batch(n=8, p=6, r=7, seed=0, vocab=90):
     }
 
 
-def updated_params(model, layout, mode, **split):
+def updated_params(model, layout, mode, balance=False, **split):
     config, params = model
     cfg = load_config(
         None,
@@ -68,6 +68,7 @@ def updated_params(model, layout, mode, **split):
         shuffle=False,
         seed=0,
         fields=("old_log_probs", "advantages", "ref_log_probs"),
+        balance=balance,
         **split,
     )
     return jax.device_get(learner.params), metrics
@@ -87,6 +88,7 @@ def test_update_does_not_depend_on_micro_batches(model, mode):
         (None, dict(micro_rows=None, token_budget=16)),
         (mesh, dict(micro_rows=1, token_budget=None)),
         (mesh, dict(micro_rows=None, token_budget=14)),
+        (mesh, dict(micro_rows=1, token_budget=None, balance=True)),
     ]:
         params, metrics = updated_params(model, layout, mode, **split)
         grad = jax.tree.map(lambda a, b: a - b, params, before)
@@ -103,6 +105,10 @@ def test_micro_batch_plans():
     assert [len(mb.rows) for mb in fixed] == [6, 2]
     assert sorted(r for mb in fixed for r in mb.rows if r >= 0) == list(range(8))
     assert all(mb.prompt_len <= 6 and mb.response_len <= 7 for mb in fixed)
+    balanced = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, shards=2, balance=True)
+    (only,) = balanced
+    work = [(p_len + r_len)[half].sum() for half in np.split(only.rows, 2)]
+    assert sorted(only.rows) == list(range(8)) and abs(work[0] - work[1]) <= 1, work
     budget = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, token_budget=12, shards=2)
     for mb in budget:
         assert len(mb.rows) % 2 == 0

@@ -1,0 +1,76 @@
+"""Step metrics against verl's own `metric_utils` on the same batch."""
+
+import numpy as np
+import pytest
+
+from jaxrl.testing.reference import import_reference
+from jaxrl.trainer.metrics import data_metrics, mfu_metrics, timing_metrics
+
+
+def host_batch(n=6, p=5, r=7, seed=0):
+    rng = np.random.RandomState(seed)
+    p_len = rng.randint(1, p + 1, n)
+    r_len = rng.randint(1, r + 1, n)
+    r_len[2] = 0  # an aborted (empty) response
+    r_len[3] = r  # a clipped one
+    prompt_mask = (np.arange(p)[None] >= (p - p_len)[:, None]).astype(np.int64)
+    response_mask = (np.arange(r)[None] < r_len[:, None]).astype(np.int64)
+    scores = np.zeros((n, r), np.float32)
+    scores[np.arange(n), np.maximum(r_len - 1, 0)] = rng.rand(n)
+    return {
+        "prompts": rng.randint(2, 50, (n, p)) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "responses": rng.randint(2, 50, (n, r)) * response_mask,
+        "response_mask": response_mask,
+        "token_level_scores": scores,
+        "token_level_rewards": scores - 0.01 * rng.rand(n, r).astype(np.float32),
+        "advantages": rng.randn(n, r).astype(np.float32),
+        "returns": rng.randn(n, r).astype(np.float32),
+        "values": rng.randn(n, r).astype(np.float32),
+    }
+
+
+def verl_batch(batch):
+    import torch
+
+    protocol = import_reference("verl.protocol")
+    tensors = {k: torch.tensor(v) for k, v in batch.items() if k != "prompt_mask"}
+    tensors["attention_mask"] = torch.tensor(
+        np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
+    )
+    tensors["response_mask"] = tensors["response_mask"].float()
+    return protocol.DataProto.from_dict(tensors=tensors)
+
+
+@pytest.mark.parametrize("use_critic", [False, True])
+def test_data_metrics_equal_verl(use_critic):
+    utils = import_reference("verl.trainer.ppo.metric_utils")
+    batch = host_batch()
+    ours = data_metrics(batch, use_critic=use_critic)
+    ref = utils.compute_data_metrics(verl_batch(batch), use_critic=use_critic)
+    assert set(ours) == {k for k in ref if not k.startswith("num_turns")}
+    for key, value in ref.items():
+        np.testing.assert_allclose(ours[key], float(value), rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_timing_metrics_equal_verl():
+    utils = import_reference("verl.trainer.ppo.metric_utils")
+    batch = host_batch()
+    timing = {"gen": 1.5, "ref": 0.25, "update_actor": 2.0, "step": 4.0}
+    ref = utils.compute_timing_metrics(verl_batch(batch), timing)
+    ours = timing_metrics(batch, timing)
+    assert set(ours) == set(ref)
+    for key, value in ref.items():
+        np.testing.assert_allclose(ours[key], value, rtol=1e-6, err_msg=key)
+
+
+def test_mfu_needs_a_known_peak(monkeypatch):
+    batch = host_batch()
+    timing = {"update_actor": 2.0, "old_log_prob": 0.5}
+    monkeypatch.delenv("JAXRL_PEAK_FLOPS", raising=False)
+    assert mfu_metrics(batch, timing, params=1000, epochs=1, devices=8) == {}  # CPU: unknown
+    monkeypatch.setenv("JAXRL_PEAK_FLOPS", "1e6")
+    tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
+    out = mfu_metrics(batch, timing, params=1000, epochs=2, devices=8)
+    assert out["perf/mfu/actor"] == pytest.approx(6 * 1000 * tokens * 2 / 2.0 / 8e6)
+    assert out["perf/mfu/actor_infer"] == pytest.approx(2 * 1000 * tokens / 0.5 / 8e6)
