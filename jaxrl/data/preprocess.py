@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.data.rows import DataError, read_table, write_parquet
+from jaxrl.rewards.scorers.braces import balanced_from
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -56,15 +57,7 @@ def last_boxed(text: str) -> str | None:
         start = text.rfind("\\fbox")
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : i + 1]
-    return None
+    return balanced_from(text, start)
 
 
 def strip_boxed(boxed: str) -> str:

@@ -64,6 +64,45 @@ def init_cache(config: DecoderConfig, batch: int, length: int, dtype=None) -> KV
     )
 
 
+def _scan_layers(
+    config: DecoderConfig,
+    params: Params,
+    cos: Array,
+    sin: Array,
+    x: Array,
+    cache: KVCache,
+    segments: Int[Array, "b s"],
+    attend_with_cache,
+) -> tuple[Array, KVCache]:
+    """Run every layer over `x`, each attending through `attend_with_cache(k_all, v_all, layer,
+    q, k, v, window) -> (out, k_all, v_all)`, which writes the layer's new keys into the cache
+    stack; returns the final-normed hidden states and the updated cache."""
+
+    def body(carry, layer):
+        x_btd, k_all, v_all = carry
+        p, window, layer_idx = layer
+        written = {}
+
+        def attend(q, k, v, window):
+            out, written["k"], written["v"] = attend_with_cache(
+                k_all, v_all, layer_idx, q, k, v, window
+            )
+            return out
+
+        x_btd = _block(config, cos, sin, attend, x_btd, p, window)
+        return (x_btd, written["k"], written["v"]), None
+
+    windows = jnp.asarray(config.window_per_layer, jnp.int32)
+    layer_ids = jnp.arange(config.num_layers)
+    (x, k_all, v_all), _ = jax.lax.scan(
+        body, (x, cache.k, cache.v), (params["layers"], windows, layer_ids)
+    )
+    k_all = shard(k_all, KV_CACHE_AXES)
+    v_all = shard(v_all, KV_CACHE_AXES)
+    h = rms_norm(x, params["final_norm_d"], config.rms_norm_eps)
+    return h, KVCache(k=k_all, v=v_all, segments=segments)
+
+
 def forward_cached(
     config: DecoderConfig,
     params: Params,
@@ -94,39 +133,24 @@ def forward_cached(
     x = _embed(config, params, input_ids)
     dtype = cache.k.dtype
 
-    def body(carry, layer):
-        x_btd, k_all, v_all = carry
-        p, window, layer_idx = layer
-        written = {}
+    def attend(k_all, v_all, layer_idx, q, k, v, window):
+        # Write only the new tokens in place; read the layer's keys back for attention.
+        at = (layer_idx, 0, index, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k.astype(dtype)[None], at)
+        v_all = jax.lax.dynamic_update_slice(v_all, v.astype(dtype)[None], at)
+        out = attention(
+            q,
+            k_all[layer_idx].astype(q.dtype),
+            v_all[layer_idx].astype(q.dtype),
+            causal=True,
+            segment_ids=(segments, kv_segments),
+            sliding_window=window,
+            q_offset=index,
+            implementation=config.attention_impl,
+        )
+        return out, k_all, v_all
 
-        def attend(q, k, v, window):
-            # Write only the new tokens in place; read the layer's keys back for attention.
-            at = (layer_idx, 0, index, 0, 0)
-            written["k"] = jax.lax.dynamic_update_slice(k_all, k.astype(dtype)[None], at)
-            written["v"] = jax.lax.dynamic_update_slice(v_all, v.astype(dtype)[None], at)
-            return attention(
-                q,
-                written["k"][layer_idx].astype(q.dtype),
-                written["v"][layer_idx].astype(q.dtype),
-                causal=True,
-                segment_ids=(segments, kv_segments),
-                sliding_window=window,
-                q_offset=index,
-                implementation=config.attention_impl,
-            )
-
-        x_btd = _block(config, cos, sin, attend, x_btd, p, window)
-        return (x_btd, written["k"], written["v"]), None
-
-    windows = jnp.asarray(config.window_per_layer, jnp.int32)
-    layer_ids = jnp.arange(config.num_layers)
-    (x, k_all, v_all), _ = jax.lax.scan(
-        body, (x, cache.k, cache.v), (params["layers"], windows, layer_ids)
-    )
-    k_all = shard(k_all, KV_CACHE_AXES)
-    v_all = shard(v_all, KV_CACHE_AXES)
-    h = rms_norm(x, params["final_norm_d"], config.rms_norm_eps)
-    return h, KVCache(k=k_all, v=v_all, segments=kv_segments)
+    return _scan_layers(config, params, cos, sin, x, cache, kv_segments, attend)
 
 
 def decode_step(
@@ -161,35 +185,21 @@ def decode_step(
     x = _embed(config, params, tokens[:, None])
     dtype = cache.k.dtype
 
-    def body(carry, layer):
-        x_btd, k_all, v_all = carry
-        p, window, layer_idx = layer
-        written = {}
+    def attend(k_all, v_all, layer_idx, q, k, v, window):
+        k_all = k_all.at[layer_idx, rows, write_index].set(k[:, 0].astype(dtype))
+        v_all = v_all.at[layer_idx, rows, write_index].set(v[:, 0].astype(dtype))
+        out = decode_attention(
+            q,
+            k_all,
+            v_all,
+            layer_idx,
+            kv_valid,
+            write_index,
+            live=live,
+            sliding_window=window,
+            block=block,
+        )
+        return out, k_all, v_all
 
-        def attend(q, k, v, window):
-            written["k"] = k_all.at[layer_idx, rows, write_index].set(k[:, 0].astype(dtype))
-            written["v"] = v_all.at[layer_idx, rows, write_index].set(v[:, 0].astype(dtype))
-            return decode_attention(
-                q,
-                written["k"],
-                written["v"],
-                layer_idx,
-                kv_valid,
-                write_index,
-                live=live,
-                sliding_window=window,
-                block=block,
-            )
-
-        x_btd = _block(config, cos, sin, attend, x_btd, p, window)
-        return (x_btd, written["k"], written["v"]), None
-
-    windows = jnp.asarray(config.window_per_layer, jnp.int32)
-    layer_ids = jnp.arange(config.num_layers)
-    (x, k_all, v_all), _ = jax.lax.scan(
-        body, (x, cache.k, cache.v), (params["layers"], windows, layer_ids)
-    )
-    k_all = shard(k_all, KV_CACHE_AXES)
-    v_all = shard(v_all, KV_CACHE_AXES)
-    h = rms_norm(x[:, 0], params["final_norm_d"], config.rms_norm_eps)
-    return h, KVCache(k=k_all, v=v_all, segments=segments)
+    h, cache = _scan_layers(config, params, cos, sin, x, cache, segments, attend)
+    return h[:, 0], cache

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from jaxrl.rewards.scorers.braces import balanced_from
+
 CLIP_CHARS = 300
 STRICT_BOX_CHARS = 100
 INVALID = "[INVALID]"
@@ -58,15 +60,7 @@ def last_boxed_only_string(string: str) -> str | None:
     start = string.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, len(string)):
-        if string[i] == "{":
-            depth += 1
-        elif string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return string[start : i + 1]
-    return None
+    return balanced_from(string, start)
 
 
 def remove_boxed(s: str) -> str:

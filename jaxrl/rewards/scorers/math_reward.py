@@ -14,6 +14,8 @@ quirks are kept on purpose: scores must equal verl's.
 
 from __future__ import annotations
 
+from jaxrl.rewards.scorers.braces import balanced_from
+
 _BOXED = "\\boxed"
 _BOXED_SPACE = "\\boxed "
 _BOXED_BRACE = "\\boxed{"
@@ -37,15 +39,7 @@ def last_boxed_only_string(string: str) -> str | None:
         start = string.rfind("\\fbox")
         if start < 0:
             return None
-    depth = 0
-    for i in range(start, len(string)):
-        if string[i] == "{":
-            depth += 1
-        elif string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return string[start : i + 1]
-    return None
+    return balanced_from(string, start)
 
 
 def remove_boxed(s: str) -> str:
