@@ -333,6 +333,11 @@ def generate(
             model's context, naming the parameter and the allowed range.
     """
     sp = sampling_params
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            f"generate() runs in one JAX process; this run has {jax.process_count()}. "
+            "Generation over several processes (each with its own prompts) is not built yet"
+        )
     input_ids = np.asarray(input_ids) if not isinstance(input_ids, jax.Array) else input_ids
     attention_mask = (
         np.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask

@@ -74,3 +74,30 @@ def test_mfu_needs_a_known_peak(monkeypatch):
     out = mfu_metrics(batch, timing, params=1000, epochs=2, devices=8)
     assert out["perf/mfu/actor"] == pytest.approx(6 * 1000 * tokens * 2 / 2.0 / 8e6)
     assert out["perf/mfu/actor_infer"] == pytest.approx(2 * 1000 * tokens / 0.5 / 8e6)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_validation_metrics_equal_verl(n):
+    """mean@n and std@n of every variable, and the val-core / val-aux split, as verl's
+    `process_validation_metrics` + `_val_metrics_update` give them (best/worst are bootstrap
+    estimates in verl, so only their names are compared)."""
+    from jaxrl.trainer.validation import validation_metrics
+
+    utils = import_reference("verl.trainer.ppo.metric_utils")
+    rng = np.random.RandomState(n)
+    prompts = 5
+    sources = ["a"] * (3 * n) + ["b"] * (2 * n)
+    groups = np.repeat(np.arange(prompts), n)
+    infos = {"reward": rng.rand(prompts * n).tolist(), "acc": rng.randint(0, 2, prompts * n)}
+    infos["acc"] = [float(x) for x in infos["acc"]]
+    ours = validation_metrics(sources, groups, infos)
+    ref = utils.process_validation_metrics(sources, [str(g) for g in groups], infos)
+    for source, variables in ref.items():
+        core = "acc" if "acc" in variables else "reward"
+        for var, stats in variables.items():
+            for stat, value in stats.items():
+                if not stat.startswith(("mean@", "std@")):
+                    continue
+                section = "val-core" if var == core and stat.startswith("mean") else "val-aux"
+                key = f"{section}/{source}/{var}/{stat}"
+                np.testing.assert_allclose(ours[key], value, rtol=1e-6, err_msg=key)
