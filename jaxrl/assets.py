@@ -28,6 +28,8 @@ QUICKSTART_MODEL = dict(
 
 
 def _single(files, key: str) -> Path:
+    if files is None:
+        raise ValueError(f"assets.quickstart writes a parquet file to {key}: set it to a path")
     files = [files] if isinstance(files, str) else list(files)
     if len(files) != 1:
         raise ValueError(f"assets.quickstart writes one parquet file; {key} lists {len(files)}")
@@ -42,7 +44,7 @@ def write_quickstart_model(folder: Path, seed: int = 0) -> None:
     from jaxrl.data import synthetic
     from jaxrl.models import from_hf_config, init_params, save_pretrained
 
-    with tempfile.TemporaryDirectory() as tmp:  # write whole, then move: no half folders
+    with tempfile.TemporaryDirectory() as tmp:  # write whole, then copy in
         staging = Path(tmp) / "model"
         synthetic.write_tokenizer(staging)
         tokenizer = AutoTokenizer.from_pretrained(str(staging))
@@ -57,8 +59,11 @@ def write_quickstart_model(folder: Path, seed: int = 0) -> None:
         config = from_hf_config(hf)
         params = init_params(config, jax.random.key(seed))
         save_pretrained(config, params, staging, tokenizer, base_config=hf.to_dict())
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging), str(folder))
+        folder.mkdir(parents=True, exist_ok=True)  # may exist (without a config.json)
+        shutil.copytree(  # config.json last: its presence means the folder is complete
+            staging, folder, dirs_exist_ok=True, ignore=lambda d, names: ["config.json"]
+        )
+        shutil.copy2(staging / "config.json", folder / "config.json")
 
 
 def prepare(cfg) -> list[str]:

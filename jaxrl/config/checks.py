@@ -143,6 +143,14 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
     p.choice(cfg, "algorithm.kl_ctrl.type", ("fixed", "adaptive"))
     p.choice(cfg, "algorithm.rollout_correction.rollout_is", (None, "token", "sequence"))
     p.choice(cfg, "algorithm.rollout_correction.loss_type", ("ppo_clip", "reinforce"))
+    rc = cfg.algorithm.rollout_correction
+    if (rc.rollout_is or rc.rollout_rs) and not rc.bypass_mode:
+        p.append(
+            "algorithm.rollout_correction: rollout_is / rollout_rs without bypass_mode (verl's "
+            "decoupled mode) is not implemented in jaxrl's trainer; set "
+            "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
+            "null"
+        )
     p.choice(cfg, "assets.task", ("repeat", "copy", "reverse"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))
     p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))

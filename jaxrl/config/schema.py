@@ -409,6 +409,8 @@ class CriticConfig:
         data_loader_seed: Seed of that shuffle.
         cliprange_value: Clip range of the value loss.
         loss_agg_mode: Aggregation of the value loss (as the actor's).
+        loss_scale_factor: Constant divisor for `seq-mean-token-sum-norm`; null: the response
+            length.
         grad_clip: Clip the global gradient norm to this value.
         model_dtype: Parameter dtype.
         dtype: Compute dtype.
@@ -429,6 +431,7 @@ class CriticConfig:
     data_loader_seed: int = 42
     cliprange_value: float = 0.5
     loss_agg_mode: str = II("actor_rollout_ref.actor.loss_agg_mode")
+    loss_scale_factor: float | None = None
     grad_clip: float = 1.0
     model_dtype: str = "fp32"
     dtype: str = "bfloat16"

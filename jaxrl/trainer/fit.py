@@ -2,7 +2,8 @@
 (`RayPPOTrainer.fit`). `python -m jaxrl.train` calls `fit(cfg)`.
 
 Steps are numbered from 1 as in verl. Step s validates when `test_freq > 0` and s is a multiple
-of it or the last step (and before step 1 with `val_before_train`), and checkpoints when
+of it or the last step (and, with `val_before_train`, before the first step of this process,
+logged at the step it resumes from), and checkpoints when
 `save_freq > 0` and s is a multiple of it or the last step. A resumed run (`resume_mode: auto`
 finds the newest checkpoint of the run directory) restores the actor and critic parameters and
 optimizer states, the data iterator, the KL coefficient and the step, so every later step
@@ -178,6 +179,8 @@ def fit(cfg, devices=None) -> dict[str, float]:
     source = _resume_source(cfg, ckpts)
     if source is not None:
         start = _restore(trainer, train_loader, *source)
+        if source[0] is not ckpts:
+            source[0].close()
         log.info("resumed from step %d of %d (%s)", start, steps, source[0].directory)
         if start >= steps:
             log.warning(
@@ -194,9 +197,9 @@ def fit(cfg, devices=None) -> dict[str, float]:
     )
     metrics: dict[str, float] = {}
     try:
-        if val_loader is not None and cfg.trainer.val_before_train and start == 0:
-            val = validate(trainer, val_loader, 0, cfg.trainer.validation_data_dir)
-            tracking.log(val, 0)
+        if val_loader is not None and cfg.trainer.val_before_train:  # on resume too, as verl
+            val = validate(trainer, val_loader, start, cfg.trainer.validation_data_dir)
+            tracking.log(val, start)
             if cfg.trainer.val_only:
                 return val
         progress = tqdm(range(start + 1, steps + 1), initial=start, total=steps, disable=None)

@@ -175,7 +175,9 @@ class Learner:
             for start in range(0, n, mini_batch_rows):
                 rows = order[start : start + mini_batch_rows]
                 info = global_batch_info(jnp.asarray(batch["response_mask"][rows], jnp.float32))
-                info.pop("loss_scale_factor")
+                # seq-mean-token-sum-norm's default divisor: the batch's response length, not a
+                # trimmed micro-batch's (as verl's padded tensors have it)
+                info["loss_scale_factor"] = batch["responses"].shape[1]
                 acc = self._zeros(self.state.params)
                 sums: dict[str, float] = defaultdict(float)
                 weighted: dict[str, float] = defaultdict(float)

@@ -69,7 +69,8 @@ def actor_loss(
         old_log_probs = jax.lax.stop_gradient(lp)
     mask = mb["response_mask"].astype(jnp.float32)
     mode = actor_cfg.loss_agg_mode
-    info = {**info, "loss_scale_factor": actor_cfg.loss_scale_factor}
+    if actor_cfg.loss_scale_factor is not None:
+        info = {**info, "loss_scale_factor": actor_cfg.loss_scale_factor}
     pg_loss, pg_metrics = get_policy_loss_fn(loss_mode(actor_cfg))(
         old_log_prob=old_log_probs,
         log_prob=lp,
@@ -84,7 +85,7 @@ def actor_loss(
     entropy_loss = agg_loss(entropy, mask, mode, **info)
     if actor_cfg.entropy_coeff != 0:
         loss = loss - actor_cfg.entropy_coeff * entropy_loss
-    sums["actor/entropy"] = entropy_loss
+    sums["actor/entropy_loss"] = entropy_loss
     if actor_cfg.use_kl_loss:
         kld = kl_penalty(lp, mb["ref_log_probs"], actor_cfg.kl_loss_type)
         kl_loss = agg_loss(kld, mask, mode, **info)
@@ -107,6 +108,8 @@ def critic_loss(
         config, params, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
     )
     mask = mb["response_mask"].astype(jnp.float32)
+    if critic_cfg.loss_scale_factor is not None:
+        info = {**info, "loss_scale_factor": critic_cfg.loss_scale_factor}
     vf_loss, vf_clipfrac = compute_value_loss(
         vpreds=vpreds,
         returns=mb["returns"],

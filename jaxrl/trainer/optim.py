@@ -54,16 +54,25 @@ def learning_rate_schedule(optim: Any, total_steps: int) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(optim: Any, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    optim: Any, total_steps: int, updates_per_step: int = 1
+) -> optax.GradientTransformation:
     """AdamW (decoupled weight decay, as torch.optim.AdamW) or Adam with the schedule.
 
+    The schedule advances once per RL step, as verl steps its LR scheduler after the last
+    mini-batch of a step: the optimizer's k-th update (k from 0) uses
+    `schedule(k // updates_per_step)`, with `updates_per_step` = mini-batches x epochs.
     Gradient clipping and the non-finite-gradient skip are done by the update step (with
     torch's `clip_grad_norm_` arithmetic), not here.
     """
     name = str(cfg_get(optim, "optimizer", "AdamW")).lower()
     b1, b2 = cfg_get(optim, "betas", (0.9, 0.999))
     eps = cfg_get(optim, "eps", 1e-8)
-    schedule = learning_rate_schedule(optim, total_steps)
+    per_step = learning_rate_schedule(optim, total_steps)
+
+    def schedule(count):
+        return per_step(count // updates_per_step)
+
     if name == "adamw":
         weight_decay = cfg_get(optim, "weight_decay", 0.01)
         return optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)

@@ -129,7 +129,9 @@ class PPOTrainer:
             correction = cfg.algorithm.rollout_correction
             loss = dict(loss_mode="bypass_mode", rollout_correction=correction)
             policy_cfg = _WithPolicyLoss(actor_cfg, loss)
-        optimizer = make_optimizer(actor_cfg.optim, total_steps)
+        rows = cfg.data.train_batch_size * rollout_cfg.n
+        updates = -(-rows // (actor_cfg.ppo_mini_batch_size * rollout_cfg.n)) * actor_cfg.ppo_epochs
+        optimizer = make_optimizer(actor_cfg.optim, total_steps, updates_per_step=updates)
         self._actor_lr = learning_rate_schedule(actor_cfg.optim, total_steps)
         state = init_state(params, optimizer, self.train_layout, _shardings(params))
         self.temperature = rollout_cfg.temperature if rollout_cfg.do_sample else 1.0
@@ -178,11 +180,12 @@ class PPOTrainer:
                 param_dtype=dtype_name(c.model_dtype, "critic.model_dtype"),
                 compute_dtype=dtype_name(c.dtype, "critic.dtype"),
                 layout=self.train_layout,
-                remat=remat,
+                remat=c.model.remat_policy if c.model.enable_gradient_checkpointing else "none",
                 override_config=dict(c.model.override_config),
             )
             config, params = critic_from_policy(c.model.path, config, params, self.train_layout)
-            optimizer = make_optimizer(c.optim, total_steps)
+            c_updates = -(-rows // (c.ppo_mini_batch_size * rollout_cfg.n)) * c.ppo_epochs
+            optimizer = make_optimizer(c.optim, total_steps, updates_per_step=c_updates)
             state = init_state(params, optimizer, self.train_layout, _shardings(params))
             self.critic = Learner(
                 config,
@@ -268,6 +271,7 @@ class PPOTrainer:
                 mini_rows >= len(batch["responses"])
                 and actor_cfg.ppo_epochs == 1
                 and not cfg.algorithm.use_kl_in_reward
+                and not self.bypass  # bypass trains against the rollout's log-probs
             )
             micro = self._log_prob_micro()
             if self.bypass:
@@ -354,9 +358,12 @@ class PPOTrainer:
                         fields=self._actor_fields(batch, on_policy),
                         balance=cfg.trainer.balance_batch,
                     )
-                    for k, v in _prefixed(actor_metrics, "actor").items():
-                        metrics.setdefault(k, v)  # actor/entropy: the old-log-prob pass's
-                    metrics["actor/lr"] = float(self._actor_lr(int(self.actor.state.step)))
+                    metrics.update(_prefixed(actor_metrics, "actor"))
+                    if "actor/entropy" not in metrics:  # on-policy: no old-log-prob pass
+                        metrics["actor/entropy"] = metrics["actor/entropy_loss"]
+                    if actor_cfg.use_kl_loss:
+                        metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
+                    metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
         metrics.update(data_metrics(batch, use_critic=self.critic is not None))
         metrics.update(timing_metrics(batch, timing))
         metrics.update(throughput_metrics(batch, timing["step"], self.devices))

@@ -6,12 +6,13 @@ scorer returns as extra info, e.g. `acc`), over the n responses of each prompt:
 
     {sec}/{data_source}/{v}/mean@n    mean over prompts of the mean of their n values
     {sec}/{data_source}/{v}/std@n     mean over prompts of the std of their n values (n > 1)
-    {sec}/{data_source}/{v}/best@n    mean over prompts of the best of their n values (n > 1)
-    {sec}/{data_source}/{v}/worst@n   ... of the worst (n > 1)
+    {sec}/{data_source}/{v}/best@n/mean    mean over prompts of the best of their n values
+    {sec}/{data_source}/{v}/worst@n/mean   ... of the worst (both for n > 1)
 
 `sec` is `val-core` for the core variable (`acc` when the scorer reports it, else `reward`) and
-its mean/best, `val-aux` otherwise, as verl's `_val_metrics_update` sorts them. (verl's best/
-worst are bootstrap estimates; with all n samples they equal these exact values in expectation.)
+its mean/best, `val-aux` otherwise, as verl's `_val_metrics_update` sorts them. verl's best/
+worst are bootstrap estimates over subsets of N = 2, 4, ..., n samples (with their std); jaxrl
+reports the exact value over all n under verl's name for N = n, and no intermediate N.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def validation_metrics(
             stats = {f"mean@{n}": np.nanmean([np.nanmean(v) for v in per_group])}
             if n > 1:
                 stats[f"std@{n}"] = np.nanmean([np.nanstd(v) for v in per_group])
-                stats[f"best@{n}"] = np.nanmean([np.nanmax(v) for v in per_group])
-                stats[f"worst@{n}"] = np.nanmean([np.nanmin(v) for v in per_group])
+                stats[f"best@{n}/mean"] = np.nanmean([np.nanmax(v) for v in per_group])
+                stats[f"worst@{n}/mean"] = np.nanmean([np.nanmin(v) for v in per_group])
             for stat, value in stats.items():
                 core_stat = name == core and stat.startswith(("mean", "best"))
                 section = "val-core" if core_stat else "val-aux"
@@ -86,9 +87,13 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
         sources += [str(s) for s in repeated.data_source[keep_rows]]
         group_ids.append(repeated.group_ids[keep_rows] + offset)
         infos["reward"] += reward[keep_rows].tolist()
+        before = len(sources) - int(keep_rows.sum())
         for key, values in extra.items():
-            if key != "reward":
-                infos[key] += [v for v, k in zip(values, keep_rows, strict=True) if k]
+            if key != "reward":  # a key first seen now: None for the rows before it
+                column = infos.setdefault(key, [None] * before)
+                column += [v for v, k in zip(values, keep_rows, strict=True) if k]
+        for column in infos.values():  # a key this batch lacks: None for its rows
+            column += [None] * (len(sources) - len(column))
         if dump_dir is not None and jax.process_index() == 0:
             dump += _dump_rows(trainer, repeated, batch, reward, keep_rows, step)
         offset += len(prompts)

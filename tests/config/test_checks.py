@@ -260,3 +260,12 @@ def test_critic_micro_batch_checked_when_mini_follows_actor():
     msg = problem("critic.ppo_micro_batch_size_per_gpu=3", num_devices=8)
     assert msg.startswith("critic.ppo_micro_batch_size_per_gpu (3)")
     assert "actor_rollout_ref.actor" not in msg
+
+
+def test_decoupled_rollout_correction_is_refused():
+    msg = problem("algorithm.rollout_correction.rollout_is=token")
+    assert "bypass_mode=true" in msg
+    ok(
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.bypass_mode=true",
+    )

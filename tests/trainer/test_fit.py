@@ -95,6 +95,15 @@ VERL_KEYS = (
             ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"),
         ),
         (
+            "bypass_rollout_correction",
+            [
+                "algorithm.rollout_correction.bypass_mode=true",
+                "algorithm.rollout_correction.rollout_is=token",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # one mini-batch: still bypass
+            ],
+            ("actor/rollout_corr/kl", "actor/rollout_corr/rollout_is_mean"),
+        ),
+        (
             "dynamic_bsz",
             [
                 "actor_rollout_ref.actor.use_dynamic_bsz=true",

@@ -113,3 +113,23 @@ def test_unknown_optimizer_and_schedule():
         make_optimizer(optim(optimizer="SGD"), 10)
     with pytest.raises(ValueError, match="lr_scheduler_type"):
         learning_rate_schedule(optim(lr_scheduler_type="wsd"), 10)
+
+
+def test_schedule_advances_once_per_rl_step():
+    """verl steps its LR scheduler after a step's last mini-batch: with 3 updates per step,
+    updates 0-2 use the step-0 rate, 3-5 the step-1 rate, ... With constant gradients Adam's
+    normalised step is 1, so each update is -lr (a 4-step linear warm-up here)."""
+    optim = types.SimpleNamespace(
+        optimizer="AdamW", lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+        lr_scheduler_type="constant", lr_warmup_steps=4, lr_warmup_steps_ratio=0.0,
+        min_lr_ratio=0.0, num_cycles=0.5, total_training_steps=-1,
+    )  # fmt: skip
+    tx = make_optimizer(optim, total_steps=10, updates_per_step=3)
+    params = {"w": jnp.zeros(())}
+    state = tx.init(params)
+    got = []
+    for _ in range(9):
+        updates, state = tx.update({"w": jnp.ones(())}, state, params)
+        got.append(-float(updates["w"]))
+    expected = [0.0] * 3 + [0.25] * 3 + [0.5] * 3
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)  # Adam: m/sqrt(v) ~ 1
