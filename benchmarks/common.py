@@ -61,6 +61,25 @@ def matmul_peak_flops(n: int = 2048, dtype: str = "float32") -> float:
     return 2 * n**3 / seconds
 
 
+def hf_sample(model, ids, new_tokens: int):
+    """HF `generate` the way the workloads sample: temperature 1, no top-k/top-p, exactly
+    `new_tokens` new tokens (EOS suppressed), all-ones attention mask."""
+    import torch
+
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+
+
 def emit(result: dict[str, Any]) -> None:
     """Print the benchmark's JSON line (always the last line of stdout)."""
     print(json.dumps(result, sort_keys=True))

@@ -16,7 +16,7 @@ import argparse
 import os
 import time
 
-from common import emit, machine, median_seconds, workload_checkpoint
+from common import emit, hf_sample, machine, median_seconds, workload_checkpoint
 
 BATCH, PROMPT, NEW = 16, 64, 128
 
@@ -92,18 +92,7 @@ def bench_hf(folder) -> dict:
     )
 
     def run():
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                min_new_tokens=NEW,
-                max_new_tokens=NEW,
-                pad_token_id=0,
-            )
+        out = hf_sample(model, ids, NEW)
         assert out.shape[1] == PROMPT + NEW
 
     seconds = median_seconds(run)

@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from common import emit, machine, matmul_peak_flops, workload_checkpoint
+from common import emit, hf_sample, machine, matmul_peak_flops, workload_checkpoint
 
 PROMPTS, PROMPT_LEN, N, NEW = 32, 64, 4, 128
 
@@ -127,18 +127,7 @@ def bench_torch(folder) -> dict:
     def step() -> dict[str, float]:
         t0 = time.perf_counter()
         model.eval()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                min_new_tokens=NEW,
-                max_new_tokens=NEW,
-                pad_token_id=0,
-            )
+        out = hf_sample(model, ids, NEW)
         t1 = time.perf_counter()
         responses = out[:, PROMPT_LEN:].numpy()
         mask = np.ones_like(responses)

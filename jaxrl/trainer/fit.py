@@ -27,7 +27,7 @@ from jaxrl.trainer.checkpoint import Checkpoints, abstract
 from jaxrl.trainer.loggers import Tracking
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
 from jaxrl.trainer.update import UpdateState
-from jaxrl.trainer.validation import validate
+from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 log = logging.getLogger("jaxrl.train")
 
@@ -226,21 +226,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
 
 
 def _dump_rollout(trainer: PPOTrainer, step: int, folder: str) -> None:
-    import json
-
-    if jax.process_index() != 0:
-        return
-    batch, tokenizer = trainer.last_batch, trainer.tokenizer
-    out = Path(folder).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / f"{step}.jsonl").open("w") as f:
-        for i in range(len(batch["responses"])):
-            prompt = batch["prompts"][i][batch["prompt_mask"][i] > 0]
-            response = batch["responses"][i][batch["response_mask"][i] > 0]
-            row = {
-                "step": step,
-                "input": tokenizer.decode(prompt, skip_special_tokens=True),
-                "output": tokenizer.decode(response, skip_special_tokens=True),
-                "score": float(batch["token_level_scores"][i].sum()),
-            }
-            f.write(json.dumps(row) + "\n")
+    batch = trainer.last_batch
+    scores = batch["token_level_scores"].sum(-1)
+    rows = generation_rows(trainer.tokenizer, batch, scores, step)
+    write_jsonl(rows, Path(folder).expanduser() / f"{step}.jsonl")

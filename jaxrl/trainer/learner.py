@@ -94,19 +94,16 @@ def infer(
     the whole batch, as host [N, R] float32 arrays (zeros past each micro-batch's trimmed
     width)."""
     n, r = batch["responses"].shape
-    outs: list[np.ndarray] | None = None
     arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
-    single = False
-    for mb in plan(batch, np.arange(n), layout, micro_rows, token_budget, balance):
-        results = jax.device_get(fn(params, to_device(take(arrays, mb), layout)))
-        single = not isinstance(results, tuple)
-        results = (results,) if single else results
-        if outs is None:
-            outs = [np.zeros((n, r), np.float32) for _ in results]
+    plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
+    results = [fn(params, to_device(take(arrays, mb), layout)) for mb in plans]
+    results = jax.device_get(results)  # one read-back after all passes are queued
+    single = not isinstance(results[0], tuple)
+    outs = [np.zeros((n, r), np.float32) for _ in range(1 if single else len(results[0]))]
+    for mb, values in zip(plans, results, strict=True):
         valid = mb.rows >= 0
-        for out, values in zip(outs, results, strict=True):
-            out[mb.rows[valid], : mb.response_len] = np.asarray(values)[valid]
-    assert outs is not None, "an empty batch"
+        for out, x in zip(outs, (values,) if single else values, strict=True):
+            out[mb.rows[valid], : mb.response_len] = np.asarray(x)[valid]
     return outs[0] if single else tuple(outs)
 
 
@@ -139,7 +136,7 @@ class Learner:
             self._apply = jax.jit(apply, donate_argnums=0)
             self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
         else:
-            shardings = state_shardings(state, optimizer, layout, _shardings(state.params))
+            shardings = state_shardings(state, optimizer, layout, shardings_of(state.params))
             grads_sh = shardings.params
             self._accumulate = jax.jit(accumulate, donate_argnums=1, out_shardings=(grads_sh, None))
             self._apply = jax.jit(apply, donate_argnums=0, out_shardings=(shardings, None))
@@ -169,7 +166,9 @@ class Learner:
         arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
         arrays.update({k: batch[k] for k in fields})
         rng = np.random.RandomState(seed)
-        history: dict[str, list[float]] = defaultdict(list)
+        # Device metrics of every micro-batch and optimizer step, read back once at the end:
+        # no host sync inside the loop.
+        steps: list[tuple[list[dict], dict]] = []
         for _ in range(epochs):
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, mini_batch_rows):
@@ -179,32 +178,33 @@ class Learner:
                 # trimmed micro-batch's (as verl's padded tensors have it)
                 info["loss_scale_factor"] = batch["responses"].shape[1]
                 acc = self._zeros(self.state.params)
-                sums: dict[str, float] = defaultdict(float)
-                weighted: dict[str, float] = defaultdict(float)
-                tokens = 0.0
+                micro = []
                 for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
                     acc, m = self._accumulate(
                         self.state.params, acc, to_device(take(arrays, mb), self.layout), info
                     )
-                    m = jax.device_get(m)
-                    t = float(m["tokens"])
-                    tokens += t
-                    for k, v in m["sum"].items():
-                        sums[k] += float(v)
-                    for k, v in m["mean"].items():
-                        weighted[k] += float(v) * t
+                    micro.append(m)
                 self.state, applied = self._apply(self.state, acc)
-                applied = jax.device_get(applied)
-                for k, v in sums.items():
-                    history[k].append(v)
-                for k, v in weighted.items():
-                    history[k].append(v / max(tokens, 1.0))
-                history["grad_norm"].append(float(applied["grad_norm"]))
-                history["skipped"].append(float(applied["skipped"]))
-        out = {k: float(np.mean(v)) for k, v in history.items() if k != "skipped"}
-        out["skipped_steps"] = float(np.sum(history["skipped"]))
-        return out
+                steps.append((micro, applied))
+        return _average(jax.device_get(steps))
 
 
-def _shardings(tree: Any) -> Any:
+def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:
+    """verl-style update metrics: per optimizer step, loss terms summed over micro-batches
+    (each is normalised by the mini-batch's global counts) and ratios token-weighted; then
+    the mean over steps, and the count of skipped (non-finite) steps."""
+    history: dict[str, list[float]] = defaultdict(list)
+    for micro, applied in steps:
+        tokens = max(sum(float(m["tokens"]) for m in micro), 1.0)
+        for k in micro[0]["sum"]:
+            history[k].append(sum(float(m["sum"][k]) for m in micro))
+        for k in micro[0]["mean"]:
+            history[k].append(sum(float(m["mean"][k]) * float(m["tokens"]) for m in micro) / tokens)
+        history["grad_norm"].append(float(applied["grad_norm"]))
+    out = {k: float(np.mean(v)) for k, v in history.items()}
+    out["skipped_steps"] = float(sum(float(a["skipped"]) for _, a in steps))
+    return out
+
+
+def shardings_of(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, tree)

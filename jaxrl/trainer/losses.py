@@ -25,13 +25,15 @@ from jaxrl.models.config import DecoderConfig
 from jaxrl.trainer.sequences import response_log_probs, response_values
 
 
-class WithBatchInfo:
-    """An actor config seen with `global_batch_info` set (what verl mutates in place)."""
+class ConfigView:
+    """A frozen config seen with some attributes replaced (what verl does by mutating its
+    config in place: `global_batch_info`, bypass mode's `policy_loss`)."""
 
-    def __init__(self, base: Any, info: dict[str, Any]):
-        self._base, self.global_batch_info = base, info
+    def __init__(self, base: Any, **overrides: Any):
+        self._base = base
+        self.__dict__.update(overrides)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # only called for names not overridden
         return getattr(self._base, name)
 
 
@@ -56,10 +58,7 @@ def actor_loss(
     lp, entropy = response_log_probs(
         config,
         params,
-        mb["prompts"],
-        mb["prompt_mask"],
-        mb["responses"],
-        mb["response_mask"],
+        mb,
         temperature=temperature,
         chunk_size=chunk if actor_cfg.entropy_from_logits_with_chunking else None,
         with_entropy=True,
@@ -77,7 +76,7 @@ def actor_loss(
         advantages=mb["advantages"],
         response_mask=mask,
         loss_agg_mode=mode,
-        config=WithBatchInfo(actor_cfg, info),
+        config=ConfigView(actor_cfg, global_batch_info=info),
         rollout_is_weights=mb.get("rollout_is_weights"),
     )
     loss = pg_loss
@@ -104,9 +103,7 @@ def critic_loss(
     critic_cfg: Any,
 ) -> tuple[Array, dict[str, Array]]:
     """(value loss, metrics) of one micro-batch."""
-    vpreds = response_values(
-        config, params, mb["prompts"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
-    )
+    vpreds = response_values(config, params, mb)
     mask = mb["response_mask"].astype(jnp.float32)
     if critic_cfg.loss_scale_factor is not None:
         info = {**info, "loss_scale_factor": critic_cfg.loss_scale_factor}

@@ -33,19 +33,18 @@ class MicroBatch:
     prompt_len: int
     response_len: int
 
-    @property
-    def tokens(self) -> int:
-        return len(self.rows) * (self.prompt_len + self.response_len)
-
 
 def _width(lengths: np.ndarray, full: int) -> int:
     return min(bucket(int(lengths.max(initial=1)), minimum=8), full)
 
 
 def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
-    rows = rows.astype(np.int64)
-    extra = -len(rows) % multiple
-    return np.concatenate([rows, np.full(extra, -1, np.int64)]) if extra else rows
+    return _pad_to(rows, len(rows) + (-len(rows) % multiple))
+
+
+def _pad_to(rows: np.ndarray, n: int) -> np.ndarray:
+    """`rows` (int64) followed by -1 (all-padding rows) up to length n."""
+    return np.concatenate([rows.astype(np.int64), np.full(n - len(rows), -1, np.int64)])
 
 
 def plan_micro_batches(
@@ -125,10 +124,6 @@ def _by_budget(blocks, seq_lengths, budget) -> list[np.ndarray]:
         width = max(len(x) for x in pieces)
         groups.append(np.concatenate([_pad_to(x, width) for x in pieces]))
     return groups
-
-
-def _pad_to(rows: np.ndarray, n: int) -> np.ndarray:
-    return np.concatenate([rows, np.full(n - len(rows), -1, np.int64)]).astype(np.int64)
 
 
 def take(batch: dict[str, np.ndarray], mb: MicroBatch) -> dict[str, np.ndarray]:

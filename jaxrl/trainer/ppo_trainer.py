@@ -32,7 +32,7 @@ from jaxrl.sharding.layouts import layouts_from_config
 from jaxrl.sharding.reshard import free, reshard
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
-from jaxrl.trainer.learner import Learner, infer
+from jaxrl.trainer.learner import Learner, infer, shardings_of
 from jaxrl.trainer.metrics import (
     data_metrics,
     mfu_metrics,
@@ -67,16 +67,6 @@ def uses_critic(cfg) -> bool:
 
 def uses_reference(cfg) -> bool:
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-class _WithPolicyLoss:
-    """The actor config with `policy_loss` replaced (bypass mode's loss and correction)."""
-
-    def __init__(self, base: Any, policy_loss: Any):
-        self._base, self.policy_loss = base, policy_loss
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._base, name)
 
 
 class PPOTrainer:
@@ -128,12 +118,12 @@ class PPOTrainer:
         if self.bypass:
             correction = cfg.algorithm.rollout_correction
             loss = dict(loss_mode="bypass_mode", rollout_correction=correction)
-            policy_cfg = _WithPolicyLoss(actor_cfg, loss)
+            policy_cfg = losses.ConfigView(actor_cfg, policy_loss=loss)
         rows = cfg.data.train_batch_size * rollout_cfg.n
         updates = -(-rows // (actor_cfg.ppo_mini_batch_size * rollout_cfg.n)) * actor_cfg.ppo_epochs
         optimizer = make_optimizer(actor_cfg.optim, total_steps, updates_per_step=updates)
         self._actor_lr = learning_rate_schedule(actor_cfg.optim, total_steps)
-        state = init_state(params, optimizer, self.train_layout, _shardings(params))
+        state = init_state(params, optimizer, self.train_layout, shardings_of(params))
         self.temperature = rollout_cfg.temperature if rollout_cfg.do_sample else 1.0
         self.actor = Learner(
             self.actor_config,
@@ -186,7 +176,7 @@ class PPOTrainer:
             config, params = critic_from_policy(c.model.path, config, params, self.train_layout)
             c_updates = -(-rows // (c.ppo_mini_batch_size * rollout_cfg.n)) * c.ppo_epochs
             optimizer = make_optimizer(c.optim, total_steps, updates_per_step=c_updates)
-            state = init_state(params, optimizer, self.train_layout, _shardings(params))
+            state = init_state(params, optimizer, self.train_layout, shardings_of(params))
             self.critic = Learner(
                 config,
                 state,
@@ -375,12 +365,9 @@ class PPOTrainer:
         return metrics
 
     def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
-        fields = ["advantages"]
-        fields.append("old_log_probs" if not on_policy else "")
-        for name in ("ref_log_probs", "rollout_is_weights"):
-            if name in batch:
-                fields.append(name)
-        return tuple(f for f in fields if f)
+        optional = ("ref_log_probs", "rollout_is_weights")
+        fields = ("advantages", *(() if on_policy else ("old_log_probs",)))
+        return fields + tuple(name for name in optional if name in batch)
 
     def _log_prob_micro(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
@@ -394,7 +381,3 @@ class PPOTrainer:
 
 def _prefixed(metrics: dict[str, float], role: str) -> dict[str, float]:
     return {k if "/" in k else f"{role}/{k}": v for k, v in metrics.items()}
-
-
-def _shardings(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.sharding, tree)

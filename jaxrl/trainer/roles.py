@@ -97,10 +97,7 @@ def log_prob_fn(
             lp, entropy = response_log_probs(
                 config,
                 params,
-                mb["prompts"],
-                mb["prompt_mask"],
-                mb["responses"],
-                mb["response_mask"],
+                mb,
                 temperature=temperature,
                 chunk_size=chunk_size,
                 with_entropy=with_entropy,
@@ -115,13 +112,6 @@ def values_fn(config: DecoderConfig, layout: Layout | None):
 
     def fn(params, mb):
         with use_layout(layout):
-            return response_values(
-                config,
-                params,
-                mb["prompts"],
-                mb["prompt_mask"],
-                mb["responses"],
-                mb["response_mask"],
-            )
+            return response_values(config, params, mb)
 
     return jax.jit(fn)

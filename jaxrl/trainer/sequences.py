@@ -23,39 +23,32 @@ from jaxrl.models.transformer import hidden_states, score_head
 
 
 def _response_hidden(
-    config: DecoderConfig,
-    params: Params,
-    prompts: Int[Array, "b p"],
-    prompt_mask: Int[Array, "b p"],
-    responses: Int[Array, "b r"],
-    response_mask: Int[Array, "b r"],
+    config: DecoderConfig, params: Params, mb: dict[str, Int[Array, "b _"]]
 ) -> Float[Array, "b r d"]:
-    input_ids = jnp.concatenate([prompts, responses], axis=1)
-    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    input_ids = jnp.concatenate([mb["prompts"], mb["responses"]], axis=1)
+    mask = jnp.concatenate([mb["prompt_mask"], mb["response_mask"]], axis=1)
     h = hidden_states(config, params, input_ids, mask)
-    r = responses.shape[1]
+    r = mb["responses"].shape[1]
     return h[:, -r - 1 : -1]
 
 
 def response_log_probs(
     config: DecoderConfig,
     params: Params,
-    prompts: Int[Array, "b p"],
-    prompt_mask: Int[Array, "b p"],
-    responses: Int[Array, "b r"],
-    response_mask: Int[Array, "b r"],
+    mb: dict[str, Int[Array, "b _"]],
     *,
     temperature: float,
     chunk_size: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[Float[Array, "b r"], Float[Array, "b r"] | None]:
-    """(log-probs [B, R] of the response tokens under logits / temperature, entropy or None)."""
-    h = _response_hidden(config, params, prompts, prompt_mask, responses, response_mask)
+    """(log-probs [B, R] of the response tokens under logits / temperature, entropy or None)
+    of a micro-batch `mb` with `prompts`, `prompt_mask`, `responses`, `response_mask`."""
+    h = _response_hidden(config, params, mb)
     return token_log_probs(
         config,
         params,
         h,
-        responses,
+        mb["responses"],
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
@@ -63,18 +56,13 @@ def response_log_probs(
 
 
 def response_values(
-    config: DecoderConfig,
-    params: Params,
-    prompts: Int[Array, "b p"],
-    prompt_mask: Int[Array, "b p"],
-    responses: Int[Array, "b r"],
-    response_mask: Int[Array, "b r"],
+    config: DecoderConfig, params: Params, mb: dict[str, Int[Array, "b _"]]
 ) -> Float[Array, "b r"]:
-    """Critic values [B, R] (float32) of the states before each response token."""
+    """Critic values [B, R] (float32) of the states before each response token of `mb`."""
     if config.head != "token_classification" or config.num_labels != 1:
         raise ValueError(
             f"the critic needs a 1-label token-classification head, not {config.head!r} with "
             f"{config.num_labels} labels"
         )
-    h = _response_hidden(config, params, prompts, prompt_mask, responses, response_mask)
+    h = _response_hidden(config, params, mb)
     return score_head(config, params, h)[..., 0].astype(jnp.float32)

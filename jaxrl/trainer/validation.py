@@ -94,33 +94,47 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
                 column += [v for v, k in zip(values, keep_rows, strict=True) if k]
         for column in infos.values():  # a key this batch lacks: None for its rows
             column += [None] * (len(sources) - len(column))
-        if dump_dir is not None and jax.process_index() == 0:
-            dump += _dump_rows(trainer, repeated, batch, reward, keep_rows, step)
+        if dump_dir is not None and trainer.tokenizer is not None:
+            gts = [str(g) for g in repeated.ground_truth]
+            dump += generation_rows(trainer.tokenizer, batch, reward, step, gts, keep_rows)
         offset += len(prompts)
     metrics = validation_metrics(sources, np.concatenate(group_ids), dict(infos))
-    if dump_dir is not None and jax.process_index() == 0:
-        folder = Path(dump_dir).expanduser()
-        folder.mkdir(parents=True, exist_ok=True)
-        with (folder / f"{step}.jsonl").open("w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in dump)
+    if dump_dir is not None:
+        write_jsonl(dump, Path(dump_dir).expanduser() / f"{step}.jsonl")
     return metrics
 
 
-def _dump_rows(trainer, repeated, batch, reward, keep_rows, step) -> list[dict[str, Any]]:
-    tokenizer = trainer.tokenizer
-    if tokenizer is None:
-        return []
+def generation_rows(
+    tokenizer: Any,
+    batch: dict[str, np.ndarray],
+    scores: np.ndarray,
+    step: int,
+    ground_truths: list[str] | None = None,
+    keep: np.ndarray | None = None,
+) -> list[dict[str, Any]]:
+    """One JSON row per kept sequence of `batch`: step, decoded input and output, score (and
+    ground truth) - verl's `rollout_data_dir` / `validation_data_dir` dumps."""
+    keep = np.ones(len(scores), bool) if keep is None else keep
     rows = []
-    for i in np.flatnonzero(keep_rows):
+    for i in np.flatnonzero(keep):
         prompt = batch["prompts"][i][batch["prompt_mask"][i] > 0]
         response = batch["responses"][i][batch["response_mask"][i] > 0]
-        rows.append(
-            {
-                "step": step,
-                "input": tokenizer.decode(prompt, skip_special_tokens=True),
-                "output": tokenizer.decode(response, skip_special_tokens=True),
-                "gts": str(repeated.ground_truth[i]),
-                "score": float(reward[i]),
-            }
-        )
+        row = {
+            "step": step,
+            "input": tokenizer.decode(prompt, skip_special_tokens=True),
+            "output": tokenizer.decode(response, skip_special_tokens=True),
+            "score": float(scores[i]),
+        }
+        if ground_truths is not None:
+            row["gts"] = ground_truths[i]
+        rows.append(row)
     return rows
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write `rows` as JSON lines (process 0 only)."""
+    if jax.process_index() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
