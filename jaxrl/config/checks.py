@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.schema import Config
+from jaxrl.kernels.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from jaxrl.sharding.mesh import AXES, resolve_axis_sizes
 from jaxrl.sharding.rules import ROLLOUT_MESH_AXES, TRAIN_MESH_AXES, rule_problems
 
@@ -156,6 +157,7 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
     p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))
     for role in ("actor_rollout_ref", "critic"):
         p.choice(cfg, f"{role}.model.remat_policy", ("full", "save_dots"))
+        p.choice(cfg, f"{role}.model.attention_impl", ("auto", *ATTENTION_IMPLEMENTATIONS))
     for role in ("actor_rollout_ref.actor", "critic"):
         p.choice(cfg, f"{role}.optim.lr_scheduler_type", ("constant", "cosine"))
     p.extend(rule_problems(dict(cfg.mesh.train_rules), TRAIN_MESH_AXES, "mesh.train_rules"))

@@ -97,6 +97,9 @@ class ModelConfig:
             `enable_gradient_checkpointing` is true.
         use_remove_padding: Pack variable-length sequences into rows with segment ids instead of
             padding each one (verl's rmpad).
+        attention_impl: *jaxrl*. `jaxrl.kernels.attention`'s implementation: `auto` (ring over
+            `mesh.sp` > 1; Pallas on a GPU; blockwise for long sequences on a CPU; else
+            dense), `reference`, `blockwise`, `pallas_gpu`, `cudnn` or `ring`.
     """
 
     path: str = MISSING
@@ -107,6 +110,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = True
     remat_policy: str = "full"
     use_remove_padding: bool = True
+    attention_impl: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,53 @@
-"""The attention entry point every model calls, and its dense reference implementation.
+"""The attention entry point every model calls, and its implementations.
 
     out_btnh = attention(q_btnh, k_bskh, v_bskh, causal=True, segment_ids=seg_bt)
 
 Letters: B batch, T query length, S key length, N query heads, K kv heads (N = K * G), H head
-dim. Query row t of `q` sits at key index `t + q_offset` (0 for a full forward; the cache length
-when decoding). A query attends to key s when all of these hold:
+dim. Query row t sits at position `t + q_offset`, key row s at `s + kv_offset` (both 0 for a
+full forward; `q_offset` is the cache length when decoding). A query attends to key s when all
+of these hold:
 
-- causal: `s <= t + q_offset`;
+- causal: `pos_k <= pos_q`;
 - same segment: `segment_ids_q[t] == segment_ids_kv[s]` (packed rows; padding is its own
   segment, so real tokens never attend to padding);
-- sliding window: `t + q_offset - s < sliding_window` (HF's convention: the window counts the
+- sliding window: `pos_q - pos_k < sliding_window` (HF's convention: the window counts the
   query itself).
 
-Rows with no admissible key (none occur for real tokens) get a uniform average rather than
-NaN, so gradients stay finite. The long-context issue adds `blockwise`, `pallas_gpu`, `cudnn`
-and ring implementations behind this same call.
+Implementations (`implementation=`):
+
+- `reference`: dense [B, K, G, T, S] scores; the oracle. A row with no admissible key (none
+  occurs for real tokens) gets a uniform average rather than NaN.
+- `blockwise`: online-softmax blocks in `jax.numpy` with a recomputing backward, O(T) memory
+  (`jaxrl.kernels.blockwise`). A row with no admissible key gets zeros.
+- `pallas_gpu`: a Pallas/Triton flash-attention kernel (`jaxrl.kernels.pallas_gpu`); off a
+  GPU it runs in Pallas' interpret mode (tests only: slow).
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; no segment ids, offsets or
+  traced windows (refused rather than attending across segments).
+- `ring`: sequence parallelism over the active layout's `sp` axis (`jaxrl.kernels.ring`); the
+  tokens must be in zigzag order (`jaxrl.kernels.ring.zigzag`), as `hidden_states` lays them.
+- `auto`: `ring` when the active layout has `sp > 1`; on a GPU `pallas_gpu`; elsewhere
+  `blockwise` from `BLOCKWISE_MIN_LENGTH` keys on, else `reference`. Logged once per choice.
 """
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-IMPLEMENTATIONS = ("reference",)
-# A sliding window that never binds; lets scanned layers mix windowed and full attention.
-NO_WINDOW = 2**30
+from jaxrl.kernels.blockwise import NO_WINDOW, blockwise_attention
+
+IMPLEMENTATIONS = ("reference", "blockwise", "pallas_gpu", "cudnn", "ring")
+# On the CPU, the dense scores of shorter sequences are cheap and faster than blocks.
+BLOCKWISE_MIN_LENGTH = 1024
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+_log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+SegmentIds = Int[Array, "b t"] | tuple[Int[Array, "b t"], Int[Array, "b s"]] | None
 
 
 def attention(
@@ -35,10 +56,11 @@ def attention(
     v: Float[Array, "b s k h"],
     *,
     causal: bool = True,
-    segment_ids: Int[Array, "b t"] | tuple[Int[Array, "b t"], Int[Array, "b s"]] | None = None,
+    segment_ids: SegmentIds = None,
     sliding_window: int | Int[Array, ""] | None = None,
     softmax_scale: float | None = None,
     q_offset: int | Int[Array, ""] = 0,
+    kv_offset: int | Int[Array, ""] = 0,
     implementation: str = "auto",
 ) -> Float[Array, "b t n h"]:
     """Softmax attention with grouped-query heads, causal, segment and sliding-window masks.
@@ -47,14 +69,15 @@ def attention(
         q: Queries [B, T, N, H].
         k: Keys [B, S, K, H], N a multiple of K.
         v: Values [B, S, K, H].
-        causal: Mask keys after the query's own index.
+        causal: Mask keys after the query's own position.
         segment_ids: [B, T] when queries and keys are the same tokens, else a pair
             ([B, T] for queries, [B, S] for keys).
-        sliding_window: Keys further back than this many positions are masked (None: off).
+        sliding_window: Keys this many positions back or further are masked (None: off).
             May be a traced scalar, so scanned layers can differ.
         softmax_scale: Score scale; default 1/sqrt(H).
-        q_offset: Key index of the first query row.
-        implementation: `reference` or `auto` (the best available; `reference` for now).
+        q_offset: Position of the first query row.
+        kv_offset: Position of the first key row.
+        implementation: One of `IMPLEMENTATIONS` or `auto`.
 
     Returns:
         [B, T, N, H] in the dtype of `q`.
@@ -70,34 +93,131 @@ def attention(
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({kv_heads})")
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != h:
         raise ValueError(f"k {k.shape} and v {v.shape} do not match q {q.shape}")
-    scale = h**-0.5 if softmax_scale is None else softmax_scale
-    return _reference(q, k, v, causal, segment_ids, sliding_window, scale, q_offset)
+    scale = h**-0.5 if softmax_scale is None else float(softmax_scale)
+    if implementation == "auto":
+        implementation = _choose(k.shape[1])
+    seg_q, seg_kv = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
+    if implementation == "reference":
+        return _reference(
+            q, k, v, causal, (seg_q, seg_kv), sliding_window, scale, q_offset, kv_offset
+        )
+    if implementation == "ring":
+        return _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset)
+    if implementation == "cudnn":
+        return _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset)
+    kw = dict(
+        causal=causal,
+        segment_ids_q=seg_q,
+        segment_ids_kv=seg_kv,
+        scale=scale,
+        sliding_window=sliding_window,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+    )
+    if implementation == "pallas_gpu":
+        from jaxrl.kernels.pallas_gpu import pallas_attention
+
+        return pallas_attention(q, k, v, interpret=jax.default_backend() != "gpu", **kw)[0]
+    return blockwise_attention(q, k, v, **kw)[0]
 
 
-def _mask_bts(
-    b: int, t: int, s: int, causal: bool, segment_ids, sliding_window, q_offset
-) -> jax.Array:
+def _choose(s: int) -> str:
+    """The `auto` implementation for a key length `s` here (logged once per choice)."""
+    from jaxrl.sharding.layouts import active_layout
+
+    layout = active_layout()
+    if layout is not None and layout.mesh.shape.get("sp", 1) > 1:
+        choice, why = "ring", f"the layout has sp={layout.mesh.shape['sp']}"
+    elif jax.default_backend() == "gpu":
+        choice, why = "pallas_gpu", "the backend is a GPU"
+    elif s >= BLOCKWISE_MIN_LENGTH:
+        choice, why = "blockwise", f"{s} keys >= {BLOCKWISE_MIN_LENGTH} on {jax.default_backend()}"
+    else:
+        choice, why = "reference", f"{s} keys < {BLOCKWISE_MIN_LENGTH} on {jax.default_backend()}"
+    if choice not in _logged:
+        _logged.add(choice)
+        _log.info("attention implementation %s (auto: %s)", choice, why)
+    return choice
+
+
+def _static_zero(x) -> bool:
+    return isinstance(x, int | np.integer) and x == 0
+
+
+def _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset):
+    """cuDNN's fused attention; refuses what it cannot express."""
+    if seg_q is not None:
+        raise ValueError(
+            "implementation='cudnn' has no segment ids (packed or padded rows would attend "
+            "across segments); use 'pallas_gpu' or 'blockwise'"
+        )
+    if not (_static_zero(q_offset) and _static_zero(kv_offset)):
+        raise ValueError("implementation='cudnn' takes no position offsets; use 'pallas_gpu'")
+    window = None
+    if sliding_window is not None:
+        if not isinstance(sliding_window, int | np.integer):
+            raise ValueError("implementation='cudnn' needs a static (python int) sliding_window")
+        if sliding_window < NO_WINDOW:
+            window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, local_window_size=window, implementation="cudnn"
+    )
+
+
+def _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset):
+    """Ring attention over the active layout's `sp` axis (tokens in zigzag order)."""
+    from jaxrl.kernels.ring import ring_attention
+    from jaxrl.sharding.layouts import active_layout
+
+    layout = active_layout()
+    if layout is None or layout.mesh.shape.get("sp", 1) < 2:
+        raise ValueError(
+            "implementation='ring' needs an active layout with an `sp` axis > 1 "
+            "(mesh.sp in the config); use 'blockwise' on one sequence shard"
+        )
+    if seg_q is not seg_kv or not (_static_zero(q_offset) and _static_zero(kv_offset)):
+        raise ValueError(
+            "implementation='ring' attends one sequence to itself: one segment_ids array "
+            "and no offsets"
+        )
+    heads = layout.spec(q.shape, ("batch", "seq", "heads", "head_dim"))
+    kv_heads = layout.spec(k.shape, ("batch", "seq", "kv_heads", "head_dim"))
+    return ring_attention(
+        q,
+        k,
+        v,
+        mesh=layout.mesh,
+        segment_ids=seg_q,
+        causal=causal,
+        sliding_window=sliding_window,
+        scale=scale,
+        batch_axes=heads[0],
+        head_axes=heads[2] if heads[2] == kv_heads[2] else None,
+    )
+
+
+def _mask_bts(b, t, s, causal, segment_ids, sliding_window, q_offset, kv_offset) -> jax.Array:
     """Admissible (query, key) pairs as a boolean [B, T, S]."""
-    q_idx = jnp.arange(t)[:, None] + q_offset
-    k_idx = jnp.arange(s)[None, :]
+    pos_q = jnp.arange(t)[:, None] + q_offset
+    pos_k = jnp.arange(s)[None, :] + kv_offset
     mask = jnp.ones((b, t, s), bool)
     if causal:
-        mask &= (k_idx <= q_idx)[None]
+        mask &= (pos_k <= pos_q)[None]
     if sliding_window is not None:
-        mask &= (q_idx - k_idx < sliding_window)[None]
-    if segment_ids is not None:
-        seg_q, seg_k = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
+        mask &= (pos_q - pos_k < sliding_window)[None]
+    seg_q, seg_k = segment_ids
+    if seg_q is not None:
         mask &= seg_q[:, :, None] == seg_k[:, None, :]
     return mask
 
 
-def _reference(q, k, v, causal, segment_ids, sliding_window, scale, q_offset):
+def _reference(q, k, v, causal, segment_ids, sliding_window, scale, q_offset, kv_offset):
     """Dense attention: the [B, K, G, T, S] score tensor, softmax in float32."""
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     q_btkgh = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k, preferred_element_type=jnp.float32)
-    mask = _mask_bts(b, t, s, causal, segment_ids, sliding_window, q_offset)
+    mask = _mask_bts(b, t, s, causal, segment_ids, sliding_window, q_offset, kv_offset)
     scores = jnp.where(mask[:, None, None], scores * scale, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)

@@ -11,6 +11,11 @@ One pre-norm block per layer, scanned over the stacked layer axis:
 Positions follow verl: `cumsum(attention_mask) - 1` clipped at 0 (left or right padding), or
 restarting at 0 in every segment of a packed row. Padding is its own attention segment, so real
 tokens never see it.
+
+Under a layout with `sp > 1` (and `attention_impl` auto or ring) the sequence is split over `sp`
+and attention runs as a ring: the tokens, positions and segment ids are permuted into the
+zigzag order once at the start (`jaxrl.kernels.ring.zigzag`) and the hidden states permuted
+back at the end, so callers see natural order.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxrl.kernels import attention
+from jaxrl.kernels.ring import unzigzag, zigzag
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import apply_rope, rope_cos_sin
-from jaxrl.sharding.layouts import shard
+from jaxrl.sharding.layouts import active_layout, shard
 
 _ACT = ("batch", "seq", None)  # block-boundary activations [B, T, D]
 
@@ -116,6 +122,10 @@ def hidden_states(
         segments = None
         default_positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
     positions = default_positions if positions is None else positions
+    t = input_ids.shape[1]
+    sp = _ring_size(config)
+    if sp > 1:  # zigzag order for ring attention, undone on the way out
+        input_ids, positions, segments = _to_zigzag(input_ids, positions, segments, sp)
     cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
     x_btd = shard(params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype), _ACT)
 
@@ -138,7 +148,30 @@ def hidden_states(
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     windows = jnp.asarray(config.window_per_layer, jnp.int32)
     x_btd, _ = jax.lax.scan(body, x_btd, (params["layers"], windows))
+    if sp > 1:
+        x_btd = shard(unzigzag(x_btd, sp)[:, :t], _ACT)
     return rms_norm(x_btd, params["final_norm_d"], config.rms_norm_eps)
+
+
+def _ring_size(config: DecoderConfig) -> int:
+    """The `sp` axis size when attention runs as a ring over it, else 1."""
+    layout = active_layout()
+    sp = 1 if layout is None else layout.mesh.shape.get("sp", 1)
+    return sp if sp > 1 and config.attention_impl in ("auto", "ring") else 1
+
+
+def _to_zigzag(input_ids, positions, segments, sp: int):
+    """Pads [B, T] to a multiple of 2·sp (padding is a segment of its own, -1) and permutes the
+    tokens, their positions and segment ids into ring attention's zigzag order."""
+    t = input_ids.shape[1]
+    pad = -t % (2 * sp)
+    if segments is None:
+        segments = jnp.ones_like(input_ids, jnp.int32)
+    widths = ((0, 0), (0, pad))
+    input_ids = jnp.pad(input_ids, widths)
+    positions = jnp.pad(positions, widths)
+    segments = jnp.pad(segments.astype(jnp.int32), widths, constant_values=-1)
+    return tuple(shard(zigzag(x, sp), ("batch", "seq")) for x in (input_ids, positions, segments))
 
 
 def lm_head_weight(config: DecoderConfig, params: Params) -> Float[Array, "d v"]:

@@ -111,6 +111,7 @@ class PPOTrainer:
             layout=self.train_layout,
             remat=remat,
             override_config=dict(arr.model.override_config),
+            attention_impl=arr.model.attention_impl,
         )
         self._actor_size = sum(x.size for x in jax.tree.leaves(params))
         policy_cfg = actor_cfg
@@ -158,6 +159,7 @@ class PPOTrainer:
                 compute_dtype=dtype_name(arr.ref.dtype, "ref.dtype"),
                 layout=self.train_layout,
                 override_config=dict(arr.model.override_config),
+                attention_impl=arr.model.attention_impl,
             )
             self._ref_log_prob = log_prob_fn(
                 self._ref_config, self.train_layout, temperature=self.temperature, chunk_size=chunk
@@ -172,6 +174,7 @@ class PPOTrainer:
                 layout=self.train_layout,
                 remat=c.model.remat_policy if c.model.enable_gradient_checkpointing else "none",
                 override_config=dict(c.model.override_config),
+                attention_impl=c.model.attention_impl,
             )
             config, params = critic_from_policy(c.model.path, config, params, self.train_layout)
             c_updates = -(-rows // (c.ppo_mini_batch_size * rollout_cfg.n)) * c.ppo_epochs
@@ -189,8 +192,12 @@ class PPOTrainer:
         self.kl_ctrl = (
             get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         )
-        self.rollout_config = self.actor_config.replace(
-            dtype=dtype_name(rollout_cfg.dtype, "rollout.dtype"), remat="none"
+        self.rollout_config = self.actor_config.replace(  # the rollout mesh has no `sp`
+            dtype=dtype_name(rollout_cfg.dtype, "rollout.dtype"),
+            remat="none",
+            attention_impl="auto"
+            if arr.model.attention_impl == "ring"
+            else arr.model.attention_impl,
         )
         self._rollout_shardings = self.rollout_layout.params(self.rollout_config)
         self.sampling = SamplingParams.from_config(rollout_cfg)

@@ -45,9 +45,10 @@ def load_model(
     layout: Layout | None,
     remat: str = "none",
     override_config: dict | None = None,
+    attention_impl: str = "auto",
 ) -> tuple[DecoderConfig, Any]:
     """An HF causal LM as (config, params) in `layout`, with separate parameter and compute
-    dtypes."""
+    dtypes and the attention implementation the forward passes use."""
     config, params = from_pretrained(
         path,
         dtype=param_dtype,
@@ -55,7 +56,7 @@ def load_model(
         remat=remat,
         override_config=override_config or None,
     )
-    return config.replace(dtype=compute_dtype), params
+    return config.replace(dtype=compute_dtype, attention_impl=attention_impl), params
 
 
 def _initializer_range(path: str) -> float:

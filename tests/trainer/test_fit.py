@@ -148,6 +148,21 @@ def test_resume_equals_uninterrupted_run(assets, tmp_path):
 
 
 @pytest.mark.entry
+def test_sequence_parallel_ring_equals_one_sequence_shard(assets, tmp_path):
+    """mesh.sp=2 trains with ring attention (zigzag layout); the step's metrics equal those of
+    the same devices without sequence parallelism (same rollouts, float32 reduction order)."""
+    common = ["trainer.test_freq=-1", "trainer.val_before_train=false"]
+    common += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=true"]
+    sp1, sp2 = tmp_path / "sp1", tmp_path / "sp2"
+    fit(config(assets, sp1, *common, mesh=["mesh.dp=2", "mesh.fsdp=4", "mesh.tp=1", "mesh.sp=1"]))
+    fit(config(assets, sp2, *common, mesh=["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=1", "mesh.sp=2"]))
+    (a,), (b,) = read_metrics(sp1), read_metrics(sp2)
+    assert a["response_length/mean"] == b["response_length/mean"]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.entry
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     """A process killed while writing step 2 leaves step 1 as the newest, restorable."""
     script = textwrap.dedent(
