@@ -8,29 +8,15 @@ import pytest
 
 from jaxrl.kernels import attention
 from jaxrl.kernels.blockwise import NEG_INF, blockwise_attention, blockwise_backward
+from jaxrl.testing.attention import dense_attention
 
 SCALE = 0.3
 
 
 def dense(q, k, v, *, causal=True, seg_q=None, seg_kv=None, window=None, q_offset=0, kv_offset=0):
-    """(out, lse) by the definition, with -inf for masked scores (the oracle of `lse`)."""
-    b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    q5 = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q5, k.astype(jnp.float32)) * SCALE
-    pos_q, pos_k = jnp.arange(t)[:, None] + q_offset, jnp.arange(s)[None, :] + kv_offset
-    mask = jnp.ones((b, t, s), bool)
-    if causal:
-        mask &= (pos_k <= pos_q)[None]
-    if window is not None:
-        mask &= (pos_q - pos_k < window)[None]
-    if seg_q is not None:
-        mask &= seg_q[:, :, None] == seg_kv[:, None, :]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    lse = jax.nn.logsumexp(scores, axis=-1)
-    p = jnp.where(mask[:, None, None], jnp.exp(scores - lse[..., None]), 0.0)
-    out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32)).reshape(b, t, n, h)
-    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+    """(out, lse) by the definition (`jaxrl.testing.attention`), at this file's scale."""
+    return dense_attention(q, k, v, scale=SCALE, causal=causal, seg_q=seg_q, seg_k=seg_kv,
+                           window=window, q_offset=q_offset, kv_offset=kv_offset)  # fmt: skip
 
 
 def inputs(b, t, s, n, kh, h=16, dtype=jnp.float32, seed=0):
