@@ -112,8 +112,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192,16384,32768")
     parser.add_argument("--time-limit", type=int, default=8192, help="longest dense run timed")
     parser.add_argument("--ring-length", type=int, default=16384)
+    parser.add_argument("--ring-only", action="store_true", help="skip the single-device rows")
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = [] if args.ring_only else [int(x) for x in args.lengths.split(",")]
     rows = single_device(lengths, args.time_limit)
     ring = ring_rows(args.ring_length)
     by = {(r["impl"], r["T"], r["pass"]): r["temp_bytes"] for r in rows}

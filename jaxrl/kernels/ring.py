@@ -3,8 +3,9 @@
 The sequence [T] is cut into 2P chunks of c = T / 2P tokens for P devices on the axis. In the
 zigzag layout device i holds chunks (i, 2P-1-i), so every device has the same share of the
 causal triangle's work. Each device keeps its queries; the key/value chunks travel around the
-ring (`ppermute` i -> i+1), P - 1 hops. At hop r, device i holds the keys of device i - r and
-merges the partial results of its two query chunks with those two key chunks:
+ring (`ppermute` i -> i+1), P - 1 hops in a loop (one hop's temporaries are reused by the
+next, so per-device memory shrinks with P). At hop r, device i holds the keys of device i - r
+and merges the partial results of its two query chunks with those key chunks:
 
     lse = logaddexp(lse_1, lse_2),   out = out_1 · e^(lse_1 - lse) + out_2 · e^(lse_2 - lse)
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl.kernels.blockwise import blockwise_backward, blockwise_forward
+from jaxrl.kernels.blockwise import NEG_INF, blockwise_backward, blockwise_forward
 
 
 def zigzag_order(t: int, sp: int) -> np.ndarray:
@@ -98,16 +99,24 @@ def _ring_forward(q, k, v, seg_q, seg_kv, window, opts):
     kw = _blockwise_kwargs(opts, window)
     i = jax.lax.axis_index(axis)
     c = q.shape[1] // 2
-    qs, acc = _halves(q), [None, None]
-    kv = (k, v, seg_kv)
-    for r in range(n):
+    qs = _halves(q)
+
+    def attend(r, kv, acc):
+        """Merges the attention of the local queries over the keys held at hop r into acc."""
         ks, vs = _halves(kv[0]), _halves(kv[1])
+        acc = list(acc)
         for a, b, pair in _pairs(i, (i - r) % n, n, c, seg_q, kv[2], opts["causal"]):
             o, lse = blockwise_forward(qs[a], ks[b], vs[b], **pair, **kw)
-            part = (o.astype(jnp.float32), lse)
-            acc[a] = part if acc[a] is None else _merge(acc[a], part)
-        if r < n - 1:
-            kv = _rotate(kv, axis, n)
+            acc[a] = _merge(acc[a], (o.astype(jnp.float32), lse))
+        return tuple(acc)
+
+    def hop(r, carry):
+        kv, acc = carry
+        return _rotate(kv, axis, n), attend(r, kv, acc)
+
+    empty = (jnp.zeros(qs[0].shape, jnp.float32), jnp.full(qs[0].shape[:3], NEG_INF, jnp.float32))
+    kv, acc = jax.lax.fori_loop(0, n - 1, hop, ((k, v, seg_kv), (empty, empty)))
+    acc = attend(n - 1, kv, acc)
     out = jnp.concatenate([acc[0][0], acc[1][0]], axis=1).astype(q.dtype)
     return out, jnp.concatenate([acc[0][1], acc[1][1]], axis=1)
 
@@ -118,20 +127,27 @@ def _ring_backward(q, k, v, seg_q, seg_kv, window, out, lse, dout, opts):
     i = jax.lax.axis_index(axis)
     c = q.shape[1] // 2
     qs, outs, lses, douts = _halves(q), _halves(out), _halves(lse), _halves(dout)
-    dq = [jnp.zeros(qs[0].shape, jnp.float32) for _ in range(2)]
-    kv = (k, v, seg_kv)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for r in range(n):
+
+    def grads(r, kv, dkv, dq):
+        """Adds the gradients through the keys held at hop r to dq and to their dk, dv."""
         ks, vs = _halves(kv[0]), _halves(kv[1])
-        dk, dv = [list(_halves(x)) for x in dkv]
+        dq, (dk, dv) = list(dq), [list(_halves(x)) for x in dkv]
         for a, b, pair in _pairs(i, (i - r) % n, n, c, seg_q, kv[2], opts["causal"]):
             g = blockwise_backward(qs[a], ks[b], vs[b], outs[a], lses[a], douts[a], **pair, **kw)
             dq[a] += g[0].astype(jnp.float32)
             dk[b] += g[1].astype(jnp.float32)
             dv[b] += g[2].astype(jnp.float32)
-        dkv = (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1))
-        if r < n - 1:
-            kv, dkv = _rotate((kv, dkv), axis, n)
+        return (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)), tuple(dq)
+
+    def hop(r, carry):
+        kv, dkv, dq = carry
+        dkv, dq = grads(r, kv, dkv, dq)
+        return (*_rotate((kv, dkv), axis, n), dq)
+
+    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+    carry = ((k, v, seg_kv), (zeros(k.shape), zeros(v.shape)), (zeros(qs[0].shape),) * 2)
+    kv, dkv, dq = jax.lax.fori_loop(0, n - 1, hop, carry)
+    dkv, dq = grads(n - 1, kv, dkv, dq)
     dkv = _rotate(dkv, axis, n)  # the last keys' gradients go home
     return (jnp.concatenate(dq, axis=1).astype(q.dtype), *(d.astype(k.dtype) for d in dkv))
 
