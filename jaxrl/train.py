@@ -17,6 +17,7 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxrl import distributed
 from jaxrl.config import Config, ConfigError, load_config, save_config, to_yaml
 from jaxrl.config.checks import check_model_context, critic_enabled
 from jaxrl.config.reference import attribute_docs
@@ -82,7 +83,15 @@ def device_summary(cfg: Config) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:  # first: joining the other processes must come before anything touches the devices
+        distributed.initialize()
+    except distributed.DistributedConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=distributed.process_log_prefix() + "%(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("jaxrl").setLevel(logging.INFO)
     import jax
 
@@ -90,7 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides, num_devices=jax.device_count())
         from jaxrl.assets import prepare
 
-        for path in prepare(cfg):
+        # Process 0 writes the files; the others wait, then write what their host still lacks
+        # (hosts without a shared disk).
+        written = prepare(cfg) if distributed.is_main_process() else []
+        distributed.barrier("jaxrl/assets")
+        written += [] if distributed.is_main_process() else prepare(cfg)
+        for path in written:
             print(f"wrote {path}")
         for key, model in [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)] + (
             [("critic.model", cfg.critic.model)] if critic_enabled(cfg) else []
@@ -101,11 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_model_context(cfg, context, f"{key}.path={model.path}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        distributed.mark_failed(f"configuration error: {e}", exit_code=2)
         return 2
     print(to_yaml(cfg), end="")
     print(device_summary(cfg))
-    path = save_config(cfg, cfg.trainer.default_local_dir)
-    print(f"resolved config written to {path}")
+    if distributed.is_main_process():
+        path = save_config(cfg, cfg.trainer.default_local_dir)
+        print(f"resolved config written to {path}")
     from jaxrl.trainer.fit import fit
 
     metrics = fit(cfg)

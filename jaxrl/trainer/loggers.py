@@ -4,7 +4,9 @@
     loggers.log(metrics, step)
     loggers.close()
 
-Only process 0 writes (the metrics are already those of the run). `metrics.jsonl` holds one
+Only process 0 writes the files, TensorBoard and W&B (the metrics are already those of the
+run); with `console`, the other processes print the same line to their own output, prefixed
+`[process i/N]`, so that each process's log shows its progress. `metrics.jsonl` holds one
 JSON object per line with `training/global_step` and verl's metric names. A fresh run starts it
 anew; a run resumed after step s keeps the lines of steps <= s and appends, so no step appears
 twice.
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
+from jaxrl.distributed import is_main_process, process_log_prefix
 
 LOGGERS = ("console", "tensorboard", "wandb")
 _CONSOLE_KEYS = (
@@ -44,6 +46,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _console_line(step: int, numbers: dict[str, int | float]) -> str:
+    shown = [k for k in _CONSOLE_KEYS if k in numbers]
+    shown += sorted(k for k in numbers if k.startswith("val-core/") and k not in shown)
+    return f"step {step}: " + " ".join(f"{k}={numbers[k]:.4g}" for k in shown)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The rows of a run's `metrics.jsonl`."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -67,7 +75,7 @@ class Tracking:
         unknown = [b for b in backends if b not in LOGGERS]
         if unknown:
             raise ValueError(f"trainer.logger: unknown {unknown}; use any of {list(LOGGERS)}")
-        self.enabled = jax.process_index() == 0
+        self.enabled = is_main_process()
         self.run_dir = Path(run_dir)
         self.backends = tuple(backends)
         self._tb = self._wandb = None
@@ -98,12 +106,15 @@ class Tracking:
             self._wandb = wandb.init(project=project, name=experiment, config=config or {})
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        if not self.enabled:
+        if not self.enabled and "console" not in self.backends:
             return
         row = {"training/global_step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
+        if not self.enabled:
+            print(f"{process_log_prefix()}{_console_line(step, numbers)}", flush=True)
+            return
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
         if self._tb is not None:
             for k, v in numbers.items():
                 self._tb.add_scalar(k, v, step)
@@ -111,10 +122,7 @@ class Tracking:
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
         if "console" in self.backends:
-            shown = [k for k in _CONSOLE_KEYS if k in numbers]
-            shown += sorted(k for k in numbers if k.startswith("val-core/") and k not in shown)
-            text = " ".join(f"{k}={numbers[k]:.4g}" for k in shown)
-            print(f"step {step}: {text}", flush=True)
+            print(_console_line(step, numbers), flush=True)
 
     def close(self) -> None:
         if not self.enabled:

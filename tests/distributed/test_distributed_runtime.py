@@ -1,0 +1,131 @@
+"""`jaxrl.distributed` across real processes: joining, gloo collectives, and failures.
+
+2 processes x 4 fake CPU devices on 127.0.0.1, each `worker.py` in a subprocess.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from _multiproc import ROOT, WORKER, clean_env, free_port, output
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _wait(proc, timeout: float) -> tuple[int, float]:
+    start = time.monotonic()
+    rc = proc.wait(timeout=timeout)
+    return rc, time.monotonic() - start
+
+
+def _result(proc) -> dict:
+    lines = [ln for ln in output(proc).splitlines() if ln.startswith("RESULT ")]
+    assert lines, output(proc)
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_two_processes_share_eight_devices_and_reduce_over_gloo(procs):
+    port = free_port()
+    workers = [procs.start("collectives", i, 2, port) for i in range(2)]
+    for proc in workers:
+        rc, _ = _wait(proc, 80)
+        assert rc == 0, output(proc)
+    for i, proc in enumerate(workers):
+        row = _result(proc)
+        assert row["process_id"] == row["process_index"] == i
+        assert row["num_processes"] == 2
+        assert (row["device_count"], row["local_device_count"]) == (8, 4)
+        assert row["psum"] == [28.0] * 8  # psum over x = 0..7, half of it from each process
+        assert row["total"] == 28.0
+        assert row["allgather"] == [[1], [11]]
+        assert row["main"] == (i == 0)
+        assert row["prefix"] == f"[process {i}/2] "
+
+
+def test_a_peer_that_never_starts_is_named_with_the_coordinator(procs):
+    """Process 0 alone waits for 1; process 1 alone (another run) finds no coordinator."""
+    port0, port1 = free_port(), free_port()
+    alone0 = procs.start("init", 0, 2, port0, JAXRL_INIT_TIMEOUT="8")
+    alone1 = procs.start("init", 1, 2, port1, JAXRL_INIT_TIMEOUT="8")
+    for proc, port, missing in ((alone0, port0, "[1]"), (alone1, port1, "[0]")):
+        rc, waited = _wait(proc, 80)
+        text = output(proc)
+        assert rc == 1, text
+        assert waited < 8 + 30, text  # 8 s plus interpreter start on a loaded machine
+        pid = 0 if proc is alone0 else 1
+        assert f"process {pid} of 2 waited 8 s at coordinator 127.0.0.1:{port}" in text
+        assert f"processes that did not join: {missing}" in text
+        assert "Terminating process" not in text  # jaxrl's message, not JAX's abort
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["kill-process-1", "kill-coordinator"])
+def test_killing_one_process_stops_the_other_with_an_error(procs, victim):
+    port = free_port()
+    workers = [procs.start("loop", i, 2, port, JAXRL_HEARTBEAT_TIMEOUT="10") for i in range(2)]
+    deadline = time.monotonic() + 60
+    while not all("READY" in output(p) for p in workers):  # both in the loop of collectives
+        assert time.monotonic() < deadline, [output(p) for p in workers]
+        assert all(p.poll() is None for p in workers), [output(p) for p in workers]
+        time.sleep(0.2)
+    workers[victim].send_signal(signal.SIGKILL)
+    survivor = workers[1 - victim]
+    rc, waited = _wait(survivor, 60)
+    text = output(survivor)
+    assert rc != 0, text
+    assert waited < 60, text
+    if victim == 1:  # jaxrl's monitor names it
+        assert "[process 0/2] error: process 1 stopped sending heartbeats" in text
+    else:
+        # Process 0 hosts the coordination service: JAX's client aborts the survivor the
+        # moment it goes (SIGABRT), usually before jaxrl's monitor polls, naming the leader.
+        assert (
+            "process 0, which hosts it, died" in text
+            or "the leader task was preempted/died" in text
+        ), text
+
+
+def test_an_uncaught_exception_in_one_process_stops_the_other_naming_it(procs):
+    port = free_port()
+    workers = [procs.start("raise", i, 2, port, JAXRL_HEARTBEAT_TIMEOUT="10") for i in range(2)]
+    rc, _ = _wait(workers[0], 80)
+    text = output(workers[0])
+    assert rc == 1, text
+    assert "[process 0/2] error: process 1 failed: RuntimeError: boom on purpose" in text
+    assert workers[1].wait(timeout=30) != 0
+    assert "RuntimeError: boom on purpose" in output(workers[1])  # its own traceback
+
+
+def test_slurm_tasks_are_detected_without_jaxrl_variables(tmp_path):
+    """No JAXRL_*: JAX's SLURM detection (srun's variables) gives ids, count and coordinator."""
+    slurm = dict(
+        SLURM_JOB_ID="77",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_NTASKS="2",
+        JAX_COORDINATOR_PORT=str(free_port()),
+    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "collectives"],
+            cwd=ROOT,
+            env=clean_env(SLURM_PROCID=str(i), SLURM_LOCALID=str(i), **slurm),
+            stdout=(tmp_path / f"{i}.log").open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    try:
+        for i, proc in enumerate(workers):
+            text = (tmp_path / f"{i}.log").read_text
+            assert proc.wait(timeout=80) == 0, text()
+            assert f"[process {i}/2] joining 2 processes at coordinator localhost:" in text()
+            assert "slurm auto-detection" in text()
+            assert '"device_count": 8' in text()
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
