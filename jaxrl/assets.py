@@ -39,15 +39,15 @@ def _single(files, key: str) -> Path:
 def write_quickstart_model(folder: Path, seed: int = 0) -> None:
     """A tiny random Qwen2 causal LM and its tokenizer, as an HF checkpoint folder."""
     import jax
-    from transformers import AutoTokenizer, Qwen2Config
+    from transformers import Qwen2Config
 
-    from jaxrl.data import synthetic
+    from jaxrl.data import load_tokenizer, synthetic
     from jaxrl.models import from_hf_config, init_params, save_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:  # write whole, then copy in
         staging = Path(tmp) / "model"
         synthetic.write_tokenizer(staging)
-        tokenizer = AutoTokenizer.from_pretrained(str(staging))
+        tokenizer = load_tokenizer(str(staging))
         vocab = -(-len(tokenizer) // 8) * 8
         hf = Qwen2Config(
             vocab_size=vocab,

@@ -56,9 +56,9 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     ckpts.close()
     tokenizer = None
     try:
-        from transformers import AutoTokenizer
+        from jaxrl.data import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        tokenizer = load_tokenizer(str(source))
     except (OSError, ValueError):
         pass  # a checkpoint without a tokenizer: weights and config only
     base = json.loads((source / "config.json").read_text())

@@ -126,7 +126,9 @@ def write_dataset(
 
 def write_tokenizer(folder: str | os.PathLike) -> Path:
     """Write a word-level HF tokenizer for the synthetic tasks (ChatML chat template, pad
-    `<pad>` = 0, eos `<|im_end|>`, one token per digit) to `folder`; `AutoTokenizer` loads it.
+    `<pad>` = 0, eos `<|im_end|>`, one token per digit) to `folder`; load it with
+    `jaxrl.data.load_tokenizer` (next to a qwen2 `config.json`, transformers 5's `AutoTokenizer`
+    would load it as a byte-level BPE `Qwen2Tokenizer`).
     Its vocabulary is `TOKENIZER_WORDS` (a tiny model needs `vocab_size >= len(...)`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

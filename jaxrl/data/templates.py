@@ -16,6 +16,7 @@ generation starts there.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from jaxrl.data.rows import DataError
 log = logging.getLogger("jaxrl.data")
 
 TRUNCATIONS = ("error", "left", "right", "middle")
+# `tokenizer_class` values of a plain `tokenizer.json` tokenizer (transformers 5 and 4).
+_PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Arguments that would change what `apply_chat_template` returns; jaxrl sets them itself.
 _RESERVED_KWARGS = ("tokenize", "return_dict", "return_tensors", "add_generation_prompt")
 
@@ -43,19 +46,34 @@ def load_tokenizer(
         custom_chat_template: A Jinja template (or the path of a `.jinja` file) that replaces
             the tokenizer's (`actor_rollout_ref.model.custom_chat_template`).
 
+    A folder whose `tokenizer_config.json` names a plain `tokenizer.json` tokenizer
+    (`_PLAIN_TOKENIZER_CLASSES`) is loaded as exactly that: transformers 5's `AutoTokenizer`
+    would pick the tokenizer class from `config.json`'s `model_type` instead (`Qwen2Tokenizer`
+    for qwen2, byte-level BPE), which silently drops the words of a word-level tokenizer.
     A tokenizer without a pad token pads with its EOS token (as verl's `hf_tokenizer`).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.expanduser(path), trust_remote_code=trust_remote_code
-    )
+    folder = os.path.expanduser(path)
+    if _tokenizer_class(folder) in _PLAIN_TOKENIZER_CLASSES:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     if custom_chat_template:
         set_chat_template(tokenizer, custom_chat_template)
     if tokenizer.pad_token_id is None:
         log.warning("tokenizer %s has no pad token; padding with eos %r", path, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _tokenizer_class(folder: str) -> str | None:
+    """`tokenizer_class` of a local folder's `tokenizer_config.json` (None without one)."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def set_chat_template(tokenizer: Any, template: str) -> None:

@@ -39,6 +39,24 @@ def test_template_kwargs_and_custom_template(tokenizer_dir):
     assert render_prompt(tok, MESSAGES) == "copy: 3 1 4"
 
 
+def test_word_level_tokenizer_next_to_qwen2_config(tmp_path):
+    """Regression: next to a qwen2 config.json, transformers 5's AutoTokenizer loads the
+    synthetic word-level tokenizer as a byte-level BPE Qwen2Tokenizer that drops words."""
+    import transformers
+
+    from jaxrl.data import load_tokenizer, synthetic
+
+    synthetic.write_tokenizer(tmp_path)
+    transformers.Qwen2Config(vocab_size=64).save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    text = "repeat: 7 3 1"
+    assert tok.tokenize(text) == ["repeat", ":", "7", "3", "1"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids).split() == ["repeat", ":", "7", "3", "1"]
+    assert tok.pad_token == "<pad>" and tok.eos_token == "<|im_end|>"
+    assert tok.chat_template == synthetic.CHATML_TEMPLATE
+
+
 def test_smollm2_chatml_template():
     """The real SmolLM2 tokenizer (cached by jaxrl.testing.assets): verl's ChatML prompt."""
     from jaxrl.data import load_tokenizer
