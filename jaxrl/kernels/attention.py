@@ -25,8 +25,9 @@ Implementations (`implementation=`):
   traced windows (refused rather than attending across segments).
 - `ring`: sequence parallelism over the active layout's `sp` axis (`jaxrl.kernels.ring`); the
   tokens must be in zigzag order (`jaxrl.kernels.ring.zigzag`), as `hidden_states` lays them.
-- `auto`: `ring` when the active layout has `sp > 1`; on a GPU `pallas_gpu`; elsewhere
-  `blockwise` from `BLOCKWISE_MIN_LENGTH` keys on, else `reference`. Logged once per choice.
+- `auto`: `ring` when the active layout has `sp > 1`; on a GPU `pallas_gpu` (head dim up to
+  256); elsewhere `blockwise` from `BLOCKWISE_MIN_LENGTH` keys on, else `reference`. Logged
+  once per choice.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def attention(
         raise ValueError(f"k {k.shape} and v {v.shape} do not match q {q.shape}")
     scale = h**-0.5 if softmax_scale is None else float(softmax_scale)
     if implementation == "auto":
-        implementation = _choose(k.shape[1])
+        implementation = _choose(k.shape[1], h)
     seg_q, seg_kv = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
     if implementation == "reference":
         return _reference(
@@ -121,14 +122,14 @@ def attention(
     return blockwise_attention(q, k, v, **kw)[0]
 
 
-def _choose(s: int) -> str:
-    """The `auto` implementation for a key length `s` here (logged once per choice)."""
+def _choose(s: int, h: int = 64) -> str:
+    """The `auto` implementation for `s` keys of head dim `h` here (logged once per choice)."""
     from jaxrl.sharding.layouts import active_layout
 
     layout = active_layout()
     if layout is not None and layout.mesh.shape.get("sp", 1) > 1:
         choice, why = "ring", f"the layout has sp={layout.mesh.shape['sp']}"
-    elif jax.default_backend() == "gpu":
+    elif jax.default_backend() == "gpu" and h <= _pallas_max_head_dim():
         choice, why = "pallas_gpu", "the backend is a GPU"
     elif s >= BLOCKWISE_MIN_LENGTH:
         choice, why = "blockwise", f"{s} keys >= {BLOCKWISE_MIN_LENGTH} on {jax.default_backend()}"
@@ -138,6 +139,12 @@ def _choose(s: int) -> str:
         _logged.add(choice)
         _log.info("attention implementation %s (auto: %s)", choice, why)
     return choice
+
+
+def _pallas_max_head_dim() -> int:
+    from jaxrl.kernels.pallas_gpu import MAX_HEAD_DIM
+
+    return MAX_HEAD_DIM
 
 
 def _static_zero(x) -> bool:

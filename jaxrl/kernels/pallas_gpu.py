@@ -44,10 +44,11 @@ from jaxtyping import Array, Float, Int
 from jaxrl.kernels.pallas_gpu_bwd import flash_bwd
 from jaxrl.kernels.pallas_gpu_fwd import NEG_INF, KernelConfig, flash_fwd
 
-__all__ = ["NEG_INF", "pallas_attention", "pallas_attention_bwd"]
+__all__ = ["MAX_HEAD_DIM", "NEG_INF", "pallas_attention", "pallas_attention_bwd"]
+
+MAX_HEAD_DIM = 256
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_MAX_HEAD_DIM = 256
 # Windows beyond this never bind (|position difference| < 2**30) and keep int32 math exact.
 _WINDOW_CAP = 2**30
 
@@ -262,8 +263,8 @@ def _prepare(
         raise ValueError(
             f"query heads N={n} must be a multiple of kv heads K={kh} (grouped-query attention)"
         )
-    if h > _MAX_HEAD_DIM:
-        raise ValueError(f"head dim H={h} is above {_MAX_HEAD_DIM}; use the blockwise attention")
+    if h > MAX_HEAD_DIM:
+        raise ValueError(f"head dim H={h} is above {MAX_HEAD_DIM}; use the blockwise attention")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ValueError(
             f"q, k, v must share one of float32, bfloat16, float16; got {q.dtype}, {k.dtype}, "
