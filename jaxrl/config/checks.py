@@ -16,9 +16,12 @@ from typing import Any
 
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.schema import Config
-from jaxrl.kernels.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from jaxrl.sharding.mesh import AXES, resolve_axis_sizes
 from jaxrl.sharding.rules import ROLLOUT_MESH_AXES, TRAIN_MESH_AXES, rule_problems
+
+# `jaxrl.kernels.attention` implementations a model may be configured with; `cudnn` is left
+# out: it has no segment ids, and every training batch carries padding or packing segments.
+MODEL_ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas_gpu", "ring")
 
 log = logging.getLogger("jaxrl.config")
 
@@ -157,7 +160,7 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
     p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))
     for role in ("actor_rollout_ref", "critic"):
         p.choice(cfg, f"{role}.model.remat_policy", ("full", "save_dots"))
-        p.choice(cfg, f"{role}.model.attention_impl", ("auto", *ATTENTION_IMPLEMENTATIONS))
+        p.choice(cfg, f"{role}.model.attention_impl", MODEL_ATTENTION_IMPLEMENTATIONS)
     for role in ("actor_rollout_ref.actor", "critic"):
         p.choice(cfg, f"{role}.optim.lr_scheduler_type", ("constant", "cosine"))
     p.extend(rule_problems(dict(cfg.mesh.train_rules), TRAIN_MESH_AXES, "mesh.train_rules"))
@@ -346,6 +349,13 @@ def _check_devices(cfg: Config, p: _Problems, num_devices: int) -> int | None:
     shards = None
     try:
         shards = data_parallel_size(cfg, num_devices)
+        sp = resolved_mesh(cfg, num_devices)["sp"]
+        for role in ("actor_rollout_ref", "critic"):
+            if get(cfg, f"{role}.model.attention_impl") == "ring" and sp < 2:
+                p.append(
+                    f"{role}.model.attention_impl=ring needs a sequence-parallel mesh: set "
+                    "mesh.sp to 2 or more, or use attention_impl=auto"
+                )
     except ValueError as e:
         p.append(f"mesh: {e}")
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size

@@ -99,7 +99,7 @@ class ModelConfig:
             padding each one (verl's rmpad).
         attention_impl: *jaxrl*. `jaxrl.kernels.attention`'s implementation: `auto` (ring over
             `mesh.sp` > 1; Pallas on a GPU; blockwise for long sequences on a CPU; else
-            dense), `reference`, `blockwise`, `pallas_gpu`, `cudnn` or `ring`.
+            dense), `reference`, `blockwise`, `pallas_gpu` or `ring` (needs `mesh.sp` > 1).
     """
 
     path: str = MISSING

@@ -13,14 +13,15 @@ of these hold:
 - sliding window: `pos_q - pos_k < sliding_window` (HF's convention: the window counts the
   query itself).
 
+A row with no admissible key (none occurs for real tokens) gets zeros in every implementation.
+
 Implementations (`implementation=`):
 
-- `reference`: dense [B, K, G, T, S] scores; the oracle. A row with no admissible key (none
-  occurs for real tokens) gets a uniform average rather than NaN.
+- `reference`: dense [B, K, G, T, S] scores; the oracle.
 - `blockwise`: online-softmax blocks in `jax.numpy` with a recomputing backward, O(T) memory
   (`jaxrl.kernels.blockwise`). A row with no admissible key gets zeros.
 - `pallas_gpu`: a Pallas/Triton flash-attention kernel (`jaxrl.kernels.pallas_gpu`); off a
-  GPU it runs in Pallas' interpret mode (tests only: slow).
+  GPU it is refused unless `JAXRL_PALLAS_INTERPRET=1` (Pallas' interpret mode; tests only).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; no segment ids, offsets or
   traced windows (refused rather than attending across segments).
 - `ring`: sequence parallelism over the active layout's `sp` axis (`jaxrl.kernels.ring`); the
@@ -33,6 +34,7 @@ Implementations (`implementation=`):
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +99,14 @@ def attention(
     scale = h**-0.5 if softmax_scale is None else float(softmax_scale)
     if implementation == "auto":
         implementation = _choose(k.shape[1], h)
-    seg_q, seg_kv = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
+    if segment_ids is not None and not isinstance(segment_ids, tuple):
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"one segment_ids array serves only queries and keys of one length (T={q.shape[1]},"
+                f" S={k.shape[1]}); pass a pair (segment_ids_q [B, T], segment_ids_kv [B, S])"
+            )
+        segment_ids = (segment_ids, segment_ids)
+    seg_q, seg_kv = segment_ids if segment_ids is not None else (None, None)
     if implementation == "reference":
         return _reference(
             q, k, v, causal, (seg_q, seg_kv), sliding_window, scale, q_offset, kv_offset
@@ -118,7 +127,7 @@ def attention(
     if implementation == "pallas_gpu":
         from jaxrl.kernels.pallas_gpu import pallas_attention
 
-        return pallas_attention(q, k, v, interpret=jax.default_backend() != "gpu", **kw)[0]
+        return pallas_attention(q, k, v, interpret=_pallas_interpret(), **kw)[0]
     return blockwise_attention(q, k, v, **kw)[0]
 
 
@@ -141,6 +150,19 @@ def _choose(s: int, h: int = 64) -> str:
     return choice
 
 
+def _pallas_interpret() -> bool:
+    """Off a GPU the Pallas kernel only runs interpreted (slow), and only when asked for."""
+    if jax.default_backend() == "gpu":
+        return False
+    if os.environ.get("JAXRL_PALLAS_INTERPRET") == "1":
+        return True
+    raise ValueError(
+        f"implementation='pallas_gpu' needs a CUDA GPU (the backend is {jax.default_backend()}); "
+        "use 'auto' or 'blockwise', or set JAXRL_PALLAS_INTERPRET=1 to interpret the kernel "
+        "(tests only: slow)"
+    )
+
+
 def _pallas_max_head_dim() -> int:
     from jaxrl.kernels.pallas_gpu import MAX_HEAD_DIM
 
@@ -160,15 +182,22 @@ def _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset):
         )
     if not (_static_zero(q_offset) and _static_zero(kv_offset)):
         raise ValueError("implementation='cudnn' takes no position offsets; use 'pallas_gpu'")
-    window = None
-    if sliding_window is not None:
-        if not isinstance(sliding_window, int | np.integer):
-            raise ValueError("implementation='cudnn' needs a static (python int) sliding_window")
-        if sliding_window < NO_WINDOW:
-            window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+    window = cudnn_window(sliding_window, causal, k.shape[1])
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=causal, local_window_size=window, implementation="cudnn"
     )
+
+
+def cudnn_window(sliding_window, causal: bool, s: int) -> tuple[int, int] | None:
+    """`jax.nn.dot_product_attention`'s (keys before, keys after) for our sliding window: only
+    keys behind the query are limited (`pos_q - pos_k < w`), as in every implementation."""
+    if sliding_window is None:
+        return None
+    if not isinstance(sliding_window, int | np.integer):
+        raise ValueError("implementation='cudnn' needs a static (python int) sliding_window")
+    if sliding_window >= NO_WINDOW:
+        return None
+    return int(sliding_window) - 1, 0 if causal else s
 
 
 def _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset):
@@ -226,6 +255,7 @@ def _reference(q, k, v, causal, segment_ids, sliding_window, scale, q_offset, kv
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k, preferred_element_type=jnp.float32)
     mask = _mask_bts(b, t, s, causal, segment_ids, sliding_window, q_offset, kv_offset)
     scores = jnp.where(mask[:, None, None], scores * scale, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask.any(-1)[:, None, None, :, None], probs, 0.0).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, h)

@@ -198,14 +198,26 @@ def _prepare(q, k, v, segment_ids_q, segment_ids_kv, sliding_window, q_offset, k
     return q5, jnp.pad(k, pad_kv), jnp.pad(v, pad_kv), aux
 
 
-def _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k):
-    b, _, n, h = q.shape
+def _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k, q_offset, kv_offset):
+    b, t, n, h = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != h:
         raise ValueError(f"k {k.shape} and v {v.shape} must be [B, S, K, H] matching q {q.shape}")
     if n % k.shape[2]:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({k.shape[2]})")
     if (segment_ids_q is None) != (segment_ids_kv is None):
         raise ValueError("give segment ids for both queries and keys, or for neither")
+    if segment_ids_q is not None and (
+        segment_ids_q.shape != (b, t) or segment_ids_kv.shape != (b, k.shape[1])
+    ):
+        raise ValueError(
+            f"segment ids must be [B, T]={(b, t)} for queries and [B, S]={(b, k.shape[1])} for "
+            f"keys, got {segment_ids_q.shape} and {segment_ids_kv.shape}"
+        )
+    for name, offset in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if jnp.ndim(offset) != 0:
+            raise ValueError(
+                f"{name} must be one integer for the batch, got shape {jnp.shape(offset)}"
+            )
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size < 1:
             raise ValueError(f"{name} must be a positive number of rows, got {size}")
@@ -237,7 +249,7 @@ def blockwise_forward(
     admissible for query t when (not causal or pos_k <= pos_q), pos_q - pos_k <
     sliding_window, and the segment ids are equal.
     """
-    _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k)
+    _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k, q_offset, kv_offset)
     bq, bk = min(block_q, q.shape[1]), min(block_k, k.shape[1])
     spec = MaskSpec(causal, float(scale), bq, bk)
     q5, kp, vp, aux = _prepare(
@@ -267,7 +279,7 @@ def blockwise_backward(
 ):
     """(dq, dk, dv) in the inputs' dtypes, given the attention's (out, lse) [B, T, N(, H)], the
     cotangent `dout` and optionally `dlse`; arguments as `blockwise_forward`."""
-    _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k)
+    _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k, q_offset, kv_offset)
     b, t, n, h = q.shape
     bq, bk = min(block_q, t), min(block_k, k.shape[1])
     spec = MaskSpec(causal, float(scale), bq, bk)

@@ -129,6 +129,8 @@ def hidden_states(
     cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
     x_btd = shard(params["embed"]["tokens_vd"][input_ids].astype(config.compute_dtype), _ACT)
 
+    windowed = any(w is not None for w in config.sliding_windows)
+
     def attend(q, k, v, window):
         return attention(
             q,
@@ -136,7 +138,7 @@ def hidden_states(
             v,
             causal=True,
             segment_ids=segments,
-            sliding_window=window,
+            sliding_window=window if windowed else None,
             implementation=config.attention_impl,
         )
 

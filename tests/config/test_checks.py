@@ -108,6 +108,14 @@ def test_mesh_product_must_equal_device_count():
     assert cfg.mesh.fsdp == -1  # resolved only when the mesh is built
 
 
+def test_attention_implementation_fits_the_mesh():
+    msg = problem("actor_rollout_ref.model.attention_impl=ring", num_devices=8)
+    assert "attention_impl=ring needs a sequence-parallel mesh" in msg and "mesh.sp" in msg
+    ok("actor_rollout_ref.model.attention_impl=ring", "mesh.sp=2", num_devices=8)
+    msg = problem("actor_rollout_ref.model.attention_impl=cudnn")
+    assert "attention_impl: 'cudnn' is not one of auto, reference, blockwise" in msg
+
+
 def test_mesh_rest_must_divide():
     msg = problem("mesh.tp=3", num_devices=8)
     assert "cannot be split" in msg

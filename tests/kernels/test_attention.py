@@ -153,7 +153,8 @@ def test_bfloat16_close_to_float32_dense():
 
 
 @pytest.mark.parametrize("implementation", ["reference", "blockwise", "pallas_gpu", "auto"])
-def test_entry_point_implementations_agree(implementation):
+def test_entry_point_implementations_agree(implementation, monkeypatch):
+    monkeypatch.setenv("JAXRL_PALLAS_INTERPRET", "1")  # no GPU here: interpret the kernel
     q, k, v = inputs(2, 50, 50, 4, 2)
     seg = packed_segments(2, 50)
     out = attention(q, k, v, segment_ids=seg, sliding_window=20, softmax_scale=SCALE,
@@ -171,6 +172,29 @@ def test_entry_point_offsets_and_segment_pairs():
         out = attention(q, k, v, segment_ids=(seg_q, seg_kv), softmax_scale=SCALE, q_offset=20,
                         implementation=impl)  # fmt: skip
         np.testing.assert_allclose(out, ref, atol=1e-5, err_msg=impl)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "blockwise"])
+def test_rows_without_keys_are_zero_in_every_implementation(implementation):
+    q, k, v = inputs(1, 8, 8, 2, 1)
+    out = attention(q, k, v, kv_offset=4, softmax_scale=SCALE, implementation=implementation)
+    ref, _ = dense(q, k, v, kv_offset=4)
+    assert not jnp.any(out[:, :4])
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_window_means_keys_behind(causal):
+    """The window tuple given to `jax.nn.dot_product_attention` (checked through its XLA
+    implementation here: no GPU) limits only keys behind the query, as the oracle does."""
+    from jaxrl.kernels.attention import cudnn_window
+
+    q, k, v = inputs(1, 12, 12, 4, 2)
+    window = cudnn_window(3, causal, 12)
+    out = jax.nn.dot_product_attention(
+        q, k, v, scale=SCALE, is_causal=causal, local_window_size=window, implementation="xla"
+    )
+    np.testing.assert_allclose(out, dense(q, k, v, causal=causal, window=3)[0], atol=1e-5)
 
 
 def test_auto_chooses_blockwise_for_long_sequences():
@@ -195,3 +219,12 @@ def test_refusals_name_the_problem():
         attention(q, k, v, implementation="ring")
     with pytest.raises(ValueError, match="both queries and keys"):
         blockwise_attention(q, k, v, scale=1.0, segment_ids_q=seg)
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU.*JAXRL_PALLAS_INTERPRET"):
+        attention(q, k, v, implementation="pallas_gpu")
+    long_k, long_v = k.repeat(3, axis=1), v.repeat(3, axis=1)
+    with pytest.raises(ValueError, match="pass a pair"):
+        attention(q, long_k, long_v, segment_ids=seg, implementation="blockwise")
+    with pytest.raises(ValueError, match=r"segment ids must be \[B, T\]"):
+        blockwise_attention(q, long_k, long_v, scale=1.0, segment_ids_q=seg, segment_ids_kv=seg)
+    with pytest.raises(ValueError, match="q_offset must be one integer"):
+        blockwise_attention(q, k, v, scale=1.0, q_offset=jnp.zeros(1, jnp.int32))

@@ -17,10 +17,10 @@ def mesh_for(sp):
     return make_mesh({"dp": 8 // sp, "sp": sp})
 
 
-def ring(mesh, sp, seg, window, batch_axes):
+def ring(mesh, sp, seg, window, batch_axes, causal=True):
     def run(q, k, v):
         out = ring_attention(
-            zigzag(q, sp), zigzag(k, sp), zigzag(v, sp), mesh=mesh, scale=SCALE,
+            zigzag(q, sp), zigzag(k, sp), zigzag(v, sp), mesh=mesh, scale=SCALE, causal=causal,
             segment_ids=None if seg is None else zigzag(seg, sp), sliding_window=window,
             batch_axes=batch_axes, block_q=8, block_k=8,
         )  # fmt: skip
@@ -40,22 +40,28 @@ def test_zigzag_layout():
 
 
 @pytest.mark.parametrize(
-    ("sp", "segments", "window", "heads"),
-    [(2, True, 9, (4, 2)), (4, True, None, (4, 1)), (8, False, None, (2, 2))],
+    ("sp", "segments", "window", "heads", "causal"),
+    [
+        (2, True, 9, (4, 2), True),
+        (4, True, None, (4, 1), True),
+        (8, False, None, (2, 2), True),
+        (4, True, 9, (4, 2), False),
+    ],
 )
-def test_ring_equals_dense(sp, segments, window, heads):
+def test_ring_equals_dense(sp, segments, window, heads, causal):
     mesh = mesh_for(sp)
     b, t = 2, 64
     q, k, v = inputs(b, t, t, *heads)
     seg = packed_segments(b, t) if segments else None
-    run = ring(mesh, sp, seg, window, "dp" if 8 // sp <= b else None)
-    ref_out, _ = dense(q, k, v, seg_q=seg, seg_kv=seg, window=window)
+    run = ring(mesh, sp, seg, window, "dp" if 8 // sp <= b else None, causal)
+    ref_out, _ = dense(q, k, v, causal=causal, seg_q=seg, seg_kv=seg, window=window)
     np.testing.assert_allclose(jax.jit(run)(q, k, v), ref_out, atol=1e-5)
 
     w = jnp.asarray(np.random.default_rng(1).normal(size=ref_out.shape), jnp.float32)
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * w), (0, 1, 2)))(q, k, v)
     ref = jax.grad(
-        lambda *a: jnp.sum(dense(*a, seg_q=seg, seg_kv=seg, window=window)[0] * w), (0, 1, 2)
+        lambda *a: jnp.sum(dense(*a, causal=causal, seg_q=seg, seg_kv=seg, window=window)[0] * w),
+        (0, 1, 2),
     )(q, k, v)
     for g, r in zip(grads, ref, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-4)
