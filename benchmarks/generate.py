@@ -7,7 +7,9 @@ EOS ignored), KV cache on; one warm-up call, then the median of 3. Figures: toke
 (16 x 128 / median, prefill included), prefill seconds, decode tokens/s, compile seconds, and
 the decode step against its memory roofline (parameter + KV-cache bytes read per step over the
 machine's measured read bandwidth). HF `generate` (torch, same thread count, min = max new
-tokens = 128) runs on the same checkpoint in float32 as the peer. JSON on the last line.
+tokens = 128) runs on the same checkpoint in float32 as the peer. JSON on the last line, with
+the cores other processes kept busy meanwhile (`other_processes_cores`: compare ratios only
+from runs where it is ~0; on a shared machine HF slows down far more than jaxrl).
 """
 
 from __future__ import annotations
@@ -19,6 +21,28 @@ import time
 from common import emit, hf_sample, machine, median_seconds, workload_checkpoint
 
 BATCH, PROMPT, NEW = 16, 64, 128
+
+
+def busy_seconds() -> float | None:
+    """CPU seconds all processes have run so far (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def other_processes_cores(start_busy: float | None, start_own: float, start_wall: float):
+    """Cores the *other* processes kept busy on average since the start: the machine is
+    shared, and a ratio measured while they ran is not comparable (HF's threads suffer more
+    from it than XLA's)."""
+    busy = busy_seconds()
+    if busy is None or start_busy is None:
+        return None
+    own = sum(os.times()[:4]) - start_own
+    return max(busy - start_busy - own, 0.0) / (time.perf_counter() - start_wall)
 
 
 def memory_bandwidth() -> float:
@@ -167,6 +191,7 @@ def main() -> None:
         "--long-tail", action="store_true", help="also measure finished-row idling (SmolLM2)"
     )
     args = parser.parse_args()
+    start = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
     bandwidth = memory_bandwidth()
     results = {}
     for size in args.sizes.split(","):
@@ -190,6 +215,7 @@ def main() -> None:
             "prompt": PROMPT,
             "new_tokens": NEW,
             "bandwidth_bytes_per_s": bandwidth,
+            "other_processes_cores": other_processes_cores(*start),
             "results": results,
             "machine": machine(),
         }

@@ -1,21 +1,21 @@
-"""Decode attention: one new query per row against a KV cache, over the live prefix only.
+"""Decode attention: one new query per row against one layer's KV cache, over the live prefix.
 
-    out_b1nh = decode_attention(q_b1nh, k_lbskh, v_lbskh, layer, kv_valid_bs, query_index_b,
+    out_b1nh = decode_attention(q_b1nh, k_bkhc, v_bkch, kv_valid_bc, query_index_b,
                                 live=live, block=128)
 
 Each row b attends to the cache entries s with `kv_valid[b, s]`, `s <= query_index[b]` and
 (with a sliding window W) `query_index[b] - s < W`. Rows advance independently (continuous
-batching): `query_index` is per row. Keys are read in blocks of `block` entries, and only the
-blocks below `live` (a traced bound on every row's `query_index + 1`) are read at all, so a
-step early in generation costs attention over the prompt, not over the whole preallocated
-cache. Blocks are combined with the online softmax of flash attention: with running max m,
-normaliser l and accumulator o,
+batching): `query_index` is per row. Keys come transposed, [B, K, H, C], and values as
+[B, K, C, H], so both matmuls (scores q·k over H, output p·v over C) take the buffers as they
+are. With `block` equal to the cache length C the whole cache is read in one pass (no loop, no
+copy: the cheapest on a CPU for short caches); otherwise keys are read in blocks of `block`
+entries and only the blocks below `live` (a traced bound on every row's `query_index + 1`) are
+read at all, so a step early in generation costs attention over the prompt, not over the whole
+preallocated cache. Blocks are combined with the online softmax of flash attention: a block's
+scores x give its max m_j, normaliser l_j = sum_s e^{x_s - m_j} and output
+o_j = sum_s e^{x_s - m_j} v_s, and with m = max(m_1, m_2)
 
-    m' = max(m, max_s x_s),  l' = l e^{m - m'} + sum_s e^{x_s - m'},
-    o' = o e^{m - m'} + sum_s e^{x_s - m'} v_s,     out = o / l.
-
-The cache is the whole stack [L, B, S, K, H] plus a layer index, so a block is sliced straight
-out of it (no copy of the layer's cache per step).
+    l = l_1 e^{m_1 - m} + l_2 e^{m_2 - m},   o = o_1 e^{m_1 - m} + o_2 e^{m_2 - m},   out = o / l.
 """
 
 from __future__ import annotations
@@ -26,13 +26,36 @@ from jaxtyping import Array, Bool, Float, Int
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
+_Partial = tuple[Float[Array, "b k g"], Float[Array, "b k g"], Float[Array, "b k g h"]]
+
+
+def _attend_block(
+    q_bkgh: Array, k_bkhs: Array, v_bksh: Array, ok_bs: Bool[Array, "b s"]
+) -> _Partial:
+    """(m, l, o) of one block of keys (see the module doc), in float32."""
+    x = jnp.einsum("bkgh,bkhs->bkgs", q_bkgh, k_bkhs, preferred_element_type=jnp.float32)
+    ok = ok_bs[:, None, None]
+    x = jnp.where(ok, x, _MASKED)
+    m = x.max(axis=-1)
+    p = jnp.where(ok, jnp.exp(x - m[..., None]), 0.0)
+    o = jnp.einsum(
+        "bkgs,bksh->bkgh", p.astype(v_bksh.dtype), v_bksh, preferred_element_type=jnp.float32
+    )
+    return m, p.sum(axis=-1), o
+
+
+def _merge(a: _Partial, b: _Partial) -> _Partial:
+    """The (m, l, o) of two blocks together (the module doc's combination)."""
+    m = jnp.maximum(a[0], b[0])
+    ca, cb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    return m, a[1] * ca + b[1] * cb, a[2] * ca[..., None] + b[2] * cb[..., None]
+
 
 def decode_attention(
     q: Float[Array, "b 1 n h"],
-    k_cache: Float[Array, "l b s k h"],
-    v_cache: Float[Array, "l b s k h"],
-    layer: Int[Array, ""] | int,
-    kv_valid: Bool[Array, "b s"],
+    k_cache: Float[Array, "b k h c"],
+    v_cache: Float[Array, "b k c h"],
+    kv_valid: Bool[Array, "b c"],
     query_index: Int[Array, " b"],
     *,
     live: Int[Array, ""] | int,
@@ -44,56 +67,52 @@ def decode_attention(
 
     Args:
         q: Queries [B, 1, N, H].
-        k_cache: Keys of every layer [L, B, S, K, H], S a multiple of `block`.
-        v_cache: Values, like `k_cache`.
-        layer: Which layer's keys to read.
-        kv_valid: [B, S] True where a real token's key is stored.
+        k_cache: One layer's keys, transposed: [B, K, H, C], C a multiple of `block`.
+        v_cache: Its values [B, K, C, H].
+        kv_valid: [B, C] True where a real token's key is stored.
         query_index: [B] cache index of each row's query token.
         live: Read blocks up to this cache index (exclusive); >= max(query_index) + 1.
         sliding_window: Keys further back than this many positions are masked (None: off).
         softmax_scale: Score scale; default 1/sqrt(H).
-        block: Keys per block.
+        block: Keys per block; C: the whole cache in one pass.
 
     Returns:
         [B, 1, N, H] in the dtype of `q`.
     """
     b, t, n, h = q.shape
-    _, _, s, kv_heads, _ = k_cache.shape
+    _, kv_heads, _, c = k_cache.shape
     if t != 1:
         raise ValueError(f"decode_attention takes one query per row, got {t}")
-    if s % block:
-        raise ValueError(f"cache length {s} must be a multiple of block={block}")
+    if c % block:
+        raise ValueError(f"cache length {c} must be a multiple of block={block}")
     scale = h**-0.5 if softmax_scale is None else softmax_scale
     q_bkgh = (q.reshape(b, kv_heads, n // kv_heads, h) * scale).astype(k_cache.dtype)
-    num_blocks = jnp.minimum((live + block - 1) // block, s // block)
 
-    def body(i, carry):
-        m, l, o = carry
-        start = i * block
-        at = (layer, 0, start, 0, 0)
-        size = (1, b, block, kv_heads, h)
-        k = jax.lax.dynamic_slice(k_cache, at, size)[0]
-        v = jax.lax.dynamic_slice(v_cache, at, size)[0]
-        idx = start + jnp.arange(block)
-        ok = jax.lax.dynamic_slice_in_dim(kv_valid, start, block, axis=1)
+    def allowed(start: Array | int, size: int) -> Bool[Array, "b s"]:
+        idx = start + jnp.arange(size)
+        ok = jax.lax.dynamic_slice_in_dim(kv_valid, start, size, axis=1)
         ok &= idx[None] <= query_index[:, None]
         if sliding_window is not None:
             ok &= query_index[:, None] - idx[None] < sliding_window
-        x = jnp.einsum("bkgh,bskh->bkgs", q_bkgh, k, preferred_element_type=jnp.float32)
-        x = jnp.where(ok[:, None, None], x, _MASKED)
-        m_new = jnp.maximum(m, x.max(axis=-1))
-        p = jnp.where(ok[:, None, None], jnp.exp(x - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        pv = jnp.einsum("bkgs,bskh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, l, o * correction[..., None] + pv
+        return ok
 
-    g = n // kv_heads
-    init = (
-        jnp.full((b, kv_heads, g), _MASKED, jnp.float32),
-        jnp.zeros((b, kv_heads, g), jnp.float32),
-        jnp.zeros((b, kv_heads, g, h), jnp.float32),
-    )
-    _, l, o = jax.lax.fori_loop(0, num_blocks, body, init)
+    if block == c:
+        _, l, o = _attend_block(q_bkgh, k_cache, v_cache, allowed(0, c))
+    else:
+
+        def body(i, carry):
+            start = i * block
+            k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=3)
+            v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
+            return _merge(carry, _attend_block(q_bkgh, k, v, allowed(start, block)))
+
+        g = n // kv_heads
+        init = (
+            jnp.full((b, kv_heads, g), _MASKED, jnp.float32),
+            jnp.zeros((b, kv_heads, g), jnp.float32),
+            jnp.zeros((b, kv_heads, g, h), jnp.float32),
+        )
+        num_blocks = jnp.minimum((live + block - 1) // block, c // block)
+        _, l, o = jax.lax.fori_loop(0, num_blocks, body, init)
     out = o / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(b, 1, n, h).astype(q.dtype)

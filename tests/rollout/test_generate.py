@@ -1,6 +1,8 @@
 """The rollout engine against HF generate, the model's own log-probs, and the exact
 top-k / top-p distribution; n, EOS, ignore_eos, sharding and bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -328,29 +330,51 @@ def test_continuous_batching_sampled_and_sharded(one_model):
     np.testing.assert_array_equal(sharded.responses, single.responses)
 
 
+def test_long_cache_is_read_in_blocks_with_the_same_result(one_model, monkeypatch):
+    """A cache longer than `whole` entries is read in blocks up to the live prefix (here
+    48 entries in 16-key blocks); tokens and log-probs equal the whole-cache read's."""
+    from jaxrl.rollout import engine
+
+    _, config, params = one_model
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    whole = generate(config, params, ids, mask, sp)
+    blocked_geometry = functools.partial(engine.cache_geometry, block=16, whole=16)
+    monkeypatch.setattr(engine, "cache_geometry", blocked_geometry)
+    _compiled.cache_clear()
+    try:
+        blocked = generate(config, params, ids, mask, sp)
+    finally:
+        _compiled.cache_clear()
+    assert blocked_geometry(8, 40) == (48, 16)
+    np.testing.assert_array_equal(blocked.responses, whole.responses)
+    np.testing.assert_allclose(blocked.log_probs, whole.log_probs, atol=1e-5)
+
+
 def test_decode_attention_equals_dense_reference():
     """Rows at different cache indices, holes (left padding), sliding windows, several blocks,
-    and a `live` bound that skips the cache's unwritten tail."""
+    a `live` bound that skips the cache's unwritten tail, and the whole cache as one block."""
     rng = np.random.RandomState(0)
-    b, s, n, kv, h, layers = 3, 64, 4, 2, 8, 2
-    k = jnp.asarray(rng.randn(layers, b, s, kv, h), jnp.float32)
-    v = jnp.asarray(rng.randn(layers, b, s, kv, h), jnp.float32)
+    b, s, n, kv, h = 3, 64, 4, 2, 8
+    k = jnp.asarray(rng.randn(b, s, kv, h), jnp.float32)
+    v = jnp.asarray(rng.randn(b, s, kv, h), jnp.float32)
     q = jnp.asarray(rng.randn(b, 1, n, h), jnp.float32)
     query_index = jnp.array([5, 40, 23])
     valid = np.arange(s)[None] <= np.asarray(query_index)[:, None]
     valid[1, :7] = False  # left padding
     valid = jnp.asarray(valid)
     kv_segments = valid.astype(jnp.int32)
-    for window in (None, 9):
+    k_bkhc, v_bkch = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+    for window, block in [(None, 16), (9, 16), (None, s), (9, s)]:
         got = decode_attention(
-            q, k, v, 1, valid, query_index, live=41, sliding_window=window, block=16
+            q, k_bkhc, v_bkch, valid, query_index, live=41, sliding_window=window, block=block
         )
         for row in range(b):
             i = int(query_index[row])
             want = attention(
                 q[row : row + 1],
-                k[1, row : row + 1, : i + 1],
-                v[1, row : row + 1, : i + 1],
+                k[row : row + 1, : i + 1],
+                v[row : row + 1, : i + 1],
                 causal=True,
                 segment_ids=(jnp.ones((1, 1), jnp.int32), kv_segments[row : row + 1, : i + 1]),
                 sliding_window=window,
