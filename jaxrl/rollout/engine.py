@@ -286,7 +286,13 @@ def idle_fraction(out: GenerationOutput) -> float:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(
-    config: DecoderConfig, sp: SamplingParams, layout: Layout | None, b: int, p: int, slots: int
+    config: DecoderConfig,
+    sp: SamplingParams,
+    layout: Layout | None,
+    b: int,
+    p: int,
+    slots: int,
+    replicated_out: bool = False,
 ):
     log.info(
         "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)",
@@ -300,7 +306,8 @@ def _compiled(
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
-    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None))
+    out = layout.replicated() if replicated_out else None
+    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None), out_shardings=out)
 
 
 def generate(
@@ -337,10 +344,16 @@ def generate(
     """
     sp = sampling_params
     if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"generate() runs in one JAX process; this run has {jax.process_count()}. "
-            "Generation over several processes (each with its own prompts) is not built yet"
-        )
+        if layout is None:
+            raise ValueError(
+                f"generate() in a run of {jax.process_count()} processes needs the rollout "
+                "layout (layout=...): the generation program spans every process's devices"
+            )
+        if isinstance(input_ids, jax.Array) or isinstance(attention_mask, jax.Array):
+            raise TypeError(
+                "generate() in a multi-process run takes this process's prompts as host "
+                "(numpy) arrays"
+            )
     input_ids = np.asarray(input_ids) if not isinstance(input_ids, jax.Array) else input_ids
     attention_mask = (
         np.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask
@@ -363,6 +376,10 @@ def generate(
         raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: one per row)")
     if rng is None:
         rng = jax.random.key(0 if sp.seed is None else sp.seed)
+    if jax.process_count() > 1:
+        return _generate_processes(
+            config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs
+        )
     ids = jnp.repeat(jnp.asarray(input_ids, jnp.int32), sp.n, axis=0)
     mask = jnp.repeat(jnp.asarray(attention_mask, jnp.int32), sp.n, axis=0)
     rows = b * sp.n
@@ -381,4 +398,73 @@ def generate(
         response_mask=out.response_mask[:rows],
         log_probs=out.log_probs[:rows],
         lengths=out.lengths[:rows],
+    )
+
+
+def _generate_processes(
+    config: DecoderConfig,
+    params: Any,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    sp: SamplingParams,
+    rng: jax.Array,
+    layout: Layout,
+    max_num_seqs: int | None,
+) -> GenerationOutput:
+    """`generate` in a multi-process run: every process passes its own prompts (the same
+    number on each), one program generates for all of them over the whole rollout mesh, and
+    each process gets back the rows of its own prompts (numpy).
+
+    Process p's rows (its prompts repeated n times, padded to a multiple of its share of `dp`)
+    are block p of the global batch (`make_array_from_process_local_data`); the outputs come
+    back replicated. The rng must be the same on every process (it is one program).
+    """
+    from jaxrl.sharding.processes import allgather_objects, process_rows
+
+    processes = jax.process_count()
+    b, p = input_ids.shape
+    shapes = allgather_objects((b, p))
+    if len({rows for rows, _ in shapes}) > 1:
+        raise ValueError(
+            "generate(): every process must pass the same number of prompts; got "
+            + ", ".join(f"process {i}: {rows}" for i, (rows, _) in enumerate(shapes))
+        )
+    dp = int(layout.mesh.shape.get("dp", 1))
+    if dp % processes:
+        raise ValueError(
+            f"the rollout mesh has dp={dp}, not a multiple of the {processes} processes: each "
+            "process must hold whole tensor-parallel groups (rollout."
+            "tensor_model_parallel_size must divide the devices of one process, "
+            f"{jax.local_device_count()})"
+        )
+    rows = b * sp.n
+    dp_local = dp // processes
+    local_rows = -(-bucket(rows, 1) // dp_local) * dp_local
+    padded_len = bucket(max(width for _, width in shapes))
+    pad = ((0, local_rows - rows), (padded_len - p, 0))
+    ids = np.pad(np.repeat(input_ids.astype(np.int32), sp.n, axis=0), pad)
+    mask = np.pad(np.repeat(attention_mask.astype(np.int32), sp.n, axis=0), pad)
+    global_rows = local_rows * processes
+    sharding = layout.tokens((global_rows, padded_len))
+    start, stop = process_rows(sharding, (global_rows, padded_len))
+    if stop - start != local_rows:
+        raise ValueError(
+            f"the rollout mesh gives this process rows [{start}, {stop}) of {global_rows}, not "
+            f"one block of {local_rows}: its devices are not one contiguous part of the dp axis"
+        )
+    ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
+    mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
+    slots = global_rows
+    if max_num_seqs is not None and max_num_seqs < global_rows:
+        slots = max(max_num_seqs // dp, 1) * dp
+    fn = _compiled(config, sp, layout, global_rows, padded_len, slots, replicated_out=True)
+    # Padding rows sit inside the queue (at the end of every process's block): all rows run.
+    out = fn(params, ids, mask, rng, jnp.int32(global_rows))
+    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
+    mine = slice(start, start + rows)
+    return host.replace(
+        responses=host.responses[mine],
+        response_mask=host.response_mask[mine],
+        log_probs=host.log_probs[mine],
+        lengths=host.lengths[mine],
     )

@@ -7,8 +7,9 @@ KL in reward (`algorithm.use_kl_in_reward`), with beta the controller's coeffici
     current_kl = mean_b(masked_mean_t(kld))  -> controller.update(current_kl, n_steps=N)
 
 Advantages go through the `core_algos` registry with the arguments verl passes each estimator.
-The estimators run on the host's rows with jnp (groups never span processes: every process
-holds whole prompts with their `n` responses).
+The estimators run with jnp on the host rows of the step's global batch, which every process
+holds (`ppo_trainer.gather_processes`), so group statistics and batch-wide whitening see every
+sample whichever process generated it.
 """
 
 from __future__ import annotations

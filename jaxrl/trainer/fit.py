@@ -23,6 +23,7 @@ from tqdm import tqdm
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
+from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.checkpoint import Checkpoints, abstract
 from jaxrl.trainer.loggers import Tracking
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
@@ -106,8 +107,8 @@ def _meta(cfg, trainer: PPOTrainer, loader: PromptIterator, step: int) -> dict[s
         "global_step": step,
         "data": loader.state_dict(),
         "kl_coef": None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value),
-        "actor_steps": int(trainer.actor.state.step),
-        "critic_steps": None if trainer.critic is None else int(trainer.critic.state.step),
+        "actor_steps": int(to_host(trainer.actor.state.step)),
+        "critic_steps": None if trainer.critic is None else int(to_host(trainer.critic.state.step)),
         "model_path": str(Path(cfg.actor_rollout_ref.model.path).expanduser().absolute()),
         "param_dtype": trainer.actor_config.param_dtype,
         "override_config": dict(cfg.actor_rollout_ref.model.override_config),
@@ -134,7 +135,7 @@ def _restore(trainer: PPOTrainer, loader: PromptIterator, ckpts: Checkpoints, st
 
 
 def _scalar_like(like: jax.Array, value: int) -> jax.Array:
-    return jax.device_put(np.asarray(value, like.dtype), like.sharding)
+    return global_array(np.asarray(value, like.dtype), like.sharding)
 
 
 def fit(cfg, devices=None) -> dict[str, float]:

@@ -25,6 +25,7 @@ import optax
 from jaxrl.core_algos.aggregation import global_batch_info
 from jaxrl.models.config import DecoderConfig
 from jaxrl.sharding.layouts import Layout, use_layout
+from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.microbatch import MicroBatch, plan_micro_batches, take
 from jaxrl.trainer.update import UpdateState, apply_gradients, state_shardings
 
@@ -32,17 +33,14 @@ LossFn = Callable[..., tuple[jax.Array, dict[str, Any]]]
 
 
 def to_device(arrays: dict[str, np.ndarray], layout: Layout | None) -> dict[str, jax.Array]:
-    """Host rows to global arrays split over the layout's batch axes (rows of this process)."""
+    """Host rows (the global batch's, the same on every process) to global arrays split over
+    the layout's batch axes; each process places the shards of its own devices."""
     if layout is None:
         return {k: jnp.asarray(v) for k, v in arrays.items()}
-    out = {}
-    for k, v in arrays.items():
-        sharding = layout.sharding(v.shape, ("batch",) + (None,) * (v.ndim - 1))
-        if jax.process_count() == 1:
-            out[k] = jax.device_put(v, sharding)
-        else:
-            out[k] = jax.make_array_from_process_local_data(sharding, v)
-    return out
+    return {
+        k: global_array(v, layout.sharding(v.shape, ("batch",) + (None,) * (v.ndim - 1)))
+        for k, v in arrays.items()
+    }
 
 
 def batch_shards(layout: Layout | None) -> int:
@@ -97,7 +95,7 @@ def infer(
     arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
     plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
     results = [fn(params, to_device(take(arrays, mb), layout)) for mb in plans]
-    results = jax.device_get(results)  # one read-back after all passes are queued
+    results = to_host(results)  # one read-back after all passes are queued
     single = not isinstance(results[0], tuple)
     outs = [np.zeros((n, r), np.float32) for _ in range(1 if single else len(results[0]))]
     for mb, values in zip(plans, results, strict=True):
@@ -186,7 +184,7 @@ class Learner:
                     micro.append(m)
                 self.state, applied = self._apply(self.state, acc)
                 steps.append((micro, applied))
-        return _average(jax.device_get(steps))
+        return _average(to_host(steps))
 
 
 def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:

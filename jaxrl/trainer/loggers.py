@@ -22,7 +22,8 @@ from typing import Any
 
 from jaxrl.distributed import is_main_process, process_log_prefix
 
-LOGGERS = ("console", "tensorboard", "wandb")
+# "file" (verl's JSON-lines logger) names `metrics.jsonl`, which is written in any case.
+LOGGERS = ("console", "tensorboard", "wandb", "file")
 _CONSOLE_KEYS = (
     "critic/score/mean",
     "val-core/mean",

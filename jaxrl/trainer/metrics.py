@@ -12,7 +12,8 @@
                               the device kind's dense bf16 FLOP/s (`PEAK_FLOPS`), or the
                               `JAXRL_PEAK_FLOPS` environment variable (CPUs: no default)
 
-The figures are computed from the rows this process holds (all rows with one process).
+The figures are computed from the step's global batch, which every process holds from the reward
+on (`ppo_trainer.gather_processes`); timings are each process's own.
 """
 
 from __future__ import annotations

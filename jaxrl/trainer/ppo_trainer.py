@@ -9,8 +9,12 @@
       adv           KL in reward, then the advantage estimator
       update_critic, update_actor (after `critic_warmup` steps)
 
-Every array of the step lives on the host as numpy rows of this process between the jitted
-passes; the passes run on global arrays over the train layout's batch axes.
+Every array of the step lives on the host as numpy rows between the jitted passes; the passes
+run on global arrays over the train layout's batch axes. With several processes, each generates
+(one program over the whole rollout mesh) and scores the responses to its own prompts; then
+`gather_processes` gives every process the rows of all of them, in the global batch's order,
+and the rest of the step (KL, advantages and their group statistics, the passes, the metrics)
+computes on every process exactly what one process holding the whole batch computes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout import SamplingParams, generate
 from jaxrl.sharding.layouts import layouts_from_config
+from jaxrl.sharding.processes import allgather_objects, gather_rows
 from jaxrl.sharding.reshard import free, reshard
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
@@ -238,7 +243,8 @@ class PPOTrainer:
     # -------------------------------------------------------------------------------- step
 
     def step(self, prompts: PromptBatch, global_step: int) -> dict[str, float]:
-        """One RL step on `prompts` (this process's rows); returns its metrics."""
+        """One RL step on `prompts` (this process's rows); returns the step's metrics (the
+        same on every process: from the reward on, every process holds the global batch)."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg, n = arr.actor, self.sampling.n
         timing: dict[str, float] = {}
@@ -254,7 +260,6 @@ class PPOTrainer:
                     repeated, batch["responses"], batch["response_mask"]
                 )
                 batch["token_level_scores"] = scores.astype(np.float32)
-                metrics.update(reward_metrics)
             if cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
                 with timer("gen_max", timing):
                     greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
@@ -263,7 +268,13 @@ class PPOTrainer:
                         prompts, base["responses"], base["response_mask"]
                     )
                     batch["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
-            mini_rows = actor_cfg.ppo_mini_batch_size * n // jax.process_count()
+            if jax.process_count() > 1:
+                with timer("gather", timing):
+                    batch, group_ids, extra, reward_metrics = gather_processes(
+                        batch, group_ids, extra, reward_metrics
+                    )
+            metrics.update(reward_metrics)
+            mini_rows = actor_cfg.ppo_mini_batch_size * n
             on_policy = (
                 mini_rows >= len(batch["responses"])
                 and actor_cfg.ppo_epochs == 1
@@ -328,7 +339,7 @@ class PPOTrainer:
                     c = cfg.critic
                     critic_metrics = self.critic.update(
                         batch,
-                        mini_batch_rows=c.ppo_mini_batch_size * n // jax.process_count(),
+                        mini_batch_rows=c.ppo_mini_batch_size * n,
                         epochs=c.ppo_epochs,
                         shuffle=c.shuffle,
                         seed=c.data_loader_seed + global_step,
@@ -384,6 +395,27 @@ class PPOTrainer:
             "token_budget": budget,
             "balance": self.cfg.trainer.balance_batch,
         }
+
+
+def gather_processes(
+    batch: dict[str, np.ndarray],
+    group_ids: np.ndarray,
+    extra: dict[str, list],
+    reward_metrics: dict[str, float],
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, list], dict[str, float]]:
+    """The step's rows of every process, concatenated in process order (process p holds slice
+    p of the global batch, so this is the global batch), on every process: the batch's
+    arrays, the group ids (positions in the global batch already), the scorer's extra info
+    (None for the rows of a process whose scorer did not return a key), and the reward
+    manager's metrics (counts: summed)."""
+    rows = gather_rows({**batch, "__group_ids": group_ids})
+    group_ids = rows.pop("__group_ids")
+    every = allgather_objects((len(batch["responses"]), extra, reward_metrics))
+    keys = sorted({k for _, e, _ in every for k in e})
+    extra = {k: [v for count, e, _ in every for v in e.get(k, [None] * count)] for k in keys}
+    names = sorted({k for _, _, m in every for k in m})
+    reward_metrics = {k: float(sum(m.get(k, 0.0) for _, _, m in every)) for k in names}
+    return rows, group_ids, extra, reward_metrics
 
 
 def _prefixed(metrics: dict[str, float], role: str) -> dict[str, float]:

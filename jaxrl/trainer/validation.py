@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxrl.data.iterator import PromptIterator
+from jaxrl.sharding.processes import allgather_objects
 
 
 def _numeric(values: list[Any]) -> np.ndarray | None:
@@ -98,10 +99,33 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
             gts = [str(g) for g in repeated.ground_truth]
             dump += generation_rows(trainer.tokenizer, batch, reward, step, gts, keep_rows)
         offset += len(prompts)
-    metrics = validation_metrics(sources, np.concatenate(group_ids), dict(infos))
+    ids = np.concatenate(group_ids)
+    if jax.process_count() > 1:
+        sources, ids, infos, dump = _gather_processes(sources, ids, dict(infos), dump)
+    metrics = validation_metrics(sources, ids, dict(infos))
     if dump_dir is not None:
         write_jsonl(dump, Path(dump_dir).expanduser() / f"{step}.jsonl")
     return metrics
+
+
+def _gather_processes(
+    sources: list[str], group_ids: np.ndarray, infos: dict[str, list], dump: list[dict]
+) -> tuple[list[str], np.ndarray, dict[str, list], list[dict]]:
+    """Every process's validation rows, in process order, on every process; group ids are
+    renumbered to stay distinct across processes (each process numbers its own prompts)."""
+    every = allgather_objects((sources, group_ids, infos, dump))
+    keys = sorted({k for _, _, i, _ in every for k in i})
+    sources, ids, dump = [], [], []
+    merged: dict[str, list] = {k: [] for k in keys}
+    base = 0
+    for s, g, i, d in every:
+        sources += s
+        ids.append(np.asarray(g, np.int64) + base)
+        base += int(np.max(g)) + 1 if len(g) else 0
+        for k in keys:
+            merged[k] += i.get(k, [None] * len(s))
+        dump += d
+    return sources, np.concatenate(ids), merged, dump
 
 
 def generation_rows(

@@ -129,3 +129,37 @@ def test_slurm_tasks_are_detected_without_jaxrl_variables(tmp_path):
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_host_data_across_processes_and_generation_per_process(procs):
+    """`jaxrl.sharding.processes` over 2 processes, and `generate` with each process's own
+    prompts: one program over the 8 devices, each process gets its own rows back, equal to
+    a single-process generation of the same prompts."""
+    import jax
+    import numpy as np
+
+    import jaxrl.models as M
+    from jaxrl.rollout import SamplingParams, generate
+    from jaxrl.testing.tiny import tiny_decoder
+
+    port = free_port()
+    workers = [procs.start("processes", i, 2, port) for i in range(2)]
+    for proc in workers:
+        rc, _ = _wait(proc, 120)
+        assert rc == 0, output(proc)
+    results = [_result(proc) for proc in workers]
+    config = tiny_decoder()
+    params = M.init_params(config, jax.random.key(0), std=0.5)
+    greedy = SamplingParams(max_tokens=4, n=2, do_sample=False, temperature=0.0)
+    for i, row in enumerate(results):
+        assert row["rows_x"] == [[0, 0], [1, 1], [1, 1]]
+        assert row["rows_y"] == [0.0, 0.0, 1.0]
+        assert row["objects"] == [{"pid": 0, "words": []}, {"pid": 1, "words": ["a"]}]
+        assert row["doubled_ok"]
+        assert row["process_rows"] == [4 * i, 4 * i + 4]
+        assert "`x` has different trailing shapes" in row["shape_error"]
+        assert "every process must pass the same number of prompts" in row["count_error"]
+        assert "process 0: 1, process 1: 2" in row["count_error"]
+        ids = np.asarray(row["prompts"])
+        alone = generate(config, params, ids, np.ones_like(ids), greedy)
+        np.testing.assert_array_equal(row["responses"], np.asarray(alone.responses))

@@ -6,6 +6,8 @@ Modes:
     loop         initialize, then run cross-process reductions forever, printing `READY` once.
     raise        as loop, but the last process raises an exception after `READY`.
     init         initialize and exit.
+    processes    `jaxrl.sharding.processes` and multi-process `generate` on a tiny model: print
+                 one JSON line `RESULT {...}`.
 """
 
 import json
@@ -71,8 +73,66 @@ def loop(fail: bool = False) -> None:
             raise RuntimeError("boom on purpose")
 
 
+def processes() -> None:
+    import jax
+    import numpy as np
+
+    import jaxrl.models as M
+    from jaxrl.rollout import SamplingParams, generate
+    from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+    from jaxrl.sharding.processes import (
+        allgather_objects,
+        gather_rows,
+        global_array,
+        process_rows,
+        to_host,
+    )
+    from jaxrl.testing.tiny import tiny_decoder
+
+    pid = jax.process_index()
+    # process p holds p + 1 rows whose values say where they came from
+    rows = gather_rows({"x": np.full((pid + 1, 2), pid, np.int32), "y": np.arange(pid + 1.0)})
+    objects = allgather_objects({"pid": pid, "words": ["a"] * pid})
+    layout = Layout.create(rollout_mesh(1), ROLLOUT_RULES)
+    host = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    sharding = layout.tokens((8, 3))
+    x = global_array(host, sharding)
+    doubled = to_host(jax.jit(lambda a: 2 * a)(x))
+    shape_error = ""
+    try:
+        gather_rows({"x": np.zeros((1, pid + 1))})
+    except ValueError as e:
+        shape_error = str(e)
+    config = tiny_decoder()
+    params = M.init_params(config, jax.random.key(0), std=0.5)
+    params = jax.device_put(params, layout.params(config))
+    rng = np.random.RandomState(pid)
+    ids = rng.randint(2, config.vocab_size, (2, 5))
+    greedy = SamplingParams(max_tokens=4, n=2, do_sample=False, temperature=0.0)
+    out = generate(config, params, ids, np.ones_like(ids), greedy, layout=layout)
+    count_error = ""
+    try:
+        few = ids[: pid + 1]
+        generate(config, params, few, np.ones_like(few), greedy, layout=layout)
+    except ValueError as e:
+        count_error = str(e)
+    row = dict(
+        rows_x=rows["x"].tolist(),
+        rows_y=rows["y"].tolist(),
+        objects=objects,
+        doubled_ok=bool((doubled == 2 * host).all()),
+        process_rows=list(process_rows(sharding, (8, 3))),
+        shape_error=shape_error,
+        prompts=ids.tolist(),
+        responses=np.asarray(out.responses).tolist(),
+        count_error=count_error,
+    )
+    print("RESULT " + json.dumps(row), flush=True)
+
+
 if __name__ == "__main__":
     distributed.initialize()
     modes = {"collectives": collectives, "loop": loop, "raise": lambda: loop(fail=True)}
     modes["init"] = lambda: None
+    modes["processes"] = processes
     modes[sys.argv[1]]()

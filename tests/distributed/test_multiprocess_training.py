@@ -1,0 +1,162 @@
+"""`python -m jaxrl.train` over 2 processes x 4 CPU devices trains exactly like 1 process x 8:
+the same metrics step by step (GRPO on the quickstart model, with validation), and a
+checkpoint written by 2 processes, restored by 2, continues identically."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from _multiproc import ROOT, clean_env, free_port
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 3
+# Timings, throughput and the logged compile/gather times differ between runs by nature.
+UNCOMPARABLE = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+def _overrides(run_dir, steps: int = STEPS) -> list[str]:
+    cache = run_dir.parent.parent / "assets"
+    return [
+        "--config",
+        "configs/quickstart.yaml",
+        f"data.train_files={cache}/train.parquet",
+        f"data.val_files={cache}/test.parquet",
+        f"actor_rollout_ref.model.path={cache}/model",
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=2",
+        "trainer.save_freq=1",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def _train(run_dir, processes: int, steps: int = STEPS) -> str:
+    """Run the trainer; returns the logs."""
+    if processes == 1:
+        env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        cmd = [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir, steps)]
+    else:
+        env = clean_env(
+            JAXRL_LOG_DIR=str(run_dir.parent / f"logs-{run_dir.name}"),
+            JAXRL_LAUNCH_CMD=f"{sys.executable} -m jaxrl.train",
+            JAXRL_QUIET="1",
+        )
+        del env["XLA_FLAGS"]  # local.sh gives each process its 8 / N devices
+        local_sh = str(ROOT / "launch" / "local.sh")
+        cmd = ["bash", local_sh, str(processes), *_overrides(run_dir, steps)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    logs = out.stdout + out.stderr
+    if processes > 1:
+        for log in sorted((run_dir.parent / f"logs-{run_dir.name}").glob("process_*.log")):
+            logs += f"\n---- {log.name} ----\n" + log.read_text()
+    assert out.returncode == 0, logs[-6000:]
+    return logs
+
+
+def _metrics(run_dir) -> dict[int, dict[str, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return {
+        int(r["training/global_step"]): {
+            k: v for k, v in r.items() if not k.startswith(UNCOMPARABLE)
+        }
+        for r in rows
+    }
+
+
+def _assert_same(got: dict[str, float], want: dict[str, float], where: str) -> None:
+    assert sorted(got) == sorted(want), where
+    names = sorted(want)
+    np.testing.assert_allclose(
+        [got[k] for k in names],
+        [want[k] for k in names],
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=f"{where}: {names}",
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process x 8 devices, and 2 processes x 4 devices, each STEPS steps."""
+    base = tmp_path_factory.mktemp("mp")
+    single, multi = base / "runs" / "single", base / "runs" / "multi"
+    _train(single, 1)  # writes the assets the other runs reuse
+    multi_logs = _train(multi, 2)
+    return single, multi, multi_logs
+
+
+def test_two_processes_train_like_one(runs):
+    single, multi, logs = runs
+    assert "2 processes x 4 CPU devices" in logs
+    want, got = _metrics(single), _metrics(multi)
+    assert sorted(want) == list(range(STEPS + 1))  # step 0: validation before training
+    assert sorted(got) == sorted(want)
+    for step in want:
+        _assert_same(got[step], want[step], f"step {step}")
+    assert any(k.startswith("val-core/") for k in got[2])
+
+
+def test_checkpoint_of_two_processes_resumes_identically(runs, tmp_path):
+    _, multi, _ = runs
+    assert sorted(int(p.name) for p in (multi / "checkpoints").iterdir()) == [1, 2, 3]
+    resumed = multi.parent / "resumed"
+    shutil.copytree(multi, resumed)
+    shutil.rmtree(resumed / "checkpoints" / str(STEPS))  # as if killed after step STEPS - 1
+    logs = _train(resumed, 2)
+    assert "[process 0/2] INFO jaxrl.train: resumed from step 2 of 3" in logs
+    assert "[process 1/2] INFO jaxrl.train: resumed from step 2 of 3" in logs
+    want, got = _metrics(multi), _metrics(resumed)
+    assert sorted(got) == sorted(want)
+    _assert_same(got[STEPS], want[STEPS], f"resumed step {STEPS}")
+
+
+def test_a_killed_process_stops_the_run_and_a_restart_resumes(runs):
+    """SIGKILL one of 2 training processes: the other exits non-zero within 60 s naming it,
+    the last complete checkpoint stays, and the same command resumes from it."""
+    run_dir = runs[1].parent / "killed"
+    port = free_port()
+    logs = [run_dir.parent / f"killed_{i}.log" for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir, steps=50)],
+            cwd=ROOT,
+            env=clean_env(
+                JAXRL_COORDINATOR=f"127.0.0.1:{port}",
+                JAXRL_NUM_PROCESSES="2",
+                JAXRL_PROCESS_ID=str(i),
+                JAXRL_HEARTBEAT_TIMEOUT="20",
+            ),
+            stdout=logs[i].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "2").is_dir():
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            assert all(w.poll() is None for w in workers), logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        workers[1].send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        rc = workers[0].wait(timeout=90)
+        waited = time.monotonic() - start
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    text = logs[0].read_text()
+    assert rc != 0, text[-3000:]
+    assert waited < 60, text[-3000:]
+    assert "[process 0/2] error: process 1" in text, text[-3000:]
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] >= 2
+    resumed = _train(run_dir, 2, steps=saved[-1] + 1)
+    assert f"resumed from step {saved[-1]} of {saved[-1] + 1}" in resumed
