@@ -619,7 +619,7 @@ class TrainerConfig:
         total_training_steps: Stop after this many steps; null: `total_epochs` worth.
         balance_batch: Reorder sequences so every data-parallel shard gets equal token counts.
         critic_warmup: Steps that update only the critic.
-        logger: Any of `console`, `tensorboard`, `wandb` (`metrics.jsonl` is always written).
+        logger: Any of `console`, `tensorboard`, `wandb`, `file` (`metrics.jsonl`, always written).
         log_val_generations: Validation samples printed to the loggers.
         rollout_data_dir: Folder for JSONL dumps of training generations; null: none.
         validation_data_dir: Folder for JSONL dumps of validation generations; null: none.

@@ -296,7 +296,11 @@ def decode_step(
         (final-normed hidden states [B, D], the updated cache).
     """
     rows = jnp.arange(tokens.shape[0])
-    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions[:, None])
+    # Materialised once per step: left to fusion, XLA recomputes the sines and cosines for
+    # every element of every layer's rotated queries and keys.
+    cos, sin = jax.lax.optimization_barrier(
+        rope_cos_sin(config.rope, config.head_dim, positions[:, None])
+    )
     segments = cache.segments.at[rows, write_index].set(1)
     kv_valid = segments > 0
     x_db = _embed(config, params, tokens).T

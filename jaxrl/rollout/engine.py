@@ -152,12 +152,14 @@ def _generate(
     attention_mask: Int[Array, "q p"],
     key: jax.Array,
     num_rows: Int[Array, ""],
+    order: Int[Array, " q"] | None = None,
 ) -> GenerationOutput:
     """Continuous batching: `num_slots` rows decode at once; a slot whose row finishes (EOS or
     `max_tokens`) is refilled with the next queued prompt (prefilled into the slot's cache),
     until the queue is empty and every slot is free. With as many slots as rows this is plain
-    static batching: one prefill, then decode until the last row finishes. Queue rows from
-    `num_rows` on (bucket padding) are never decoded."""
+    static batching: one prefill, then decode until the last row finishes. The queue is
+    `order` (row indices; None: 0, 1, ..., Q - 1); its entries from `num_rows` on (padding
+    rows) are never decoded."""
     q, p = input_ids.shape
     r, s = sp.max_tokens, num_slots
     length, block = cache_geometry(p, r)
@@ -176,10 +178,12 @@ def _generate(
         sl = st.slots
         free = sl.row == q
         slot_ids = jnp.argsort(~free, stable=True)[:f]  # free slots first, in order
-        rows = st.next_row + jnp.arange(f)
-        take = free[slot_ids] & (rows < num_rows)
-        ids = input_ids[jnp.minimum(rows, q - 1)]
-        mask = attention_mask[jnp.minimum(rows, q - 1)] * take[:, None]
+        queued = st.next_row + jnp.arange(f)
+        take = free[slot_ids] & (queued < num_rows)
+        rows = jnp.minimum(queued, q - 1)
+        rows = rows if order is None else order[rows]
+        ids = input_ids[rows]
+        mask = attention_mask[rows] * take[:, None]
         h, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
         key, sub = jax.random.split(st.key)
         tok, lp = sample(lm_logits(config, params, h[:, -1:])[:, 0], sp, sub)
@@ -306,8 +310,10 @@ def _compiled(
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
-    out = layout.replicated() if replicated_out else None
-    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None), out_shardings=out)
+    if not replicated_out:
+        return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None))
+    whole = layout.replicated()
+    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None, whole), out_shardings=whole)
 
 
 def generate(
@@ -338,9 +344,16 @@ def generate(
             With fewer slots than rows, a finished row's slot is refilled with the next
             prompt (continuous batching); None: one slot per row.
 
+    Several processes: every process calls `generate` with its own prompts (numpy, the same
+    number on each), the same rng and the rollout `layout`; one program generates for all of
+    them, and each process gets back the rows of its own prompts as numpy arrays.
+
     Raises:
         ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
-            model's context, naming the parameter and the allowed range.
+            model's context, naming the parameter and the allowed range; with several
+            processes, for unequal prompt counts or a mesh whose `dp` axis does not split
+            evenly over the processes.
+        TypeError: with several processes, for prompts given as jax arrays.
     """
     sp = sampling_params
     if jax.process_count() > 1:
@@ -416,10 +429,12 @@ def _generate_processes(
     each process gets back the rows of its own prompts (numpy).
 
     Process p's rows (its prompts repeated n times, padded to a multiple of its share of `dp`)
-    are block p of the global batch (`make_array_from_process_local_data`); the outputs come
-    back replicated. The rng must be the same on every process (it is one program).
+    are block p of the global batch (`make_array_from_process_local_data`); the queue takes
+    the real rows of every block before any padding row, so padding is never decoded; the
+    outputs come back replicated. The rng must be the same on every process (it is one
+    program).
     """
-    from jaxrl.sharding.processes import allgather_objects, process_rows
+    from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
 
     processes = jax.process_count()
     b, p = input_ids.shape
@@ -458,8 +473,12 @@ def _generate_processes(
     if max_num_seqs is not None and max_num_seqs < global_rows:
         slots = max(max_num_seqs // dp, 1) * dp
     fn = _compiled(config, sp, layout, global_rows, padded_len, slots, replicated_out=True)
-    # Padding rows sit inside the queue (at the end of every process's block): all rows run.
-    out = fn(params, ids, mask, rng, jnp.int32(global_rows))
+    # The queue: every process's real rows in process order, then the padding rows (which sit
+    # at the end of each process's block and are never decoded).
+    blocks = np.arange(global_rows).reshape(processes, local_rows)
+    order = np.concatenate([blocks[:, :rows].ravel(), blocks[:, rows:].ravel()]).astype(np.int32)
+    order = global_array(order, layout.replicated())
+    out = fn(params, ids, mask, rng, jnp.int32(rows * processes), order)
     host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
     mine = slice(start, start + rows)
     return host.replace(

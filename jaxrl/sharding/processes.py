@@ -23,10 +23,23 @@ import numpy as np
 
 
 def _allgather(x: np.ndarray) -> np.ndarray:
-    """[P, ...]: `x` (the same shape everywhere) of every process, in process order."""
+    """[P, ...]: `x` (the same shape everywhere, at most 32-bit) of every process, in process
+    order."""
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+
+def _allgather_bytes(rows: np.ndarray) -> list[np.ndarray]:
+    """Every process's uint8 [n_p, w] (the same w everywhere; any n_p), in process order. The
+    gathered buffer is padded to a power of two rows, so payloads of varying size reuse a
+    handful of compiled all-gathers."""
+    counts = _allgather(np.asarray([len(rows)], np.int32))[:, 0]
+    size = 1 << max(int(counts.max()) - 1, 0).bit_length()
+    padded = np.zeros((size, rows.shape[1]), np.uint8)
+    padded[: len(rows)] = rows
+    every = _allgather(padded)
+    return [every[i, : counts[i]] for i in range(len(counts))]
 
 
 def allgather_objects(obj: Any) -> list[Any]:
@@ -34,27 +47,30 @@ def allgather_objects(obj: Any) -> list[Any]:
     if jax.process_count() == 1:
         return [obj]
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = _allgather(np.asarray([payload.size], np.int64))[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: payload.size] = payload
-    every = _allgather(padded)
-    return [pickle.loads(every[i, : sizes[i]].tobytes()) for i in range(len(sizes))]
+    return [pickle.loads(b.tobytes()) for b in _allgather_bytes(payload[:, None])]
 
 
 def gather_rows(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Each array's rows (axis 0) of all processes, concatenated in process order.
 
-    Every process must pass the same keys, with the same trailing shapes and dtypes;
-    row counts may differ.
+    Every process must pass the same keys, each with the same trailing shape and dtype
+    (numeric or bool, any width: rows travel as raw bytes); row counts may differ.
 
     Raises:
-        ValueError: naming the array whose trailing shape or dtype differs between processes.
+        ValueError: on every process, naming the keys or the array whose trailing shape or
+            dtype differs between processes.
     """
-    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     if jax.process_count() == 1:
         return arrays
+    for key, value in arrays.items():
+        if value.dtype.hasobject or value.ndim == 0:
+            raise ValueError(f"gather_rows: `{key}` must be a numeric array with rows")
     layouts = allgather_objects({k: (v.shape, v.dtype.str) for k, v in arrays.items()})
-    for key in arrays:
+    keys = [sorted(layout) for layout in layouts]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"gather_rows: the processes pass different arrays: {keys}")
+    for key in keys[0]:
         kinds = {(shape[1:], dtype) for shape, dtype in (layout[key] for layout in layouts)}
         if len(kinds) > 1:
             raise ValueError(
@@ -62,12 +78,12 @@ def gather_rows(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
                 f"processes: {sorted(kinds)}"
             )
     out = {}
-    for key, value in arrays.items():
-        counts = [layout[key][0][0] for layout in layouts]
-        padded = np.zeros((max(counts), *value.shape[1:]), value.dtype)
-        padded[: len(value)] = value
-        every = _allgather(padded)
-        out[key] = np.concatenate([every[i, : counts[i]] for i in range(len(counts))])
+    for key in keys[0]:
+        value = arrays[key]
+        row_bytes = value.dtype.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
+        raw = np.frombuffer(value.tobytes(), np.uint8).reshape(len(value), row_bytes)
+        every = np.concatenate(_allgather_bytes(raw))
+        out[key] = every.view(value.dtype).reshape(len(every), *value.shape[1:])
     return out
 
 
@@ -80,12 +96,30 @@ def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array
 
 
 def to_host(tree: Any) -> Any:
-    """numpy values of a tree of (possibly multi-process) arrays, on every process."""
+    """numpy values of a tree of arrays (host, single-process or multi-process, sharded or
+    replicated) on every process: what `jax.device_get` gives with one process."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
 
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
+    ]
+    out = [
+        np.asarray(x.addressable_data(0))
+        if isinstance(x, jax.Array) and not x.is_fully_addressable
+        else x
+        for x in leaves
+    ]
+    out = jax.device_get(out)
+    if split:  # one collective for all of them
+        gathered = multihost_utils.process_allgather([leaves[i] for i in split], tiled=True)
+        for i, x in zip(split, gathered, strict=True):
+            out[i] = np.asarray(x)
+    return jax.tree.unflatten(treedef, out)
 
 
 def process_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[int, int]:

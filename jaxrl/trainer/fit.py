@@ -40,10 +40,10 @@ def reward_fn_from(manager: Any, reward_model: Any = None) -> RewardFn:
     def fn(prompts: PromptBatch, responses: np.ndarray, mask: np.ndarray):
         if reward_model is not None:
             scores = reward_model.compute_rm_score(
-                prompts.input_ids,
-                prompts.attention_mask,
-                responses,
-                mask,
+                response_ids=responses,
+                response_mask=mask,
+                prompt_ids=prompts.input_ids,
+                prompt_mask=prompts.attention_mask,
                 raw_prompts=list(prompts.raw_prompt),
             )
             return np.asarray(scores, np.float32), {}, {}
@@ -227,6 +227,8 @@ def fit(cfg, devices=None) -> dict[str, float]:
 
 
 def _dump_rollout(trainer: PPOTrainer, step: int, folder: str) -> None:
+    if jax.process_index() != 0:  # every process holds the whole batch; process 0 writes
+        return
     batch = trainer.last_batch
     scores = batch["token_level_scores"].sum(-1)
     rows = generation_rows(trainer.tokenizer, batch, scores, step)

@@ -213,7 +213,9 @@ class PPOTrainer:
     def generate(
         self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array
     ) -> dict[str, np.ndarray]:
-        """Rows of the generated batch (prompts repeated n times, interleaved)."""
+        """Rows of the generated batch (prompts repeated n times, interleaved): with several
+        processes, the rows of this process's `prompts` (every process calls this with its
+        own prompts and the same rng: generation is one program over all of them)."""
         rollout_params = reshard(
             self.actor.params, self._rollout_shardings, dtype=self.rollout_config.param_dtype
         )
@@ -407,7 +409,8 @@ def gather_processes(
     p of the global batch, so this is the global batch), on every process: the batch's
     arrays, the group ids (positions in the global batch already), the scorer's extra info
     (None for the rows of a process whose scorer did not return a key), and the reward
-    manager's metrics (counts: summed)."""
+    manager's metrics (summed: the built-in managers report counts, `reward/errors` and
+    `reward/timeouts`)."""
     rows = gather_rows({**batch, "__group_ids": group_ids})
     group_ids = rows.pop("__group_ids")
     every = allgather_objects((len(batch["responses"]), extra, reward_metrics))

@@ -69,61 +69,57 @@ def validation_metrics(
 def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = None) -> dict:
     """One pass over the validation set: metrics (and a JSONL dump of the generations)."""
     sampling = trainer.val_sampling
-    sources: list[str] = []
-    group_ids: list[np.ndarray] = []
-    infos: dict[str, list[Any]] = defaultdict(list)
-    dump: list[dict[str, Any]] = []
-    offset = 0
+    processes = jax.process_count()
+    # One record per batch: (data sources, group ids, {variable: values}, dump rows) of its
+    # kept rows. With several processes each holds its slice of every batch; the records are
+    # gathered and merged batch by batch, process by process: the global batch's order.
+    records: list[tuple[list[str], np.ndarray, dict[str, list[Any]], list[dict]]] = []
+    offset = 0  # prompts before this batch (this process's; x processes: the global count)
     rng = jax.random.fold_in(jax.random.key(trainer.cfg.actor_rollout_ref.rollout.seed + 1), step)
     loader.epoch, loader.position = 0, 0  # every validation is one whole pass
     for prompts in loader.one_epoch():
         keep = ~prompts.is_padding
-        batch = trainer.generate(prompts, sampling, jax.random.fold_in(rng, offset))
+        before = offset * processes
+        batch = trainer.generate(prompts, sampling, jax.random.fold_in(rng, before))
         repeated = prompts.repeat(sampling.n)
         scores, _, extra = trainer.val_reward_fn(
             repeated, batch["responses"], batch["response_mask"]
         )
         keep_rows = np.repeat(keep, sampling.n)
         reward = scores.sum(-1)
-        sources += [str(s) for s in repeated.data_source[keep_rows]]
-        group_ids.append(repeated.group_ids[keep_rows] + offset)
-        infos["reward"] += reward[keep_rows].tolist()
-        before = len(sources) - int(keep_rows.sum())
+        infos = {"reward": reward[keep_rows].tolist()}
         for key, values in extra.items():
-            if key != "reward":  # a key first seen now: None for the rows before it
-                column = infos.setdefault(key, [None] * before)
-                column += [v for v, k in zip(values, keep_rows, strict=True) if k]
-        for column in infos.values():  # a key this batch lacks: None for its rows
-            column += [None] * (len(sources) - len(column))
+            if key != "reward":
+                infos[key] = [v for v, k in zip(values, keep_rows, strict=True) if k]
+        dump = []
         if dump_dir is not None and trainer.tokenizer is not None:
             gts = [str(g) for g in repeated.ground_truth]
-            dump += generation_rows(trainer.tokenizer, batch, reward, step, gts, keep_rows)
+            dump = generation_rows(trainer.tokenizer, batch, reward, step, gts, keep_rows)
+        sources = [str(s) for s in repeated.data_source[keep_rows]]
+        records.append((sources, repeated.group_ids[keep_rows] + before, infos, dump))
         offset += len(prompts)
-    ids = np.concatenate(group_ids)
-    if jax.process_count() > 1:
-        sources, ids, infos, dump = _gather_processes(sources, ids, dict(infos), dump)
-    metrics = validation_metrics(sources, ids, dict(infos))
+    if processes > 1:
+        every = allgather_objects(records)
+        records = [part[k] for k in range(len(records)) for part in every]
+    sources, ids, infos, dump = _merge(records)
+    metrics = validation_metrics(sources, ids, infos)
     if dump_dir is not None:
         write_jsonl(dump, Path(dump_dir).expanduser() / f"{step}.jsonl")
     return metrics
 
 
-def _gather_processes(
-    sources: list[str], group_ids: np.ndarray, infos: dict[str, list], dump: list[dict]
-) -> tuple[list[str], np.ndarray, dict[str, list], list[dict]]:
-    """Every process's validation rows, in process order, on every process; group ids are
-    renumbered to stay distinct across processes (each process numbers its own prompts)."""
-    every = allgather_objects((sources, group_ids, infos, dump))
-    keys = sorted({k for _, _, i, _ in every for k in i})
-    sources, ids, dump = [], [], []
+def _merge(records) -> tuple[list[str], np.ndarray, dict[str, list], list[dict]]:
+    """The batch records in one: variables a batch lacks are None for its rows."""
+    keys = sorted({k for _, _, infos, _ in records for k in infos})
+    sources: list[str] = []
+    ids: list[np.ndarray] = [np.zeros((0,), np.int64)]
     merged: dict[str, list] = {k: [] for k in keys}
-    base = 0
-    for s, g, i, d in every:
+    dump: list[dict] = []
+    for s, g, infos, d in records:
         sources += s
-        ids.append(np.asarray(g, np.int64) + base)
-        base += int(np.max(g)) + 1 if len(g) else 0
+        ids.append(np.asarray(g, np.int64))
         for k in keys:
-            merged[k] += i.get(k, [None] * len(s))
+            merged[k] += infos.get(k, [None] * len(s))
         dump += d
     return sources, np.concatenate(ids), merged, dump
 

@@ -153,7 +153,10 @@ def test_host_data_across_processes_and_generation_per_process(procs):
     greedy = SamplingParams(max_tokens=4, n=2, do_sample=False, temperature=0.0)
     for i, row in enumerate(results):
         assert row["rows_x"] == [[0, 0], [1, 1], [1, 1]]
-        assert row["rows_y"] == [0.0, 0.0, 1.0]
+        assert row["rows_y"] == [0.0, 0.0, 1.0] and row["rows_y_dtype"] == "float64"
+        assert row["rows_z"] == [2**40, 2**40 + 1, 2**40 + 1]
+        assert row["host_values"] == [3.0, [2]]
+        assert "the processes pass different arrays: [['a'], ['b']]" in row["keys_error"]
         assert row["objects"] == [{"pid": 0, "words": []}, {"pid": 1, "words": ["a"]}]
         assert row["doubled_ok"]
         assert row["process_rows"] == [4 * i, 4 * i + 4]
@@ -163,3 +166,6 @@ def test_host_data_across_processes_and_generation_per_process(procs):
         ids = np.asarray(row["prompts"])
         alone = generate(config, params, ids, np.ones_like(ids), greedy)
         np.testing.assert_array_equal(row["responses"], np.asarray(alone.responses))
+        few = ids[:3]
+        alone = generate(config, params, few, np.ones_like(few), greedy)
+        np.testing.assert_array_equal(row["padded_responses"], np.asarray(alone.responses))

@@ -91,7 +91,19 @@ def processes() -> None:
 
     pid = jax.process_index()
     # process p holds p + 1 rows whose values say where they came from
-    rows = gather_rows({"x": np.full((pid + 1, 2), pid, np.int32), "y": np.arange(pid + 1.0)})
+    rows = gather_rows(
+        {
+            "x": np.full((pid + 1, 2), pid, np.int32),
+            "y": np.arange(pid + 1.0),  # float64
+            "z": np.full((pid + 1,), 2**40 + pid, np.int64),
+        }
+    )
+    host_values = [float(to_host(np.float32(3))), list(to_host(jax.numpy.ones(2)).shape)]
+    keys_error = ""
+    try:
+        gather_rows({"a": np.zeros(1)} if pid == 0 else {"b": np.zeros(1)})
+    except ValueError as e:
+        keys_error = str(e)
     objects = allgather_objects({"pid": pid, "words": ["a"] * pid})
     layout = Layout.create(rollout_mesh(1), ROLLOUT_RULES)
     host = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
@@ -107,9 +119,14 @@ def processes() -> None:
     params = M.init_params(config, jax.random.key(0), std=0.5)
     params = jax.device_put(params, layout.params(config))
     rng = np.random.RandomState(pid)
-    ids = rng.randint(2, config.vocab_size, (2, 5))
+    ids = rng.randint(2, config.vocab_size, (4, 5))
     greedy = SamplingParams(max_tokens=4, n=2, do_sample=False, temperature=0.0)
     out = generate(config, params, ids, np.ones_like(ids), greedy, layout=layout)
+    # 3 prompts x n=2 = 6 rows per process, padded to 8 (a multiple of its 4 dp devices),
+    # 4 slots: rows are queued across processes and slots refilled
+    padded = generate(
+        config, params, ids[:3], np.ones_like(ids[:3]), greedy, layout=layout, max_num_seqs=4
+    )
     count_error = ""
     try:
         few = ids[: pid + 1]
@@ -119,6 +136,11 @@ def processes() -> None:
     row = dict(
         rows_x=rows["x"].tolist(),
         rows_y=rows["y"].tolist(),
+        rows_y_dtype=str(rows["y"].dtype),
+        rows_z=rows["z"].tolist(),
+        host_values=host_values,
+        keys_error=keys_error,
+        padded_responses=np.asarray(padded.responses).tolist(),
         objects=objects,
         doubled_ok=bool((doubled == 2 * host).all()),
         process_rows=list(process_rows(sharding, (8, 3))),

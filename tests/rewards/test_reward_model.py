@@ -125,6 +125,38 @@ def test_same_tokenizer_scores_actor_tokens(rm_same, actor_tokenizer):
     check_placed(reward, response_mask, hf_scores(rm_same, rows))
 
 
+def test_trainer_reward_fn_scores_the_responses(rm_same, actor_tokenizer):
+    """The trainer's reward function (`reward_model.enable`) passes the responses as responses
+    and the prompts as prompts: the scores equal a direct `compute_rm_score`."""
+    from jaxrl.data.batch import PromptBatch
+    from jaxrl.trainer.fit import reward_fn_from
+
+    prompt_ids, prompt_mask, response_ids, response_mask = actor_batch(actor_tokenizer)
+    rm = RewardModel.from_pretrained(str(rm_same))
+    b = len(PROMPTS)
+    column = np.empty(b, object)
+    column[:] = [None] * b
+    raw = np.empty(b, object)
+    raw[:] = [tuple(m) for m in PROMPTS]
+    prompts = PromptBatch(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        group_ids=np.arange(b, dtype=np.int32),
+        uid=column,
+        row_ids=np.arange(b),
+        data_source=column,
+        ground_truth=column,
+        ability=column,
+        extra_info=column,
+        raw_prompt=raw,
+        is_padding=np.zeros(b, bool),
+    )
+    scores, _, _ = reward_fn_from(None, rm)(prompts, response_ids, response_mask)
+    direct = rm.compute_rm_score(response_ids, response_mask, prompt_ids, prompt_mask)
+    assert scores.shape == response_mask.shape
+    np.testing.assert_array_equal(scores, direct)
+
+
 def test_retokenize_for_another_tokenizer(rm_other, actor_tokenizer):
     _, _, response_ids, response_mask = actor_batch(actor_tokenizer)
     cfg = RewardModelConfig(
