@@ -6,7 +6,7 @@
     weights = decode_weights(config, params)                        # once per generation
     h_bd, cache = decode_step(config, params, weights, tokens_b, positions_b, cache,
                               write_index_b, live, block)
-    logits_bv = decode_logits(config, weights, h_bd)
+    logits_bv = decode_logits(weights, h_bd)
 
 The cache is an explicit value (passed in, returned, donated by the caller's `jit`): one key
 and one value buffer per layer plus [B, C] segment ids (1: a real key, 0: padding or not yet
@@ -207,8 +207,7 @@ def decode_weights(config: DecoderConfig, params: Params) -> DecodeWeights:
         for name, w in {**p["attn"], **p["mlp"]}.items():
             if name in _OUT_MAJOR:
                 new, axes = _OUT_MAJOR[name]
-                w_id = w.reshape(w.shape[0], -1) if name != "w_down_fd" else w
-                lw[new] = shard(w_id.T, axes)
+                lw[new] = shard(w.reshape(w.shape[0], -1).T, axes)  # [in, out...] -> [out, in]
             elif name == "w_o_nhd":
                 lw["w_o_de"] = shard(w.reshape(-1, w.shape[-1]).T, ("embed", "heads"))
             else:
@@ -231,13 +230,6 @@ def _linear_ob(w_od: Array, x_db: Array, b_o: Array | None) -> Array:
     return y if b_o is None else y + b_o[:, None]
 
 
-def _rms_norm_db(x_db: Array, w_d: Array, eps: float) -> Array:
-    """`rms_norm` of column-major activations (statistics over D, axis 0)."""
-    x32 = x_db.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + eps)
-    return w_d[:, None].astype(x_db.dtype) * y.astype(x_db.dtype)
-
-
 def _decode_layer(
     config: DecoderConfig,
     lw: dict,
@@ -252,7 +244,7 @@ def _decode_layer(
     row-major for RoPE and the attention (a few KiB per step)."""
     eps, h_dim = config.rms_norm_eps, config.head_dim
     b = x_db.shape[1]
-    h = _rms_norm_db(x_db, lw["ln_attn_d"], eps)
+    h = rms_norm(x_db, lw["ln_attn_d"], eps, axis=0)
     q = _linear_ob(lw["w_q_ed"], h, lw.get("b_q_e")).T.reshape(b, -1, h_dim)
     k = _linear_ob(lw["w_k_ed"], h, lw.get("b_k_e")).T.reshape(b, -1, h_dim)
     v = _linear_ob(lw["w_v_ed"], h, lw.get("b_v_e")).T.reshape(b, -1, h_dim)
@@ -261,7 +253,7 @@ def _decode_layer(
     q, k = apply_rope(q[:, None], cos, sin), apply_rope(k[:, None], cos, sin)
     o_eb = attend(q, k[:, 0], v).reshape(b, -1).T
     x_db = x_db + _linear_ob(lw["w_o_de"], o_eb, lw.get("b_o_d"))
-    h = _rms_norm_db(x_db, lw["ln_mlp_d"], eps)
+    h = rms_norm(x_db, lw["ln_mlp_d"], eps, axis=0)
     gate = _linear_ob(lw["w_gate_fd"], h, lw.get("b_gate_f"))
     up = _linear_ob(lw["w_up_fd"], h, lw.get("b_up_f"))
     return x_db + _linear_ob(lw["w_down_df"], jax.nn.silu(gate) * up, lw.get("b_down_d"))
@@ -324,11 +316,11 @@ def decode_step(
             )
 
         x_db = _decode_layer(config, lw, x_db, cos, sin, attend)
-    h_db = _rms_norm_db(x_db, params["final_norm_d"], config.rms_norm_eps)
+    h_db = rms_norm(x_db, params["final_norm_d"], config.rms_norm_eps, axis=0)
     return h_db.T, KVCache(k=tuple(ks), v=tuple(vs), segments=segments).constrain()
 
 
-def decode_logits(config: DecoderConfig, weights: DecodeWeights, h_bd: Array) -> Array:
+def decode_logits(weights: DecodeWeights, h_bd: Array) -> Array:
     """Next-token logits [B, V] (compute dtype) of final hidden states [B, D], computed as
     head [V, D] x h^T [D, B] (the head read output-major, like the layers)."""
     logits_vb = jnp.matmul(weights.head_vd, h_bd.T)

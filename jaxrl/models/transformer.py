@@ -41,11 +41,14 @@ _REMAT_POLICIES = {
 }
 
 
-def rms_norm(x: Float[Array, "*batch d"], w_d: Float[Array, " d"], eps: float) -> Array:
-    """x / sqrt(mean(x^2) + eps) * w, with the statistics in float32 (as HF)."""
+def rms_norm(x: Array, w_d: Float[Array, " d"], eps: float, axis: int = -1) -> Array:
+    """x / sqrt(mean(x^2) + eps) * w over `axis` (the features, D: the last axis, or axis 0
+    for column-major activations [D, B]), with the statistics in float32 (as HF)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w_d.astype(x.dtype) * y.astype(x.dtype)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
+    w_shape = [1] * x.ndim
+    w_shape[axis] = -1
+    return w_d.reshape(w_shape).astype(x.dtype) * y.astype(x.dtype)
 
 
 def positions_from_mask(attention_mask: Int[Array, "b t"]) -> Int[Array, "b t"]:

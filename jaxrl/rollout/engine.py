@@ -152,14 +152,13 @@ def _generate(
     attention_mask: Int[Array, "q p"],
     key: jax.Array,
     num_rows: Int[Array, ""],
-    order: Int[Array, " q"] | None = None,
+    order: Int[Array, " q"],
 ) -> GenerationOutput:
     """Continuous batching: `num_slots` rows decode at once; a slot whose row finishes (EOS or
     `max_tokens`) is refilled with the next queued prompt (prefilled into the slot's cache),
     until the queue is empty and every slot is free. With as many slots as rows this is plain
     static batching: one prefill, then decode until the last row finishes. The queue is
-    `order` (row indices; None: 0, 1, ..., Q - 1); its entries from `num_rows` on (padding
-    rows) are never decoded."""
+    `order` (row indices); its entries from `num_rows` on (padding rows) are never decoded."""
     q, p = input_ids.shape
     r, s = sp.max_tokens, num_slots
     length, block = cache_geometry(p, r)
@@ -180,8 +179,7 @@ def _generate(
         slot_ids = jnp.argsort(~free, stable=True)[:f]  # free slots first, in order
         queued = st.next_row + jnp.arange(f)
         take = free[slot_ids] & (queued < num_rows)
-        rows = jnp.minimum(queued, q - 1)
-        rows = rows if order is None else order[rows]
+        rows = order[jnp.minimum(queued, q - 1)]
         ids = input_ids[rows]
         mask = attention_mask[rows] * take[:, None]
         h, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
@@ -216,7 +214,7 @@ def _generate(
             config, params, weights, sl.last, positions, st.cache, write_index, live, block
         )
         key, sub = jax.random.split(st.key)
-        tok, lp = sample(decode_logits(config, weights, h), sp, sub)
+        tok, lp = sample(decode_logits(weights, h), sp, sub)
         out_row = jnp.where(busy, sl.row, q)
         column = jnp.minimum(sl.step, r - 1)
         st = st.replace(
@@ -310,10 +308,8 @@ def _compiled(
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
-    if not replicated_out:
-        return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None))
-    whole = layout.replicated()
-    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None, whole), out_shardings=whole)
+    out = layout.replicated() if replicated_out else None
+    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None, None), out_shardings=out)
 
 
 def generate(
@@ -401,16 +397,26 @@ def generate(
     padded_len = bucket(p)
     ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
     mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
-    slots = padded_rows
-    if max_num_seqs is not None and max_num_seqs < padded_rows:
-        slots = max(max_num_seqs // dp, 1) * dp
+    slots = _num_slots(max_num_seqs, padded_rows, dp)
     fn = _compiled(config, sp, layout, padded_rows, padded_len, slots)
-    out = fn(params, ids, mask, rng, jnp.int32(rows))
+    order = jnp.arange(padded_rows, dtype=jnp.int32)
+    return _rows(fn(params, ids, mask, rng, jnp.int32(rows), order), slice(0, rows))
+
+
+def _num_slots(max_num_seqs: int | None, rows: int, dp: int) -> int:
+    """KV-cache slots: one per row, or `max_num_seqs` (a multiple of dp) when fewer."""
+    if max_num_seqs is None or max_num_seqs >= rows:
+        return rows
+    return max(max_num_seqs // dp, 1) * dp
+
+
+def _rows(out: GenerationOutput, index: slice) -> GenerationOutput:
+    """The output's rows `index` (dropping padding rows, or other processes' rows)."""
     return out.replace(
-        responses=out.responses[:rows],
-        response_mask=out.response_mask[:rows],
-        log_probs=out.log_probs[:rows],
-        lengths=out.lengths[:rows],
+        responses=out.responses[index],
+        response_mask=out.response_mask[index],
+        log_probs=out.log_probs[index],
+        lengths=out.lengths[index],
     )
 
 
@@ -469,9 +475,7 @@ def _generate_processes(
         )
     ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
     mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
-    slots = global_rows
-    if max_num_seqs is not None and max_num_seqs < global_rows:
-        slots = max(max_num_seqs // dp, 1) * dp
+    slots = _num_slots(max_num_seqs, global_rows, dp)
     fn = _compiled(config, sp, layout, global_rows, padded_len, slots, replicated_out=True)
     # The queue: every process's real rows in process order, then the padding rows (which sit
     # at the end of each process's block and are never decoded).
@@ -480,10 +484,4 @@ def _generate_processes(
     order = global_array(order, layout.replicated())
     out = fn(params, ids, mask, rng, jnp.int32(rows * processes), order)
     host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
-    mine = slice(start, start + rows)
-    return host.replace(
-        responses=host.responses[mine],
-        response_mask=host.response_mask[mine],
-        log_probs=host.log_probs[mine],
-        lengths=host.lengths[mine],
-    )
+    return _rows(host, slice(start, start + rows))

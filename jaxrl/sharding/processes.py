@@ -60,7 +60,7 @@ def gather_rows(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         ValueError: on every process, naming the keys or the array whose trailing shape or
             dtype differs between processes.
     """
-    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
     if jax.process_count() == 1:
         return arrays
     for key, value in arrays.items():
@@ -77,14 +77,17 @@ def gather_rows(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
                 f"gather_rows: `{key}` has different trailing shapes / dtypes on different "
                 f"processes: {sorted(kinds)}"
             )
-    out = {}
-    for key in keys[0]:
-        value = arrays[key]
-        row_bytes = value.dtype.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
-        raw = np.frombuffer(value.tobytes(), np.uint8).reshape(len(value), row_bytes)
-        every = np.concatenate(_allgather_bytes(raw))
-        out[key] = every.view(value.dtype).reshape(len(every), *value.shape[1:])
-    return out
+    # One payload per process: every array's bytes, key after key; one all-gather in all.
+    payload = np.concatenate([np.frombuffer(arrays[k].tobytes(), np.uint8) for k in keys[0]])
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in keys[0]}
+    for layout, data in zip(layouts, _allgather_bytes(payload[:, None]), strict=True):
+        data, start = data[:, 0], 0
+        for key in keys[0]:
+            shape, dtype = layout[key]
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            parts[key].append(data[start : start + size].view(dtype).reshape(shape))
+            start += size
+    return {k: np.concatenate(parts[k]) for k in keys[0]}
 
 
 def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -103,17 +106,13 @@ def to_host(tree: Any) -> Any:
     from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree.flatten(tree)
-    split = [
-        i
-        for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
-    ]
-    out = [
-        np.asarray(x.addressable_data(0))
-        if isinstance(x, jax.Array) and not x.is_fully_addressable
-        else x
-        for x in leaves
-    ]
+    out, split = [], []
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.is_fully_replicated:
+                split.append(i)
+            x = x.addressable_data(0) if x.is_fully_replicated else None
+        out.append(x)
     out = jax.device_get(out)
     if split:  # one collective for all of them
         gathered = multihost_utils.process_allgather([leaves[i] for i in split], tiled=True)
