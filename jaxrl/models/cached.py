@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxrl.kernels import NO_WINDOW, attention
+from jaxrl.kernels import NO_WINDOW, attention, cpu_decode
 from jaxrl.kernels.decode import decode_attention
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
@@ -172,16 +172,22 @@ class DecodeWeights:
     float32, 1.3 GiB for model L). The LM head is [V, D]: for tied embeddings the embedding
     table itself, with no copy.
 
+    With `cpu_kernels` (float32 on one CPU device, `jaxrl.kernels.cpu_decode.enabled`), the
+    step's matmuls and attention run as the C++ kernels of `jaxrl.kernels.cpu_decode`, which
+    read the same [out, in] weights.
+
     Attributes:
         layers: Per layer: `w_q_ed` [N·H, D], `w_k_ed`, `w_v_ed` [K·H, D], `w_o_de` [D, N·H],
             `w_gate_fd`, `w_up_fd` [F, D], `w_down_df` [D, F], the norm weights, and the
             biases the model has, flattened (`b_q_e` [N·H], `b_k_e`, `b_v_e` [K·H], `b_o_d`,
             `b_gate_f`, `b_up_f`, `b_down_d`; `q_norm_h`, `k_norm_h` as in the tree).
         head_vd: The LM head [V, D].
+        cpu_kernels: Whether the step uses the CPU kernels (static).
     """
 
     layers: tuple[dict[str, Array], ...]
     head_vd: Float[Array, "v d"]
+    cpu_kernels: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 # name in the parameter tree -> (name here, logical axes of the [out, in] weight)
@@ -196,9 +202,12 @@ _OUT_MAJOR = {
 _FLAT_BIAS = {"b_q_nh": "b_q_e", "b_k_kh": "b_k_e", "b_v_kh": "b_v_e"}
 
 
-def decode_weights(config: DecoderConfig, params: Params) -> DecodeWeights:
+def decode_weights(
+    config: DecoderConfig, params: Params, cpu_kernels: bool = False
+) -> DecodeWeights:
     """Unstack, transpose and cast the layer weights (`DecodeWeights`); call under the rollout
-    layout (`use_layout`) inside the generation program."""
+    layout (`use_layout`) inside the generation program. `cpu_kernels`: the caller checked
+    `jaxrl.kernels.cpu_decode.enabled` for this computation."""
     dtype = config.compute_dtype
     layers = []
     for i in range(config.num_layers):
@@ -221,7 +230,7 @@ def decode_weights(config: DecoderConfig, params: Params) -> DecodeWeights:
     # A barrier keeps XLA from folding the slices and transposes back into the decode loop
     # (where they would be copies again, once per step).
     layers = jax.lax.optimization_barrier(tuple(layers))
-    return DecodeWeights(layers=layers, head_vd=head_vd)
+    return DecodeWeights(layers=layers, head_vd=head_vd, cpu_kernels=cpu_kernels)
 
 
 def _linear_ob(w_od: Array, x_db: Array, b_o: Array | None) -> Array:
@@ -298,7 +307,24 @@ def decode_step(
     x_db = _embed(config, params, tokens).T
     ks, vs = list(cache.k), list(cache.v)
     windows = config.window_per_layer
-    for i, lw in enumerate(weights.layers):
+    layer_kernel = weights.cpu_kernels and cpu_decode.supports(config.head_dim, cache.length)
+    if layer_kernel:
+        cos_bh, sin_bh = cos[:, 0], sin[:, 0]
+        for i, lw in enumerate(weights.layers):
+            x_db, ks[i], vs[i] = cpu_decode.layer(
+                lw,
+                x_db,
+                cos_bh,
+                sin_bh,
+                write_index,
+                segments,
+                ks[i],
+                vs[i],
+                eps=config.rms_norm_eps,
+                window=0 if windows[i] >= NO_WINDOW else windows[i],
+                qk_norm=config.qk_norm,
+            )
+    for i, lw in enumerate(() if layer_kernel else weights.layers):
 
         def attend(q, k, v, i=i):
             # In place: row b's new key goes to column write_index[b] of its layer buffer.
@@ -323,7 +349,10 @@ def decode_step(
 def decode_logits(weights: DecodeWeights, h_bd: Array) -> Array:
     """Next-token logits [B, V] (compute dtype) of final hidden states [B, D], computed as
     head [V, D] x h^T [D, B] (the head read output-major, like the layers)."""
-    logits_vb = jnp.matmul(weights.head_vd, h_bd.T)
+    if weights.cpu_kernels:
+        logits_vb = cpu_decode.matmul(weights.head_vd, h_bd.T)
+    else:
+        logits_vb = jnp.matmul(weights.head_vd, h_bd.T)
     # The barrier keeps XLA from folding the transpose into the matmul (as a [B, D] x [D, V]
     # product with the head's contracting dimension last, which its fast CPU kernels do not
     # take: 3x slower).

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxrl.kernels import cpu_decode
 from jaxrl.models.cached import (
     DecodeWeights,
     KVCache,
@@ -113,12 +114,13 @@ def cache_geometry(
     prompt_len: int, max_tokens: int, block: int = 128, whole: int = 256
 ) -> tuple[int, int]:
     """(cache length, attention block): the length is prompt + response rounded up to a
-    multiple of 8. A cache of up to `whole` entries is one block, read whole every step; a
-    longer one is rounded up to a multiple of `block` and read block by block up to the live
-    prefix. (Measured on 2 CPU cores, M's shapes: for 192 entries the whole read was faster
-    than 64- or 96-key blocks at every live length; at 256 the two break even over a
-    generation; from 512 on, blocks win, as the unwritten tail is skipped.)"""
-    length = -(-(prompt_len + max_tokens) // 8) * 8
+    multiple of 16 (the vector width of the CPU decode kernels). A cache of up to `whole`
+    entries is one block, read whole every step; a longer one is rounded up to a multiple of
+    `block` and read block by block up to the live prefix. (Measured on 2 CPU cores, M's
+    shapes: for 192 entries the whole read was faster than 64- or 96-key blocks at every live
+    length; at 256 the two break even over a generation; from 512 on, blocks win, as the
+    unwritten tail is skipped.)"""
+    length = -(-(prompt_len + max_tokens) // 16) * 16
     if length <= whole:
         return length, length
     return -(-length // block) * block, block
@@ -147,6 +149,7 @@ def _generate(
     sp: SamplingParams,
     layout: Layout | None,
     num_slots: int,
+    cpu_kernels: bool,
     params: Any,
     input_ids: Int[Array, "q p"],
     attention_mask: Int[Array, "q p"],
@@ -228,7 +231,7 @@ def _generate(
         return retire(st)
 
     with use_layout(layout):
-        weights = decode_weights(config, params)
+        weights = decode_weights(config, params, cpu_kernels)
         state = _LoopState(
             slots=_Slots(
                 row=jnp.full((s,), q, jnp.int32),
@@ -294,17 +297,19 @@ def _compiled(
     b: int,
     p: int,
     slots: int,
+    cpu_kernels: bool,
     replicated_out: bool = False,
 ):
     log.info(
-        "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)",
+        "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)%s",
         b,
         p,
         sp.max_tokens,
         slots,
         "greedy" if not sp.do_sample else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}",
+        ", CPU decode kernels" if cpu_kernels else "",
     )
-    fn = functools.partial(_generate, config, sp, layout, slots)
+    fn = functools.partial(_generate, config, sp, layout, slots, cpu_kernels)
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
@@ -398,7 +403,8 @@ def generate(
     ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
     mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
     slots = _num_slots(max_num_seqs, padded_rows, dp)
-    fn = _compiled(config, sp, layout, padded_rows, padded_len, slots)
+    kernels = cpu_decode.enabled(config.compute_dtype, layout)
+    fn = _compiled(config, sp, layout, padded_rows, padded_len, slots, kernels)
     order = jnp.arange(padded_rows, dtype=jnp.int32)
     return _rows(fn(params, ids, mask, rng, jnp.int32(rows), order), slice(0, rows))
 
@@ -476,7 +482,8 @@ def _generate_processes(
     ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
     mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
     slots = _num_slots(max_num_seqs, global_rows, dp)
-    fn = _compiled(config, sp, layout, global_rows, padded_len, slots, replicated_out=True)
+    kernels = cpu_decode.enabled(config.compute_dtype, layout)
+    fn = _compiled(config, sp, layout, global_rows, padded_len, slots, kernels, True)
     # The queue: every process's real rows in process order, then the padding rows (which sit
     # at the end of each process's block and are never decoded).
     blocks = np.arange(global_rows).reshape(processes, local_rows)

@@ -1,0 +1,120 @@
+"""The decode step's C++ CPU kernels (`jaxrl.kernels.cpu_decode`) against XLA's decode step:
+the matmul against `jnp.matmul`, and whole generations (every layer variant: biases, q/k norm,
+sliding windows, GQA / MQA, left padding, slot refills) with the kernels on and off."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrl.models as M
+from jaxrl.kernels import cpu_decode
+from jaxrl.rollout import SamplingParams, generate
+from jaxrl.rollout.engine import _compiled, bucket
+from jaxrl.testing.tiny import save_tiny
+
+pytestmark = pytest.mark.skipif(
+    not cpu_decode.enabled(jnp.float32), reason="CPU decode kernels unavailable (no compiler)"
+)
+
+# Tiny models whose head_dim (16) the layer kernel takes, one per layer variant.
+LAYER_VARIANTS = {
+    "llama_gqa_bias_llama3": {},  # attention and MLP biases, llama3 rope, GQA 6/2
+    "qwen3_qknorm": {},  # q/k RMSNorm per head
+    "qwen2_sliding_yarn": dict(hidden_size=64),  # window 4 on the upper layers, yarn rope
+    "qwen3_bias_mqa_sliding": dict(head_dim=16),  # multi-query, biases, window 3
+}
+
+
+@pytest.mark.parametrize(
+    "o, d, b", [(1536, 512, 16), (37, 24, 5), (512, 1536, 40), (8, 16, 1), (1000, 64, 17)]
+)
+def test_matmul_equals_xla(o, d, b):
+    w = jax.random.normal(jax.random.key(0), (o, d))
+    x = jax.random.normal(jax.random.key(1), (d, b))
+    y = jax.jit(cpu_decode.matmul)(w, x)
+    want = jnp.matmul(w, x, precision="highest")
+    assert y.shape == (o, b)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def prompts(b=5, p=9, vocab=97, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(2, vocab, (b, p))
+    lengths = np.array([p, 3, p - 2, 1, p - 4][:b])
+    mask = (np.arange(p)[None] >= (p - lengths)[:, None]).astype(np.int32)
+    return np.where(mask, ids, 0), mask
+
+
+@pytest.fixture(scope="module", params=sorted(LAYER_VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = save_tiny(
+        request.param, tmp_path_factory.mktemp(request.param), **LAYER_VARIANTS[request.param]
+    )
+    config, params = M.from_pretrained(folder)
+    assert config.head_dim == 16
+    return config, params
+
+
+def uses_layer_kernel(config, params, ids, mask, sp) -> bool:
+    b, p = ids.shape
+    rows = bucket(b * sp.n, 1)
+    fn = _compiled(config, sp, None, rows, bucket(p), rows, True)
+    ids = jnp.zeros((rows, bucket(p)), jnp.int32)
+    text = fn.lower(
+        params, ids, ids, jax.random.key(0), jnp.int32(rows), jnp.arange(rows)
+    ).as_text()
+    return "jaxrl_decode_layer" in text and "jaxrl_decode_matmul" in text
+
+
+@pytest.mark.parametrize("max_num_seqs", [None, 2])
+def test_generation_with_kernels_equals_xla(variant, monkeypatch, max_num_seqs):
+    config, params = variant
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=14, do_sample=False, temperature=0.0, n=2, ignore_eos=True)
+    assert uses_layer_kernel(config, params, ids, mask, sp)
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("JAXRL_CPU_KERNELS", flag)
+        out[flag] = generate(config, params, ids, mask, sp, max_num_seqs=max_num_seqs)
+    np.testing.assert_array_equal(out["1"].responses, out["0"].responses)
+    np.testing.assert_array_equal(out["1"].lengths, out["0"].lengths)
+    np.testing.assert_allclose(out["1"].log_probs, out["0"].log_probs, rtol=1e-4, atol=1e-5)
+
+
+def test_sampled_log_probs_with_kernels_are_the_models(variant):
+    """Sampled generation through the kernels: each returned log-prob is the model's own
+    log-softmax (a full forward over prompt + response) at the sampled token."""
+    config, params = variant
+    ids, mask = prompts(b=3)
+    sp = SamplingParams(max_tokens=10, temperature=0.7, ignore_eos=True)
+    out = generate(config, params, ids, mask, sp, jax.random.key(3))
+    full_ids = jnp.concatenate([jnp.asarray(ids), out.responses], axis=1)
+    full_mask = jnp.concatenate([jnp.asarray(mask), out.response_mask], axis=1)
+    logits = M.forward(config, params, full_ids, full_mask)[:, ids.shape[1] - 1 : -1]
+    want = jnp.take_along_axis(
+        jax.nn.log_softmax(logits / 0.7, axis=-1), out.responses[..., None], axis=-1
+    )[..., 0]
+    np.testing.assert_allclose(out.log_probs, want, rtol=1e-4, atol=1e-4)
+
+
+def test_enabled_only_for_float32_on_one_device(monkeypatch):
+    from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+
+    assert cpu_decode.enabled("float32")
+    assert not cpu_decode.enabled("bfloat16")
+    layout = Layout.create(rollout_mesh(2, jax.devices()[:2]), ROLLOUT_RULES)
+    assert not cpu_decode.enabled("float32", layout)
+    monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
+    assert not cpu_decode.enabled("float32")
+
+
+def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("JAXRL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger="jaxrl.kernels"):
+        assert cpu_decode._library.__wrapped__() is None
+    assert "rollout uses XLA's CPU decode kernels" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))
