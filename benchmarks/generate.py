@@ -6,7 +6,8 @@
 EOS ignored), KV cache on; one warm-up call, then the median of 3. Figures: tokens/s
 (16 x 128 / median, prefill included), prefill seconds, decode tokens/s, compile seconds, and
 the decode step against its memory roofline (parameter + KV-cache bytes read per step over the
-machine's measured read bandwidth). HF `generate` (torch, same thread count, min = max new
+machine's measured read bandwidth). On a CPU, float32 runs once more with the C++ decode
+kernels off (`jaxrl_float32_xla_kernels`). HF `generate` (torch, same thread count, min = max new
 tokens = 128) runs on the same checkpoint in float32 as the peer. JSON on the last line, with
 the cores other processes kept busy meanwhile (`other_processes_cores`: compare ratios only
 from runs where it is ~0; on a shared machine HF slows down far more than jaxrl).
@@ -19,6 +20,8 @@ import os
 import time
 
 from common import emit, hf_sample, machine, median_seconds, workload_checkpoint
+
+from jaxrl.kernels import cpu_decode
 
 BATCH, PROMPT, NEW = 16, 64, 128
 
@@ -197,6 +200,11 @@ def main() -> None:
     for size in args.sizes.split(","):
         folder = workload_checkpoint(size)
         entry = {f"jaxrl_{d}": bench_jaxrl(folder, d, bandwidth) for d in args.dtypes.split(",")}
+        if "float32" in args.dtypes.split(",") and cpu_decode.enabled("float32"):
+            # The same float32 run on XLA's kernels (the C++ CPU decode kernels off).
+            os.environ["JAXRL_CPU_KERNELS"] = "0"
+            entry["jaxrl_float32_xla_kernels"] = bench_jaxrl(folder, "float32", bandwidth)
+            del os.environ["JAXRL_CPU_KERNELS"]
         if not args.no_hf:
             entry["hf_float32"] = bench_hf(folder)
             for d in args.dtypes.split(","):

@@ -1,5 +1,6 @@
-"""Attention kernels behind one entry point, `jaxrl.kernels.attention`, and the KV-cache
-decode attention of the rollout engine, `jaxrl.kernels.decode_attention`."""
+"""Attention kernels behind one entry point, `jaxrl.kernels.attention`, the KV-cache decode
+attention of the rollout engine, `jaxrl.kernels.decode_attention`, and the decode step's C++
+CPU kernels, `jaxrl.kernels.cpu_decode`."""
 
 from jaxrl.kernels.attention import IMPLEMENTATIONS, NO_WINDOW, attention
 from jaxrl.kernels.decode import decode_attention

@@ -17,7 +17,9 @@ or transpose every block it read, once per layer and step. `prefill` runs the pr
 (left-padded, rows in lockstep) through the layers and returns their keys and values;
 `decode_step` advances each row by one token at its own cache index (rows at different points:
 continuous batching) and reads a short cache whole, a long one only up to its live prefix
-(`jaxrl.kernels.decode_attention`).
+(`jaxrl.kernels.decode_attention`). With `DecodeWeights.cpu_kernels`, each layer of the step is
+one call of the C++ kernel `jaxrl.kernels.cpu_decode.layer` (same math, same cache layout), and
+the LM head one `cpu_decode.matmul`.
 """
 
 from __future__ import annotations

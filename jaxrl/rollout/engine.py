@@ -16,7 +16,8 @@ prompt (continuous batching), until the queue is empty. `response_mask` covers t
 to and including EOS (with `ignore_eos`, all `max_tokens`).
 
 With a `layout` (the rollout layout), parameters are expected in it, the batch is split over
-its `dp` axis and the KV cache over batch and kv heads.
+its `dp` axis and the KV cache over batch and kv heads. float32 on one CPU device decodes
+through the C++ kernels of `jaxrl.kernels.cpu_decode` (one call per layer, and the LM head).
 """
 
 from __future__ import annotations
