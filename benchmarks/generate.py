@@ -203,8 +203,10 @@ def main() -> None:
         if "float32" in args.dtypes.split(",") and cpu_decode.enabled("float32"):
             # The same float32 run on XLA's kernels (the C++ CPU decode kernels off).
             os.environ["JAXRL_CPU_KERNELS"] = "0"
-            entry["jaxrl_float32_xla_kernels"] = bench_jaxrl(folder, "float32", bandwidth)
-            del os.environ["JAXRL_CPU_KERNELS"]
+            try:
+                entry["jaxrl_float32_xla_kernels"] = bench_jaxrl(folder, "float32", bandwidth)
+            finally:
+                os.environ.pop("JAXRL_CPU_KERNELS")
         if not args.no_hf:
             entry["hf_float32"] = bench_hf(folder)
             for d in args.dtypes.split(","):

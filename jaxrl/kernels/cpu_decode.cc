@@ -67,9 +67,9 @@ inline float hsum(f32x16 v) {
   return s;
 }
 
-// e^x for x <= 0 (softmax weights), to about 2 ulp: x = k ln2 + r with |r| <= ln2 / 2, e^r by
-// its Taylor series to r^7 / 7!, times 2^k put into the exponent bits. x < -87 (including
-// -inf, the masked scores) gives exactly 0.
+// e^x for x <= 0 (softmax weights, SiLU): x = k ln2 + r with |r| <= ln2 / 2, e^r by its
+// Taylor series to r^7 / 7! (remainder below 1e-8 relative), times 2^k put into the exponent
+// bits. x < -87 (including -inf, the masked scores) gives exactly 0.
 inline f32x16 exp_nonpositive(f32x16 x) {
   const f32x16 round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   f32x16 xc = x < -87.0f ? splat(-87.0f) : x;
@@ -189,8 +189,8 @@ struct AttentionArgs {
   const float* v;        // [B, K, C, H]
   const int32_t* valid;  // [B, C]
   const int32_t* index;  // [B]
-  float* out;            // out[b * out_row + (n * H + h) * out_elem]
-  int64_t out_row, out_elem;
+  float* out;            // column-major [N * H, Bp]: out[(n * H + h) * bp + b]
+  int64_t bp;
   int64_t kv_heads, group, head_dim, cache;
   int64_t window;
   float scale;
@@ -198,11 +198,7 @@ struct AttentionArgs {
 
 // Writes 16 output features starting at feature e of one row.
 inline void put(const AttentionArgs& a, float* out, int64_t e, f32x16 v) {
-  if (a.out_elem == 1) {
-    store(out + e, v);
-  } else {
-    for (int i = 0; i < kLanes; ++i) out[(e + i) * a.out_elem] = v[i];
-  }
+  for (int i = 0; i < kLanes; ++i) out[(e + i) * a.bp] = v[i];
 }
 
 // Scores of G query heads (G <= 8) over key tiles [lo, hi): s[g * width + (c - lo)].
@@ -244,7 +240,7 @@ void attend_group(const AttentionArgs& a, int64_t b, int64_t kh, int64_t g0,
   lo = lo / kLanes * kLanes;
   const int64_t hi = std::min<int64_t>(a.cache, (query + kLanes) / kLanes * kLanes);
   const int64_t n0 = kh * a.group + g0;
-  float* out = a.out + b * a.out_row + n0 * a.head_dim * a.out_elem;
+  float* out = a.out + b + n0 * a.head_dim * a.bp;
   if (query < 0 || hi <= lo) {
     for (int64_t e = 0; e < G * a.head_dim; e += kLanes) put(a, out, e, f32x16{});
     return;
@@ -392,7 +388,7 @@ inline void rms_norm_columns(const float* x, const float* w, float eps, int64_t 
       const f32x16 v = load(x + i * bp + t);
       ss += v * v;
     }
-    f32x16 inv;
+    f32x16 inv{};
     for (int l = 0; l < kLanes; ++l) inv[l] = 1.0f / std::sqrt(ss[l] / d + eps);
     for (int64_t i = 0; i < d; ++i) store(out + i * bp + t, load(x + i * bp + t) * inv * w[i]);
   }
@@ -505,7 +501,7 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
     }
   });
   const AttentionArgs args{j->q_rows.data(), kc, vc, valid.typed_data(), write_index,
-                           j->attn.data(), 1, bp, kv_heads, heads / kv_heads, hd, cache,
+                           j->attn.data(), bp, kv_heads, heads / kv_heads, hd, cache,
                            window, scale};
   j->phases.add(batch * kv_heads, [=](int64_t t) {
     thread_local std::vector<float> buffer;

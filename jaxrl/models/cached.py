@@ -310,25 +310,25 @@ def decode_step(
     ks, vs = list(cache.k), list(cache.v)
     windows = config.window_per_layer
     layer_kernel = weights.cpu_kernels and cpu_decode.supports(config.head_dim, cache.length)
-    if layer_kernel:
-        cos_bh, sin_bh = cos[:, 0], sin[:, 0]
-        for i, lw in enumerate(weights.layers):
+    for i, lw in enumerate(weights.layers):
+        window = None if windows[i] >= NO_WINDOW else windows[i]
+        if layer_kernel:
             x_db, ks[i], vs[i] = cpu_decode.layer(
                 lw,
                 x_db,
-                cos_bh,
-                sin_bh,
+                cos[:, 0],
+                sin[:, 0],
                 write_index,
                 segments,
                 ks[i],
                 vs[i],
                 eps=config.rms_norm_eps,
-                window=0 if windows[i] >= NO_WINDOW else windows[i],
+                window=window or 0,
                 qk_norm=config.qk_norm,
             )
-    for i, lw in enumerate(() if layer_kernel else weights.layers):
+            continue
 
-        def attend(q, k, v, i=i):
+        def attend(q, k, v, i=i, window=window):
             # In place: row b's new key goes to column write_index[b] of its layer buffer.
             ks[i] = ks[i].at[rows, :, :, write_index].set(k.astype(ks[i].dtype))
             vs[i] = vs[i].at[rows, :, write_index].set(v.astype(vs[i].dtype))
@@ -339,7 +339,7 @@ def decode_step(
                 kv_valid,
                 write_index,
                 live=live,
-                sliding_window=None if windows[i] >= NO_WINDOW else windows[i],
+                sliding_window=window,
                 block=block,
             )
 
