@@ -175,21 +175,31 @@ class DecodeWeights:
     table itself, with no copy.
 
     With `cpu_kernels` (float32 on one CPU device, `jaxrl.kernels.cpu_decode.enabled`), the
-    step's matmuls and attention run as the C++ kernels of `jaxrl.kernels.cpu_decode`, which
-    read the same [out, in] weights.
+    step runs as the C++ kernels of `jaxrl.kernels.cpu_decode`, which read the same [out, in]
+    weights cut into panels of 16 rows (`cpu_decode.panels`): the LM head always (a panel
+    copy of the embedding table for the call), each layer as one kernel call when
+    `cpu_decode.supports(head_dim)` (its weights then as `cpu_decode.layer_weights`).
 
     Attributes:
         layers: Per layer: `w_q_ed` [N·H, D], `w_k_ed`, `w_v_ed` [K·H, D], `w_o_de` [D, N·H],
             `w_gate_fd`, `w_up_fd` [F, D], `w_down_df` [D, F], the norm weights, and the
             biases the model has, flattened (`b_q_e` [N·H], `b_k_e`, `b_v_e` [K·H], `b_o_d`,
-            `b_gate_f`, `b_up_f`, `b_down_d`; `q_norm_h`, `k_norm_h` as in the tree).
-        head_vd: The LM head [V, D].
+            `b_gate_f`, `b_up_f`, `b_down_d`; `q_norm_h`, `k_norm_h` as in the tree). For the
+            layer kernel, one dict of every layer's weights stacked [L, ...], the
+            projections as panels (`cpu_decode.LAYER_WEIGHTS`).
+        head: The LM head [V, D]; with `cpu_kernels`, its panels [ceil(V / 16), D, 16].
+        vocab: V (static).
         cpu_kernels: Whether the step uses the CPU kernels (static).
     """
 
-    layers: tuple[dict[str, Array], ...]
-    head_vd: Float[Array, "v d"]
+    layers: tuple[dict[str, Array], ...] | dict[str, Array]
+    head: Float[Array, "v d"] | Float[Array, "p d 16"]
+    vocab: int = flax.struct.field(pytree_node=False)
     cpu_kernels: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def layer_kernel(self, config: DecoderConfig) -> bool:
+        """Whether each layer of the step is one `cpu_decode.layer` call."""
+        return self.cpu_kernels and cpu_decode.supports(config.head_dim)
 
 
 # name in the parameter tree -> (name here, logical axes of the [out, in] weight)
@@ -211,9 +221,29 @@ def decode_weights(
     layout (`use_layout`) inside the generation program. `cpu_kernels`: the caller checked
     `jaxrl.kernels.cpu_decode.enabled` for this computation."""
     dtype = config.compute_dtype
+    if config.tie_word_embeddings:
+        head_vd = params["embed"]["tokens_vd"].astype(dtype)
+    else:
+        head_vd = shard(params["lm_head_dv"].astype(dtype).T, ("vocab", "embed"))
+    if cpu_kernels:
+        head = cpu_decode.panels(head_vd, in_major=False)
+        if cpu_decode.supports(config.head_dim):
+            layers = _kernel_layers(config, params["layers"])
+        else:
+            layers = _xla_layers(config, params["layers"])
+    else:
+        head, layers = head_vd, _xla_layers(config, params["layers"])
+    # A barrier keeps XLA from folding the slices and transposes back into the decode loop
+    # (where they would be copies again, once per step).
+    layers, head = jax.lax.optimization_barrier((layers, head))
+    return DecodeWeights(layers, head, vocab=head_vd.shape[0], cpu_kernels=cpu_kernels)
+
+
+def _xla_layers(config: DecoderConfig, stacked: Params) -> tuple[dict[str, Array], ...]:
+    """Per layer, its weights output-major and its biases flat (`DecodeWeights.layers`)."""
     layers = []
     for i in range(config.num_layers):
-        p = jax.tree.map(lambda x, i=i: x[i].astype(dtype), params["layers"])
+        p = jax.tree.map(lambda x, i=i: x[i].astype(config.compute_dtype), stacked)
         lw = {}
         for name, w in {**p["attn"], **p["mlp"]}.items():
             if name in _OUT_MAJOR:
@@ -225,14 +255,43 @@ def decode_weights(
                 lw[_FLAT_BIAS.get(name, name)] = w.reshape(-1) if name in _FLAT_BIAS else w
         lw["ln_attn_d"], lw["ln_mlp_d"] = p["ln_attn_d"], p["ln_mlp_d"]
         layers.append(lw)
-    if config.tie_word_embeddings:
-        head_vd = params["embed"]["tokens_vd"].astype(dtype)
-    else:
-        head_vd = shard(params["lm_head_dv"].astype(dtype).T, ("vocab", "embed"))
-    # A barrier keeps XLA from folding the slices and transposes back into the decode loop
-    # (where they would be copies again, once per step).
-    layers = jax.lax.optimization_barrier(tuple(layers))
-    return DecodeWeights(layers=layers, head_vd=head_vd, cpu_kernels=cpu_kernels)
+    return tuple(layers)
+
+
+# weight, its bias (parameter names) -> the layer kernel's panels of the weight, bias there
+_KERNEL_PROJECTIONS = {
+    ("w_q_dnh", "b_q_nh"): ("w_q_p", "b_q_e"),
+    ("w_k_dkh", "b_k_kh"): ("w_k_p", "b_k_e"),
+    ("w_v_dkh", "b_v_kh"): ("w_v_p", "b_v_e"),
+    ("w_o_nhd", "b_o_d"): ("w_o_p", "b_o_d"),
+    ("w_gate_df", "b_gate_f"): ("w_gate_p", "b_gate_f"),
+    ("w_up_df", "b_up_f"): ("w_up_p", "b_up_f"),
+    ("w_down_fd", "b_down_d"): ("w_down_p", "b_down_d"),
+}
+
+
+def _kernel_layers(config: DecoderConfig, stacked: Params) -> dict[str, Array]:
+    """The layer kernel's weights (`cpu_decode.LAYER_WEIGHTS`), stacked over the layers as in
+    the parameter tree: no layer is sliced out (a copy), the kernel takes a layer index."""
+    n_layers, f32 = config.num_layers, jnp.float32
+    tree = {**stacked["attn"], **stacked["mlp"]}
+    out = {"ln_attn_d": stacked["ln_attn_d"], "ln_mlp_d": stacked["ln_mlp_d"]}
+    for (name, param_bias), (panels, bias) in _KERNEL_PROJECTIONS.items():
+        w = tree[name]
+        # [L, in, out] (the input axes of w_o_nhd are N, H; of the others, axis 1)
+        w_lio = (
+            w.reshape(n_layers, -1, w.shape[-1])
+            if name == "w_o_nhd"
+            else w.reshape(n_layers, w.shape[1], -1)
+        )
+        out[panels] = cpu_decode.panels(w_lio, in_major=True)
+        if param_bias in tree:
+            out[bias] = tree[param_bias].reshape(n_layers, -1)
+        else:
+            out[bias] = jnp.zeros((n_layers, w_lio.shape[2]), f32)
+    for name in ("q_norm_h", "k_norm_h"):  # ones where absent (the kernel does not read them)
+        out[name] = tree.get(name, jnp.ones((n_layers, config.head_dim), f32))
+    return {name: out[name].astype(f32) for name in cpu_decode.LAYER_WEIGHTS}
 
 
 def _linear_ob(w_od: Array, x_db: Array, b_o: Array | None) -> Array:
@@ -309,12 +368,13 @@ def decode_step(
     x_db = _embed(config, params, tokens).T
     ks, vs = list(cache.k), list(cache.v)
     windows = config.window_per_layer
-    layer_kernel = weights.cpu_kernels and cpu_decode.supports(config.head_dim, cache.length)
-    for i, lw in enumerate(weights.layers):
+    layer_kernel = weights.layer_kernel(config)
+    for i in range(config.num_layers):
         window = None if windows[i] >= NO_WINDOW else windows[i]
         if layer_kernel:
             x_db, ks[i], vs[i] = cpu_decode.layer(
-                lw,
+                weights.layers,
+                i,
                 x_db,
                 cos[:, 0],
                 sin[:, 0],
@@ -343,7 +403,7 @@ def decode_step(
                 block=block,
             )
 
-        x_db = _decode_layer(config, lw, x_db, cos, sin, attend)
+        x_db = _decode_layer(config, weights.layers[i], x_db, cos, sin, attend)
     h_db = rms_norm(x_db, params["final_norm_d"], config.rms_norm_eps, axis=0)
     return h_db.T, KVCache(k=tuple(ks), v=tuple(vs), segments=segments).constrain()
 
@@ -352,9 +412,9 @@ def decode_logits(weights: DecodeWeights, h_bd: Array) -> Array:
     """Next-token logits [B, V] (compute dtype) of final hidden states [B, D], computed as
     head [V, D] x h^T [D, B] (the head read output-major, like the layers)."""
     if weights.cpu_kernels:
-        logits_vb = cpu_decode.matmul(weights.head_vd, h_bd.T)
+        logits_vb = cpu_decode.matmul(weights.head, h_bd.T, weights.vocab)
     else:
-        logits_vb = jnp.matmul(weights.head_vd, h_bd.T)
+        logits_vb = jnp.matmul(weights.head, h_bd.T)
     # The barrier keeps XLA from folding the transpose into the matmul (as a [B, D] x [D, V]
     # product with the head's contracting dimension last, which its fast CPU kernels do not
     # take: 3x slower).

@@ -22,10 +22,29 @@ pytestmark = pytest.mark.skipif(
 # Tiny models whose head_dim (16) the layer kernel takes, one per layer variant.
 LAYER_VARIANTS = {
     "llama_gqa_bias_llama3": {},  # attention and MLP biases, llama3 rope, GQA 6/2
-    "qwen3_qknorm": {},  # q/k RMSNorm per head
+    # q/k RMSNorm per head; hidden and MLP sizes that end in partial weight panels (not
+    # multiples of 16)
+    "qwen3_qknorm": dict(hidden_size=40, intermediate_size=72),
     "qwen2_sliding_yarn": dict(hidden_size=64),  # window 4 on the upper layers, yarn rope
     "qwen3_bias_mqa_sliding": dict(head_dim=16),  # multi-query, biases, window 3
 }
+
+
+@pytest.mark.parametrize("stack", [(), (3,), (2, 2)])
+@pytest.mark.parametrize("o, d", [(37, 24), (32, 16), (5, 40), (48, 33)])
+def test_panels_layout(stack, o, d):
+    """panels(W)[..., i, d, r] = W[..., 16 i + r, d], zero past O, from either orientation."""
+    w_od = np.asarray(jax.random.normal(jax.random.key(0), (*stack, o, d)))
+    p = -(-o // 16)
+    want = np.zeros((*stack, p * 16, d), np.float32)
+    want[..., :o, :] = w_od
+    want = np.swapaxes(want.reshape(*stack, p, 16, d), -1, -2)
+    np.testing.assert_array_equal(
+        jax.jit(cpu_decode.panels, static_argnames="in_major")(jnp.asarray(w_od), in_major=False),
+        want,
+    )
+    w_do = jnp.asarray(np.swapaxes(w_od, -1, -2))
+    np.testing.assert_array_equal(cpu_decode.panels(w_do, in_major=True), want)
 
 
 @pytest.mark.parametrize(
@@ -34,10 +53,18 @@ LAYER_VARIANTS = {
 def test_matmul_equals_xla(o, d, b):
     w = jax.random.normal(jax.random.key(0), (o, d))
     x = jax.random.normal(jax.random.key(1), (d, b))
-    y = jax.jit(cpu_decode.matmul)(w, x)
+    y = jax.jit(lambda w, x: cpu_decode.matmul(cpu_decode.panels(w, in_major=False), x, o))(w, x)
     want = jnp.matmul(w, x, precision="highest")
     assert y.shape == (o, b)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_matmul_rejects_foreign_panels():
+    w_p = jnp.zeros((3, 24, 16))
+    with pytest.raises(ValueError, match=r"cpu_decode\.panels"):
+        cpu_decode.matmul(w_p, jnp.zeros((24, 4)), 49)  # more rows than 3 panels hold
+    with pytest.raises(ValueError, match=r"cpu_decode\.panels"):
+        cpu_decode.matmul(w_p, jnp.zeros((20, 4)), 40)  # the wrong input width
 
 
 def prompts(b=5, p=9, vocab=97, seed=0):
