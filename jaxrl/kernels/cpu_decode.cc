@@ -11,7 +11,8 @@
 //                        broadcast, and used for all B columns (the LM head)
 //   jaxrl_decode_layer   one whole decoder layer for one token per row: the projections as
 //                        above, RoPE, the KV-cache write in place, per-row attention over the
-//                        row's own cache prefix, the MLP and the residuals
+//                        row's own cache prefix, the MLP and the residuals (weights stacked
+//                        over the layers, the layer an attribute)
 //
 // Both run on the calling XLA thread and on helper tasks from XLA's intra-op pool; work is
 // handed out in chunks through atomic counters, so a helper that starts late (its thread busy
@@ -193,62 +194,6 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
   parallel_for(pool, tasks, [=](int64_t task) {
     const int64_t r0 = task * task_rows;
     project(wp, nullptr, xp, yp, r0, std::min(rows, r0 + task_rows), d_in, b);
-  });
-  return ffi::Error::Success();
-}
-
-// Panels of a stack of weights: out[g, p, d, r] = W_g[16 p + r, d] (zero for 16 p + r >= O),
-// from W_g given in-major, w[g, d, o] (the parameter tree's [in, out]), or out-major, w[g, o, d].
-ffi::Error PackImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
-                    bool in_major) {
-  const auto wd = w.dimensions(), od = out->dimensions();
-  const size_t rank = wd.size();
-  if (rank < 2 || od.size() != rank + 1) {
-    return ffi::Error::InvalidArgument("jaxrl_pack_panels: w [..., A, B] into [..., P, D, 16]");
-  }
-  const int64_t o_dim = in_major ? wd[rank - 1] : wd[rank - 2];
-  const int64_t d_in = in_major ? wd[rank - 2] : wd[rank - 1];
-  const int64_t panels = (o_dim + kPanel - 1) / kPanel;
-  int64_t stack = 1;
-  for (size_t i = 0; i + 2 < rank; ++i) {
-    if (od[i] != wd[i]) return ffi::Error::InvalidArgument("jaxrl_pack_panels: stack dims");
-    stack *= wd[i];
-  }
-  if (od[rank - 2] != panels || od[rank - 1] != d_in || od[rank] != kPanel) {
-    return ffi::Error::InvalidArgument("jaxrl_pack_panels: output is not [..., P, D, 16]");
-  }
-  const float* src = w.typed_data();
-  float* dst = out->typed_data();
-  constexpr int64_t kPanelsPerTask = 4;
-  const int64_t tasks_per_weight = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
-  parallel_for(pool, stack * tasks_per_weight, [=](int64_t task) {
-    const int64_t g = task / tasks_per_weight;
-    const int64_t p0 = task % tasks_per_weight * kPanelsPerTask;
-    const float* wg = src + g * o_dim * d_in;
-    for (int64_t p = p0; p < std::min(panels, p0 + kPanelsPerTask); ++p) {
-      float* panel = dst + (g * panels + p) * d_in * kPanel;
-      const int64_t rows = std::min(kPanel, o_dim - p * kPanel);
-      if (in_major) {  // each d: the 16 (or fewer) contiguous weights W[16 p + r, d]
-        for (int64_t d = 0; d < d_in; ++d) {
-          const float* from = wg + d * o_dim + p * kPanel;
-          float* to = panel + d * kPanel;
-          for (int64_t r = 0; r < kPanel; ++r) to[r] = r < rows ? from[r] : 0.0f;
-        }
-      } else {  // 16 rows of W, transposed in blocks of 16 features
-        float block[kPanel][kPanel];
-        for (int64_t d0 = 0; d0 < d_in; d0 += kPanel) {
-          const int64_t width = std::min(kPanel, d_in - d0);
-          for (int64_t r = 0; r < kPanel; ++r) {
-            for (int64_t i = 0; i < kPanel; ++i) {
-              block[r][i] = r < rows && i < width ? wg[(p * kPanel + r) * d_in + d0 + i] : 0.0f;
-            }
-          }
-          for (int64_t i = 0; i < width; ++i) {
-            for (int64_t r = 0; r < kPanel; ++r) panel[(d0 + i) * kPanel + r] = block[r][i];
-          }
-        }
-      }
-    }
   });
   return ffi::Error::Success();
 }
@@ -671,10 +616,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDecodeLayer, LayerImpl,
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Attr<bool>("qk_norm"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlPackPanels, PackImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("in_major"));

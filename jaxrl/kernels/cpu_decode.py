@@ -116,7 +116,6 @@ def _registered() -> bool:
     for name, symbol in (
         ("jaxrl_decode_matmul", lib.JaxrlDecodeMatmul),
         ("jaxrl_decode_layer", lib.JaxrlDecodeLayer),
-        ("jaxrl_pack_panels", lib.JaxrlPackPanels),
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
     return True
@@ -147,10 +146,14 @@ def panels(w: Float[Array, "... a b"], *, in_major: bool) -> Float[Array, "... p
             [..., O, D] (an embedding table [V, D]); cast to float32.
         in_major: Which of the two.
     """
-    *stack, a, b = w.shape
-    o, d = (b, a) if in_major else (a, b)
-    out = jax.ShapeDtypeStruct((*stack, -(-o // PANEL), d, PANEL), jnp.float32)
-    return jax.ffi.ffi_call("jaxrl_pack_panels", out)(w.astype(jnp.float32), in_major=in_major)
+    w = w.astype(jnp.float32)
+    if in_major:  # [..., D, O] -> [..., D, P, 16] -> [..., P, D, 16]: moves 64-byte runs
+        pad = [(0, 0)] * (w.ndim - 1) + [(0, -w.shape[-1] % PANEL)]
+        w = jnp.pad(w, pad).reshape(*w.shape[:-1], -1, PANEL)
+        return jnp.swapaxes(w, -3, -2)
+    pad = [(0, 0)] * (w.ndim - 2) + [(0, -w.shape[-2] % PANEL), (0, 0)]
+    w = jnp.pad(w, pad)  # [..., O, D] -> [..., P, 16, D] -> [..., P, D, 16]
+    return jnp.swapaxes(w.reshape(*w.shape[:-2], -1, PANEL, w.shape[-1]), -1, -2)
 
 
 def matmul(

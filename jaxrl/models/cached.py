@@ -178,7 +178,8 @@ class DecodeWeights:
     step runs as the C++ kernels of `jaxrl.kernels.cpu_decode`, which read the same [out, in]
     weights cut into panels of 16 rows (`cpu_decode.panels`): the LM head always (a panel
     copy of the embedding table for the call), each layer as one kernel call when
-    `cpu_decode.supports(head_dim)` (its weights then as `cpu_decode.layer_weights`).
+    `cpu_decode.supports(head_dim)` (its weights then stay stacked over the layers, as
+    panels, and the kernel takes the layer's index: no layer is sliced out).
 
     Attributes:
         layers: Per layer: `w_q_ed` [N·H, D], `w_k_ed`, `w_v_ed` [K·H, D], `w_o_de` [D, N·H],
@@ -225,14 +226,11 @@ def decode_weights(
         head_vd = params["embed"]["tokens_vd"].astype(dtype)
     else:
         head_vd = shard(params["lm_head_dv"].astype(dtype).T, ("vocab", "embed"))
-    if cpu_kernels:
-        head = cpu_decode.panels(head_vd, in_major=False)
-        if cpu_decode.supports(config.head_dim):
-            layers = _kernel_layers(config, params["layers"])
-        else:
-            layers = _xla_layers(config, params["layers"])
+    head = cpu_decode.panels(head_vd, in_major=False) if cpu_kernels else head_vd
+    if cpu_kernels and cpu_decode.supports(config.head_dim):  # DecodeWeights.layer_kernel
+        layers = _kernel_layers(config, params["layers"])
     else:
-        head, layers = head_vd, _xla_layers(config, params["layers"])
+        layers = _xla_layers(config, params["layers"])
     # A barrier keeps XLA from folding the slices and transposes back into the decode loop
     # (where they would be copies again, once per step).
     layers, head = jax.lax.optimization_barrier((layers, head))
