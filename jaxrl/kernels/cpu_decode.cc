@@ -132,14 +132,16 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const Fn& fn) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Matmul: y[O, B] = W x[D, B], W [O, D] stored as panels of 16 rows, w[O / 16, D, 16]
+// Matmul: y[O, B] = W x[D, B], W [O, D] stored as panels of 16 rows, w[ceil(O / 16), D, 16]
 // (w[p, d, r] = W[16 p + r, d], rows past O zero): a panel is one contiguous stream in which
 // each step of d is one cache line of 16 weights, one per output row.
 
 constexpr int64_t kPanel = 16;
-// Software prefetch distance in floats (2 KiB ahead in the weight stream): the hardware
-// prefetchers alone leave ~25% of the 2-core float32 peak unused on D = 512 panels (measured:
-// the [32000, 512] LM head of model M, 4.3 ms per step without, 2.8 ms with).
+// Software prefetch distance in floats (2 KiB ahead in the weight stream; 1-16 KiB measured,
+// 2 best): the hardware prefetchers alone leave much of the 2-core float32 peak unused on
+// D = 512 weights (standalone measurement, the [32000, 512] LM head of model M times 16
+// columns: 4.3 ms with 8 row-major [O, D] rows per pass, 3.8 ms on panels without the
+// prefetch, 2.8 ms with it).
 constexpr int64_t kPrefetch = 512;
 
 // Rows [0, rows) of y[., bp] (rows <= 16) from one panel p [d_in, 16], plus bias: per column
@@ -178,8 +180,9 @@ constexpr int64_t kTaskElements = 1 << 17;
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions(), xd = x.dimensions(), yd = y->dimensions();
-  if (wd.size() != 3 || wd[2] != kPanel || xd.size() != 2 || wd[1] != xd[0] ||
-      xd[1] % kLanes != 0 || yd[0] > wd[0] * kPanel || yd[1] != xd[1]) {
+  if (wd.size() != 3 || wd[2] != kPanel || xd.size() != 2 || yd.size() != 2 ||
+      wd[1] != xd[0] || wd[1] <= 0 || xd[1] <= 0 || xd[1] % kLanes != 0 ||
+      yd[0] > wd[0] * kPanel || yd[1] != xd[1]) {
     return ffi::Error::InvalidArgument(
         "jaxrl_decode_matmul takes panels w [P, D, 16] and x [D, B] (B a multiple of 16) "
         "into y [O, B], O <= 16 P");
@@ -446,20 +449,28 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
                      F32 b_down, F32 k_cache_in, F32 v_cache_in, ffi::ResultBuffer<ffi::F32> x_out,
                      ffi::ResultBuffer<ffi::F32> k_cache, ffi::ResultBuffer<ffi::F32> v_cache,
                      int64_t layer, float eps, int64_t window, float scale, bool qk_norm) {
+  const auto bad_shapes = ffi::Error::InvalidArgument(
+      "jaxrl_decode_layer: inconsistent shapes, or caches not updated in place");
+  if (x.dimensions().size() != 2 || k_cache->dimensions().size() != 4 ||
+      b_q.dimensions().size() != 2 || b_gate.dimensions().size() != 2 ||
+      ln_attn.dimensions().size() != 2) {
+    return bad_shapes;
+  }
   const int64_t d = x.dimensions()[0], bp = x.dimensions()[1];
   const int64_t batch = k_cache->dimensions()[0], kv_heads = k_cache->dimensions()[1];
   const int64_t hd = k_cache->dimensions()[2], cache = k_cache->dimensions()[3];
   const int64_t kh = kv_heads * hd, nh = b_q.dimensions()[1], f = b_gate.dimensions()[1];
-  const int64_t heads = nh / hd, layers = ln_attn.dimensions()[0];
+  const int64_t layers = ln_attn.dimensions()[0];
+  if (hd <= 0 || kv_heads <= 0 || batch <= 0 || nh <= 0) return bad_shapes;
+  const int64_t heads = nh / hd;
+  auto dims_are = [](auto dims, std::initializer_list<int64_t> want) {
+    return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
+  };
   // Stacked panels [L, ceil(rows / 16), d_in, 16] of each projection.
-  auto panels_of = [layers](const F32& w, int64_t rows, int64_t d_in) {
-    const auto wd = w.dimensions();
-    return wd.size() == 4 && wd[0] == layers && wd[1] == (rows + kPanel - 1) / kPanel &&
-           wd[2] == d_in && wd[3] == kPanel;
+  auto panels_of = [&](const F32& w, int64_t rows, int64_t d_in) {
+    return dims_are(w.dimensions(), {layers, (rows + kPanel - 1) / kPanel, d_in, kPanel});
   };
-  auto vector_of = [layers](const F32& v, int64_t n) {
-    return v.dimensions().size() == 2 && v.dimensions()[0] == layers && v.dimensions()[1] == n;
-  };
+  auto vector_of = [&](const F32& v, int64_t n) { return dims_are(v.dimensions(), {layers, n}); };
   if (bp % kLanes != 0 || batch > bp || hd % kLanes != 0 || hd > 1024 || cache % kLanes != 0 ||
       layer < 0 || layer >= layers || nh % hd != 0 || heads % kv_heads != 0 ||
       !panels_of(w_q, nh, d) || !panels_of(w_k, kh, d) || !panels_of(w_v, kh, d) ||
@@ -467,12 +478,14 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
       !panels_of(w_down, d, f) || !vector_of(ln_attn, d) || !vector_of(ln_mlp, d) ||
       !vector_of(b_q, nh) || !vector_of(b_k, kh) || !vector_of(b_v, kh) ||
       !vector_of(b_o, d) || !vector_of(b_gate, f) || !vector_of(b_up, f) ||
-      !vector_of(b_down, d) || !vector_of(q_norm, hd) ||
-      !vector_of(k_norm, hd) || cos.dimensions()[0] != batch || cos.dimensions()[1] != hd ||
-      valid.dimensions()[1] != cache || k_cache_in.typed_data() != k_cache->typed_data() ||
+      !vector_of(b_down, d) || !vector_of(q_norm, hd) || !vector_of(k_norm, hd) ||
+      !dims_are(cos.dimensions(), {batch, hd}) || !dims_are(sin.dimensions(), {batch, hd}) ||
+      !dims_are(index.dimensions(), {batch}) || !dims_are(valid.dimensions(), {batch, cache}) ||
+      !dims_are(v_cache->dimensions(), {batch, kv_heads, cache, hd}) ||
+      !dims_are(x_out->dimensions(), {d, bp}) ||
+      k_cache_in.typed_data() != k_cache->typed_data() ||
       v_cache_in.typed_data() != v_cache->typed_data()) {
-    return ffi::Error::InvalidArgument(
-        "jaxrl_decode_layer: inconsistent shapes, or caches not updated in place");
+    return bad_shapes;
   }
   const float *wq = layer_slice(w_q, layer), *wk = layer_slice(w_k, layer),
               *wv = layer_slice(w_v, layer), *wo = layer_slice(w_o, layer),
@@ -527,6 +540,7 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
       head_rope(j->qkv.data(), n, b, bp, hd, qn, eps, cb, sb, j->q_rows.data() + (b * heads + n) * hd);
     }
     const int64_t w = write_index[b];
+    if (w < 0 || w >= cache) return;  // outside the cache: dropped (as XLA's scatter does)
     float rotated[1024];
     for (int64_t k = 0; k < kv_heads; ++k) {
       head_rope(j->qkv.data() + nh * bp, k, b, bp, hd, kn, eps, cb, sb, rotated);

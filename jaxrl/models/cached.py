@@ -18,8 +18,9 @@ or transpose every block it read, once per layer and step. `prefill` runs the pr
 `decode_step` advances each row by one token at its own cache index (rows at different points:
 continuous batching) and reads a short cache whole, a long one only up to its live prefix
 (`jaxrl.kernels.decode_attention`). With `DecodeWeights.cpu_kernels`, each layer of the step is
-one call of the C++ kernel `jaxrl.kernels.cpu_decode.layer` (same math, same cache layout), and
-the LM head one `cpu_decode.matmul`.
+one call of the C++ kernel `jaxrl.kernels.cpu_decode.layer` (same math, same cache layout; the
+cache length C a multiple of 16, as the engine's caches are), and the LM head one
+`cpu_decode.matmul`.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ _FLAT_BIAS = {"b_q_nh": "b_q_e", "b_k_kh": "b_k_e", "b_v_kh": "b_v_e"}
 def decode_weights(
     config: DecoderConfig, params: Params, cpu_kernels: bool = False
 ) -> DecodeWeights:
-    """Unstack, transpose and cast the layer weights (`DecodeWeights`); call under the rollout
+    """Unstack, transpose and cast the layer weights, or for the CPU kernels cut them into
+    panels, stacked (`DecodeWeights`); call under the rollout
     layout (`use_layout`) inside the generation program. `cpu_kernels`: the caller checked
     `jaxrl.kernels.cpu_decode.enabled` for this computation."""
     dtype = config.compute_dtype
@@ -288,7 +290,7 @@ def _kernel_layers(config: DecoderConfig, stacked: Params) -> dict[str, Array]:
         else:
             out[bias] = jnp.zeros((n_layers, w_lio.shape[2]), f32)
     for name in ("q_norm_h", "k_norm_h"):  # ones where absent (the kernel does not read them)
-        out[name] = tree.get(name, jnp.ones((n_layers, config.head_dim), f32))
+        out[name] = tree[name] if name in tree else jnp.ones((n_layers, config.head_dim), f32)
     return {name: out[name].astype(f32) for name in cpu_decode.LAYER_WEIGHTS}
 
 

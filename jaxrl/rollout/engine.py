@@ -7,9 +7,9 @@ Prompts come left-padded (verl's layout). Each prompt is repeated `n` times (int
 batch and prompt length are padded up to buckets (so a run compiles a bounded number of
 programs; every new program is logged), and one jitted program does the rest: it lays the
 weights out for decoding once (`decode_weights`: unstacked layers, each weight output-major
-[out, in] for the column-major decode step, or for the CPU kernels every weight cut into
-panels of 16 output rows; either way a second copy of the weights for the call's duration),
-the rows are a queue and the KV cache has `max_num_seqs` slots; the first prompts
+[out, in] for the column-major decode step, or for the CPU kernels the stacked weights cut
+into panels of 16 output rows; either way a second copy of the weights for the call's
+duration), the rows are a queue and the KV cache has `max_num_seqs` slots; the first prompts
 are prefilled into the slots, then a `lax.while_loop` decodes one token for every busy slot
 per step (each slot at its own cache index; a long cache is read only up to its live prefix),
 and a slot whose row produced EOS or `max_tokens` tokens is refilled with the next queued

@@ -145,3 +145,28 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
         assert cpu_decode._library.__wrapped__() is None
     assert "rollout uses XLA's CPU decode kernels" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_layer_drops_writes_outside_the_cache_and_checks_its_length(variant):
+    """A write index outside [0, C) leaves the cache untouched (XLA's scatter drops it too);
+    a cache length that is not a multiple of 16 is refused with the fix in the message."""
+    from jaxrl.models.cached import decode_weights, init_cache
+
+    config, params = variant
+    weights = decode_weights(config, params, cpu_kernels=True)
+    cache = init_cache(config, batch=2, length=32)
+    k0 = jax.random.normal(jax.random.key(0), cache.k[0].shape)
+    v0 = jax.random.normal(jax.random.key(1), cache.v[0].shape)
+    x_db = jax.random.normal(jax.random.key(2), (config.hidden_size, 2))
+    cos = sin = jnp.ones((2, config.head_dim))
+    valid = jnp.ones((2, 32), jnp.int32)
+    kw = dict(eps=1e-6, window=0, qk_norm=config.qk_norm)
+    index = jnp.array([-1, 32], jnp.int32)
+    _, k1, v1 = cpu_decode.layer(weights.layers, 0, x_db, cos, sin, index, valid, k0, v0, **kw)
+    np.testing.assert_array_equal(k1, k0)
+    np.testing.assert_array_equal(v1, v0)
+    short = init_cache(config, batch=2, length=24)
+    with pytest.raises(ValueError, match="cache_geometry"):
+        cpu_decode.layer(
+            weights.layers, 0, x_db, cos, sin, index, valid, short.k[0], short.v[0], **kw
+        )
