@@ -37,8 +37,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def median_seconds(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> float:
-    """Median wall time of `fn()` (which must block until its result is ready)."""
+def wall_seconds(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> list[float]:
+    """Wall times of `repeats` calls of `fn()` (which must block until its result is ready),
+    after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -46,7 +47,12 @@ def median_seconds(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) 
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> float:
+    """Median wall time of `fn()` (which must block until its result is ready)."""
+    return statistics.median(wall_seconds(fn, warmup=warmup, repeats=repeats))
 
 
 def matmul_peak_flops(n: int = 2048, dtype: str = "float32") -> float:

@@ -19,7 +19,7 @@ import argparse
 import os
 import time
 
-from common import emit, hf_sample, machine, median_seconds, workload_checkpoint
+from common import emit, hf_sample, machine, median_seconds, wall_seconds, workload_checkpoint
 
 from jaxrl.kernels import cpu_decode
 
@@ -57,13 +57,7 @@ def memory_bandwidth() -> float:
 
     x = jnp.ones((128 * 2**20,), jnp.float32)
     total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    seconds = []
-    for _ in range(7):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        seconds.append(time.perf_counter() - start)
-    return x.nbytes / min(seconds)
+    return x.nbytes / min(wall_seconds(lambda: total(x).block_until_ready(), repeats=7))
 
 
 def bench_jaxrl(folder, dtype: str, bandwidth: float) -> dict:

@@ -100,35 +100,70 @@ inline void cpu_relax() {
 #endif
 }
 
-// fn(task) for every task in [0, tasks): on this thread and on helpers from XLA's pool.
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const Fn& fn) {
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  if (helpers <= 0) {
-    for (int64_t t = 0; t < tasks; ++t) fn(t);
-    return;
+// Work split into phases run in order, each a number of chunks: the calling thread and the
+// helpers claim chunks through atomic counters, and a phase starts when the previous one is
+// complete. The caller never waits for a helper that has not claimed work (one that starts
+// late finds the phases done), so a busy pool cannot cause a deadlock.
+class Phases {
+ public:
+  void add(int64_t chunks, std::function<void(int64_t)> fn) {
+    phases_.push_back({chunks, std::move(fn)});
   }
-  struct Counter {
+
+  // The caller's part: every phase in order.
+  void run() {
+    for (size_t p = 0; p < phases_.size(); ++p) {
+      claim(p);
+      while (phases_[p].done.load(std::memory_order_acquire) < phases_[p].chunks) cpu_relax();
+      current_.store(static_cast<int64_t>(p + 1), std::memory_order_release);
+    }
+  }
+
+  // A helper's part: join whichever phase is open until the last one is complete.
+  void help() {
+    const int64_t last = static_cast<int64_t>(phases_.size());
+    int64_t p = current_.load(std::memory_order_acquire);
+    while (p < last) {
+      claim(static_cast<size_t>(p));
+      int64_t now;
+      while ((now = current_.load(std::memory_order_acquire)) == p) cpu_relax();
+      p = now;
+    }
+  }
+
+ private:
+  struct Phase {
+    Phase(int64_t n, std::function<void(int64_t)> f) : chunks(n), fn(std::move(f)) {}
+    Phase(Phase&& o) noexcept : chunks(o.chunks), fn(std::move(o.fn)) {}
+    int64_t chunks;
+    std::function<void(int64_t)> fn;
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
   };
-  auto counter = std::make_shared<Counter>();
-  // A helper holds the counter (not the caller's frame): one that starts after the caller
-  // returned finds no task left and touches nothing else.
-  auto work = [counter, tasks, fn]() {
+
+  void claim(size_t p) {
+    Phase& phase = phases_[p];
     for (;;) {
-      int64_t t = counter->next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= tasks) return;
-      fn(t);
-      counter->done.fetch_add(1, std::memory_order_release);
+      const int64_t c = phase.next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= phase.chunks) return;
+      phase.fn(c);
+      phase.done.fetch_add(1, std::memory_order_release);
     }
-  };
-  for (int64_t h = 0; h < helpers; ++h) {
-    auto copy = work;
-    pool.Schedule(std::move(copy));
   }
-  work();
-  while (counter->done.load(std::memory_order_acquire) < tasks) cpu_relax();
+
+  std::vector<Phase> phases_;
+  std::atomic<int64_t> current_{0};
+};
+
+// Runs `phases` on this thread and on helpers from XLA's pool. Each helper holds `owner` (the
+// phases and the buffers their chunks use), not the caller's frame: one that starts after the
+// call returned finds every phase complete and touches nothing else.
+template <typename Owner>
+void run_phases(ffi::ThreadPool& pool, const std::shared_ptr<Owner>& owner, Phases& phases) {
+  for (int64_t i = 1; i < pool.num_threads(); ++i) {
+    pool.Schedule([owner, &phases]() { phases.help(); });
+  }
+  phases.run();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -194,10 +229,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
   const int64_t task_rows =
       kPanel * std::max<int64_t>(1, kTaskElements / (kPanel * d_in * (b / kLanes)));
   const int64_t tasks = (rows + task_rows - 1) / task_rows;
-  parallel_for(pool, tasks, [=](int64_t task) {
+  auto phases = std::make_shared<Phases>();
+  phases->add(tasks, [=](int64_t task) {
     const int64_t r0 = task * task_rows;
     project(wp, nullptr, xp, yp, r0, std::min(rows, r0 + task_rows), d_in, b);
   });
+  run_phases(pool, phases, *phases);
   return ffi::Error::Success();
 }
 
@@ -335,61 +372,8 @@ void attend(const AttentionArgs& a, int64_t b, int64_t kh, std::vector<float>& b
 //   h = rmsnorm(x) * ln_mlp;  x = x + W_down (silu(W_gate h + b_gate) * (W_up h + b_up)) + b_down
 //
 // Activations are column-major, [features, Bp] (Bp: rows padded to a multiple of 16), so the
-// projections are `project` over weight panels. The layer runs as a sequence of phases, each split into chunks;
-// the calling thread and the helpers claim chunks, and a phase starts when the previous one is
-// complete. The caller never waits for a helper that has not claimed work (one that starts late
-// finds the layer done), so the layer cannot deadlock on a busy pool.
+// projections are `project` over weight panels. The layer runs as `Phases`.
 
-class Phases {
- public:
-  void add(int64_t chunks, std::function<void(int64_t)> fn) {
-    phases_.push_back({chunks, std::move(fn)});
-  }
-
-  // The caller's part: every phase in order.
-  void run() {
-    for (size_t p = 0; p < phases_.size(); ++p) {
-      claim(p);
-      while (phases_[p].done.load(std::memory_order_acquire) < phases_[p].chunks) cpu_relax();
-      current_.store(static_cast<int64_t>(p + 1), std::memory_order_release);
-    }
-  }
-
-  // A helper's part: join whichever phase is open until the last one is complete.
-  void help() {
-    const int64_t last = static_cast<int64_t>(phases_.size());
-    int64_t p = current_.load(std::memory_order_acquire);
-    while (p < last) {
-      claim(static_cast<size_t>(p));
-      int64_t now;
-      while ((now = current_.load(std::memory_order_acquire)) == p) cpu_relax();
-      p = now;
-    }
-  }
-
- private:
-  struct Phase {
-    Phase(int64_t n, std::function<void(int64_t)> f) : chunks(n), fn(std::move(f)) {}
-    Phase(Phase&& o) noexcept : chunks(o.chunks), fn(std::move(o.fn)) {}
-    int64_t chunks;
-    std::function<void(int64_t)> fn;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-
-  void claim(size_t p) {
-    Phase& phase = phases_[p];
-    for (;;) {
-      const int64_t c = phase.next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= phase.chunks) return;
-      phase.fn(c);
-      phase.done.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  std::vector<Phase> phases_;
-  std::atomic<int64_t> current_{0};
-};
 
 // out = rmsnorm(x) * w over the features of column-major x [d, bp].
 inline void rms_norm_columns(const float* x, const float* w, float eps, int64_t d, int64_t bp,
@@ -580,9 +564,7 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
     project(wdown, bdown, j->gate.data(), y, r0, r1, f, bp);
     for (int64_t i = r0 * bp; i < r1 * bp; ++i) out[i] += y[i];
   });
-  const int64_t helpers = pool.num_threads() - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job]() { job->phases.help(); });
-  j->phases.run();
+  run_phases(pool, job, job->phases);
   return ffi::Error::Success();
 }
 }  // namespace

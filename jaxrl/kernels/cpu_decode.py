@@ -137,6 +137,11 @@ def enabled(dtype, layout=None) -> bool:
 PANEL = 16  # output rows per weight panel
 
 
+def _pad_columns(x_db: Float[Array, "d b"]) -> Float[Array, "d bp"]:
+    """Columns padded with zeros to a multiple of the kernels' 16 vector lanes."""
+    return jnp.pad(x_db, ((0, 0), (0, -x_db.shape[1] % _LANES)))
+
+
 def panels(w: Float[Array, "... a b"], *, in_major: bool) -> Float[Array, "... p d 16"]:
     """Weights W [O, D] (a stack of them: leading dims kept) as the kernels read them:
     [ceil(O / 16), D, 16] with `p[i, d, r] = W[16 i + r, d]` (rows past O are zeros).
@@ -166,12 +171,10 @@ def matmul(
             f"cpu_decode.matmul: panels {w_p.shape} do not hold a [{rows}, {x_db.shape[0]}] "
             "weight; build them with cpu_decode.panels"
         )
-    b = x_db.shape[1]
-    pad = -b % _LANES
-    x = jnp.pad(x_db, ((0, 0), (0, pad))) if pad else x_db
+    x = _pad_columns(x_db)
     out = jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float32)
     y = jax.ffi.ffi_call("jaxrl_decode_matmul", out)(w_p, x.astype(jnp.float32))
-    return y[:, :b] if pad else y
+    return y[:, : x_db.shape[1]]
 
 
 def supports(head_dim: int) -> bool:
@@ -246,9 +249,7 @@ def layer(
             f"cpu_decode.layer: the cache length {k_cache.shape[-1]} is not a multiple of "
             f"{_LANES}; allocate the cache with jaxrl.rollout's cache_geometry"
         )
-    b = x_db.shape[1]
-    pad = -b % _LANES
-    x = jnp.pad(x_db, ((0, 0), (0, pad))) if pad else x_db
+    x = _pad_columns(x_db)
     h = k_cache.shape[2]
     outs = (
         jax.ShapeDtypeStruct(x.shape, jnp.float32),
@@ -276,4 +277,4 @@ def layer(
         scale=np.float32(h**-0.5),
         qk_norm=bool(qk_norm),
     )
-    return (y[:, :b] if pad else y), k_cache, v_cache
+    return y[:, : x_db.shape[1]], k_cache, v_cache

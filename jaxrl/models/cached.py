@@ -199,9 +199,11 @@ class DecodeWeights:
     vocab: int = flax.struct.field(pytree_node=False)
     cpu_kernels: bool = flax.struct.field(pytree_node=False, default=False)
 
-    def layer_kernel(self, config: DecoderConfig) -> bool:
-        """Whether each layer of the step is one `cpu_decode.layer` call."""
-        return self.cpu_kernels and cpu_decode.supports(config.head_dim)
+    @property
+    def layer_kernel(self) -> bool:
+        """Whether each layer of the step is one `cpu_decode.layer` call (`layers` is then the
+        kernel's stacked weights)."""
+        return isinstance(self.layers, dict)
 
 
 # name in the parameter tree -> (name here, logical axes of the [out, in] weight)
@@ -229,7 +231,7 @@ def decode_weights(
     else:
         head_vd = shard(params["lm_head_dv"].astype(dtype).T, ("vocab", "embed"))
     head = cpu_decode.panels(head_vd, in_major=False) if cpu_kernels else head_vd
-    if cpu_kernels and cpu_decode.supports(config.head_dim):  # DecodeWeights.layer_kernel
+    if cpu_kernels and cpu_decode.supports(config.head_dim):
         layers = _kernel_layers(config, params["layers"])
     else:
         layers = _xla_layers(config, params["layers"])
@@ -368,10 +370,9 @@ def decode_step(
     x_db = _embed(config, params, tokens).T
     ks, vs = list(cache.k), list(cache.v)
     windows = config.window_per_layer
-    layer_kernel = weights.layer_kernel(config)
     for i in range(config.num_layers):
         window = None if windows[i] >= NO_WINDOW else windows[i]
-        if layer_kernel:
+        if weights.layer_kernel:
             x_db, ks[i], vs[i] = cpu_decode.layer(
                 weights.layers,
                 i,
