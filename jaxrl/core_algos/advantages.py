@@ -41,7 +41,7 @@ from jaxrl.core_algos.advantages_token import (
 from jaxrl.core_algos.common import (
     cfg_get,
     dense_group_ids,
-    group_mean_std,
+    group_moments,
     group_sum,
     masked_whiten,
 )
@@ -81,7 +81,7 @@ def _group_stats(
     scores: Float[Array, " b"], index: Int[Array, " b"]
 ) -> tuple[Float[Array, " b"], Float[Array, " b"], Float[Array, " b"]]:
     """Per response: its group's mean, unbiased std and size, with a singleton's (0, 1)."""
-    mean, std, n = group_mean_std(scores, dense_group_ids(index))
+    mean, std, n = group_moments(scores, dense_group_ids(index))
     single = n < 2
     return jnp.where(single, 0.0, mean), jnp.where(single, 1.0, std), n
 
@@ -419,7 +419,7 @@ def compute_grpo_passk_outcome_advantage(
     second = jnp.where(n_best > 1, best, runner_up[groups])
     first_best = jax.ops.segment_min(jnp.where(is_best, rows, b), groups, num_segments=b)[groups]
 
-    _, std, n = group_mean_std(scores, groups)
+    _, std, n = group_moments(scores, groups)
     gap = best - second
     if norm_by_std:
         gap = gap / (std + epsilon)

@@ -1,9 +1,16 @@
-"""Masked reductions, group statistics and duck-typed config access shared by core_algos.
+"""Masked reductions, torch-exact clamps, group statistics and duck-typed config access.
 
 Shapes: `[B, R]` for per-token arrays (B responses, R response length), `[B]` per response.
 Group statistics work on an integer group-id array `index [B]` with any values: ids are made
 dense inside the jitted function (`jnp.unique(..., size=B)`), so no host-side remapping is
 needed and any two equal ids are one group.
+
+`clamp` and `abs_` exist to keep gradients bit-for-bit equal to verl's torch code where JAX's
+primitives differ in corner cases that real training hits: `jnp.clip` passes half the gradient
+at a bound (its `maximum`/`minimum` split ties) and `jnp.abs` has slope 1 at 0, where
+`torch.clamp` passes the full gradient on the closed interval [low, high] and `torch.abs` has
+slope 0 at 0. An actor that starts equal to its reference (or an on-policy token) has a
+log-ratio of exactly 0 on every token, so the kink is hit on the first step of every run.
 """
 
 from __future__ import annotations
@@ -51,8 +58,24 @@ def masked_whiten(values: Array, mask: Array, shift_mean: bool = True) -> Array:
     return whitened if shift_mean else whitened + mean
 
 
+def clamp(x: Array, low: float | Array | None = None, high: float | Array | None = None) -> Array:
+    """`torch.clamp`: the value of `jnp.clip`, the gradient 1 on [low, high] (bounds included)."""
+    clipped = jnp.clip(x, low, high)
+    inside = jnp.ones(x.shape, bool)
+    if low is not None:
+        inside &= x >= low
+    if high is not None:
+        inside &= x <= high
+    return jnp.where(inside, x, jax.lax.stop_gradient(clipped))
+
+
+def abs_(x: Array) -> Array:
+    """`torch.abs`: |x| with slope sign(x), so 0 at x = 0."""
+    return x * jax.lax.stop_gradient(jnp.sign(x))
+
+
 def clip_by_value(x: Array, low: Array, high: Array) -> Array:
-    """Elementwise clip with array bounds."""
+    """verl's `clip_by_value`: max(min(x, high), low), array bounds (ties split as torch's)."""
     return jnp.maximum(jnp.minimum(x, high), low)
 
 
@@ -73,7 +96,7 @@ def group_count(groups: Int[Array, " b"]) -> Float[Array, " b"]:
     return group_sum(jnp.ones(groups.shape, jnp.float32), groups)
 
 
-def group_mean_std(
+def group_moments(
     x: Float[Array, " b"], groups: Int[Array, " b"]
 ) -> tuple[Float[Array, " b"], Float[Array, " b"], Float[Array, " b"]]:
     """Per element: its group's mean, unbiased std and size (std of a singleton group is 0)."""

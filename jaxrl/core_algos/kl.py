@@ -10,6 +10,12 @@ With d = log pi(y) - log pi_ref(y) per token (Schulman, "Approximating KL diverg
 A `+` suffix (`k1+`, `low_var_kl+`, ...) keeps the value of the estimator but takes the gradient
 of k2 (a straight-through estimator): k1 and k3 are unbiased for the KL value but not for its
 gradient, k2 is unbiased for the gradient.
+
+Gradients equal verl's (torch autograd) everywhere, kinks included: `abs` has slope 0 at a tie
+(d = 0 exactly, as on every token of a run's first step when the actor starts as its
+reference), and the k3 clamps pass the full gradient on their closed intervals. Both come from
+`common.abs_` / `common.clamp`; `jnp.abs` (slope 1 at 0) and `jnp.clip` (half at a bound)
+would not.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jaxrl.core_algos.common import cfg_get
+from jaxrl.core_algos.common import abs_, cfg_get, clamp
 
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
@@ -31,12 +37,12 @@ def kl_penalty_forward(
     if kl_penalty in ("kl", "k1"):
         return logprob - ref_logprob
     if kl_penalty == "abs":
-        return jnp.abs(logprob - ref_logprob)
+        return abs_(logprob - ref_logprob)
     if kl_penalty in ("mse", "k2"):
         return 0.5 * jnp.square(logprob - ref_logprob)
     if kl_penalty in ("low_var_kl", "k3"):
-        kl = jnp.clip(ref_logprob - logprob, -20.0, 20.0)
-        return jnp.clip(jnp.exp(kl) - kl - 1, -10.0, 10.0)
+        kl = clamp(ref_logprob - logprob, -20.0, 20.0)
+        return clamp(jnp.exp(kl) - kl - 1, -10.0, 10.0)
     raise NotImplementedError(f"kl_penalty {kl_penalty!r}; use one of {KL_PENALTIES} (+ suffix)")
 
 

@@ -11,8 +11,8 @@ attribute only: a dataclass, `types.SimpleNamespace`, dict or DictConfig), and
 aggregated with `agg_loss(..., **config.global_batch_info)` wherever verl does so, and
 metrics carry verl's keys. All are jittable (config closed over: it is static) and
 differentiable in `log_prob`; where verl detaches a tensor, `jax.lax.stop_gradient` does the
-same, and clamps and absolute values have torch's gradients at their kinks (see
-`policy_losses_common`), so `jax.grad` equals torch autograd.
+same, and clamps and absolute values have torch's gradients at their kinks (`common.clamp`,
+`common.abs_`), so `jax.grad` equals torch autograd.
 
 Registered names: vanilla, dppo_tv, dppo_kl, gspo, sapo, gpg, geo_mean, dro, cispo and
 bypass_mode here; clip_cov and kl_cov in `policy_losses_cov` (imported below, so importing
@@ -27,22 +27,25 @@ Deliberate differences from verl:
   not made: any config object with the attributes works.
 - `clip_cov` selects its tokens with a jax PRNG key (`rng=`) instead of torch's global RNG;
   see `policy_losses_cov`.
+- `compute_policy_loss` (verl's deprecated pre-registry form of `vanilla`) warns with a
+  `FutureWarning` as verl's does, and raises `ValueError` without a clip range.
 - `bypass_mode` cannot check that the mask has a valid token (verl raises); see
   `policy_losses_rollout_corr`.
 """
 
 from __future__ import annotations
 
+import types
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxrl.core_algos.common import cfg_get, masked_mean
+from jaxrl.core_algos.common import cfg_get, clamp, masked_mean
 from jaxrl.core_algos.policy_losses_common import (
     aggregate,
-    clamp,
     clamped_log_ratio,
     clip_range,
     require_config,
@@ -59,6 +62,7 @@ from jaxrl.core_algos.policy_losses_rollout_corr import (
 from jaxrl.core_algos.registry import register_policy_loss
 
 __all__ = [
+    "compute_policy_loss",
     "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
@@ -147,6 +151,47 @@ def compute_policy_loss_vanilla(
         _fraction(clipped > unclipped, response_mask),
         masked_mean(-log_ratio, response_mask),
         _fraction((ppo_losses > dual_bound) & negative, response_mask),
+    )
+
+
+def compute_policy_loss(
+    old_log_prob: Float[Array, "b r"],
+    log_prob: Float[Array, "b r"],
+    advantages: Float[Array, "b r"],
+    response_mask: Float[Array, "b r"],
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Float[Array, ""], Array, Array, Array]:
+    """verl's deprecated `compute_policy_loss`: `compute_policy_loss_vanilla` with the clip
+    ranges as arguments and the local token counts (no `global_batch_info`).
+
+    Returns:
+        (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), the loss and vanilla's metrics.
+    """
+    warnings.warn(
+        "Function 'jaxrl.core_algos.compute_policy_loss' is deprecated. Please use "
+        "'jaxrl.core_algos.compute_policy_loss_vanilla' instead.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    if low is None or high is None:
+        raise ValueError("compute_policy_loss needs cliprange (or cliprange_low and _high)")
+    config = types.SimpleNamespace(
+        clip_ratio=cliprange, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=clip_ratio_c
+    )
+    loss, metrics = compute_policy_loss_vanilla(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config
+    )
+    return (
+        loss,
+        metrics["actor/pg_clipfrac"],
+        metrics["actor/ppo_kl"],
+        metrics["actor/pg_clipfrac_lower"],
     )
 
 

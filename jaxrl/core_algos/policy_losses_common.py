@@ -1,45 +1,23 @@
-"""Pieces shared by the policy losses: config reads, torch-exact clamps, aggregation, counts.
+"""Pieces shared by the policy losses: config reads, the clamped log-ratio, aggregation, counts.
 
-Two helpers exist only to keep gradients and integer counts bit-for-bit equal to verl's torch
-code, where JAX's primitives differ in corner cases that real training hits:
-
-- `clamp` and `abs_`: `jnp.clip` passes half the gradient at a bound and `jnp.abs` has slope 1
-  at 0, where torch passes the full gradient at a bound and has slope 0 at 0 (on-policy
-  tokens have a log-ratio of exactly 0).
-- `float64_floor_product`: verl sizes its token selections with `int(ratio * count)` in Python
-  float64; a float32 product rounds across integers differently (0.29 * 100 is 29 in float32
-  and 28.999999999999996 in float64).
+The torch-exact `clamp` and `abs_` live in `common` (the KL estimators use them too).
+`float64_floor_product` keeps integer counts equal to verl's: verl sizes its token selections
+with `int(ratio * count)` in Python float64, and a float32 product rounds across integers
+differently (0.29 * 100 is 29 in float32 and 28.999999999999996 in float64).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl.core_algos.aggregation import agg_loss
-from jaxrl.core_algos.common import cfg_get
+from jaxrl.core_algos.common import cfg_get, clamp
 
 LOG_RATIO_BOUND = 20.0  # exp(20) ~ 4.9e8: far from float32 overflow, still "very off-policy"
-
-
-def clamp(x: Array, low: float | Array | None = None, high: float | Array | None = None) -> Array:
-    """`torch.clamp`: the value of `jnp.clip`, the gradient 1 on [low, high] (bounds included)."""
-    clipped = jnp.clip(x, low, high)
-    inside = jnp.ones(x.shape, bool)
-    if low is not None:
-        inside &= x >= low
-    if high is not None:
-        inside &= x <= high
-    return jnp.where(inside, x, jax.lax.stop_gradient(clipped))
-
-
-def abs_(x: Array) -> Array:
-    """`torch.abs`: |x| with slope sign(x), so 0 at x = 0."""
-    return x * jax.lax.stop_gradient(jnp.sign(x))
 
 
 def clamped_log_ratio(log_prob: Array, old_log_prob: Array) -> Array:

@@ -31,11 +31,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrl.core_algos.common import cfg_get, masked_mean
+from jaxrl.core_algos.common import abs_, cfg_get, clamp, masked_mean
 from jaxrl.core_algos.policy_losses_common import (
-    abs_,
     aggregate,
-    clamp,
     clip_range,
     float64_floor_product,
     require_config,

@@ -6,6 +6,14 @@ from collections.abc import Callable
 from enum import Enum, StrEnum
 from typing import Any
 
+from jaxtyping import Array
+
+# verl's `PolicyLossFn`: (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+# config, rollout_is_weights) -> (loss, metrics), on jax arrays.
+PolicyLossFn = Callable[
+    [Array, Array, Array, Array, str, Any, Array | None], tuple[Array, dict[str, Any]]
+]
+
 
 class AdvantageEstimator(StrEnum):
     """verl 0.9.1's advantage estimator names."""
@@ -27,7 +35,7 @@ class AdvantageEstimator(StrEnum):
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., Any]] = {}
-POLICY_LOSS_REGISTRY: dict[str, Callable[..., Any]] = {}
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
 
 
 def _name(name_or_enum: str | Enum) -> str:
@@ -58,7 +66,7 @@ def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable:
     return ADV_ESTIMATOR_REGISTRY[name]
 
 
-def register_policy_loss(name: str) -> Callable:
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under a name."""
 
     def decorator(fn: Callable) -> Callable:
@@ -68,7 +76,7 @@ def register_policy_loss(name: str) -> Callable:
     return decorator
 
 
-def get_policy_loss_fn(name: str) -> Callable:
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered under a name."""
     if name not in POLICY_LOSS_REGISTRY:
         raise ValueError(
