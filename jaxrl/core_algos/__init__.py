@@ -17,8 +17,10 @@ Deliberate differences from verl (all forced by running under `jit`):
   `kl_cov` breaks ties in its top-k by position (torch's `topk` order is unspecified).
 - Invalid config values raise `ValueError` where verl uses `assert`.
 - `as_torch_index` (verl's name, kept for ported code) returns a jax array and refuses float
-  labels that are not integers (verl truncates them); `group_mean_std` (per-group arrays whose
-  length depends on the data) runs eagerly only.
+  labels that are not integers (verl truncates those of a numpy array or list and numbers a
+  torch tensor's by their text); it and `group_mean_std` (per-group arrays whose length
+  depends on the data) run eagerly only.
+- `compute_policy_loss` (deprecated in verl) returns its three metrics without gradient.
 
 Every verl 0.9.1 name of `verl.trainer.ppo.core_algos` that jaxrl implements is exported here
 under that name with verl's argument names (`tests/core_algos/test_verl_contract.py` walks

@@ -8,12 +8,12 @@ G the returns and eps = cliprange_value:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxrl.core_algos.aggregation import agg_loss
 from jaxrl.core_algos.common import clip_by_value, masked_mean
-from jaxrl.models.outputs import entropy_from_logits
 
 
 def compute_value_loss(
@@ -50,5 +50,9 @@ def compute_entropy_loss(
     response_mask: Float[Array, "b r"],
     loss_agg_mode: str = "token-mean",
 ) -> Float[Array, ""]:
-    """The aggregated entropy of softmax(logits) over the response tokens."""
-    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
+    """The aggregated entropy H = logsumexp(z) - sum softmax(z) z of the response tokens
+    (in float32, as verl's `entropy_from_logits`; core_algos is a leaf, so it does not import
+    the models' copy)."""
+    z = logits.astype(jnp.float32)
+    entropy = jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z) * z, axis=-1)
+    return agg_loss(entropy, response_mask, loss_agg_mode)

@@ -31,7 +31,7 @@ from jaxrl.testing.verl_compare import (
 # Names verl's module holds that are not verl's: its imports from the standard library and
 # omegaconf (checked below to come from there, so a verl function of the same name would fail).
 NOT_VERL_NAMES = {"Any", "Callable", "Optional", "Enum", "defaultdict", "DictConfig"}
-# Arguments jaxrl adds after verl's, each keyword-only in use and with a default.
+# Arguments jaxrl adds after verl's, each keyword-only and with a default.
 EXTRA_ARGUMENTS = {"compute_policy_loss_clip_cov": ("rng",)}
 
 
@@ -99,6 +99,7 @@ def test_exported_functions_take_verls_arguments():
             assert our_p.default == ref_p.default, (name, ref_p.name)
         for our_p in our_params[len(ref_params) :]:
             assert our_p.default is not inspect.Parameter.empty, (name, our_p.name)
+            assert our_p.kind is inspect.Parameter.KEYWORD_ONLY, (name, our_p.name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,27 +108,30 @@ def test_exported_functions_take_verls_arguments():
 
 
 def kink_problem() -> tuple[np.ndarray, np.ndarray]:
-    """[2, 8] float32 (logprob, ref_logprob): exact ties, k3's +-20 clamp bounds, beyond them,
-    and k3's result on both sides of its 10 bound.
+    """[3, 8] float32 (logprob, ref_logprob): exact ties, k3's +-20 clamp bounds and beyond
+    them, and k3's result exactly on its 10 bound and on both sides of it.
 
-    exp(x) - x - 1 never equals 10.0 exactly in float32 (its neighbours 2.6108685 and
-    2.6108687 give 9.999998 and 10.000001 in torch and XLA alike), so that bound is checked at
-    the two values around it.
+    With kl = ref - logprob, k3 = exp(kl) - kl - 1 is exactly 10.0 (in torch and XLA alike) at
+    kl = -10.999983, where torch's clamp passes the whole gradient and `jnp.clip` half of it;
+    at the +-20 bounds k3 is beyond 10, so the outer clamp zeroes the gradient either way.
     """
     logprob = np.array(
         [
             [0.0, -1e-3, -5.3, -30.0, -25.0, -5.0, -26.0, -4.0],
             [-0.7, -2.0, -12.0, -3.0, -3.0, -1.0, -0.25, -8.0],
+            [-1.0000172, -1.0000172, -0.5, -2.0, -1.0, -3.0, -0.1, -6.0],
         ],
         np.float32,
     )
-    ref = logprob.copy()  # ties wherever not overwritten: row 0 columns 0-3, row 1 column 0
-    ref[0, 4], ref[0, 5] = -5.0, -25.0  # ref - logprob = +20 and -20 exactly
+    ref = logprob.copy()  # ties wherever not overwritten: row 0 columns 0-3, rows 1-2 column 0
+    ref[0, 4], ref[0, 5] = -5.0, -25.0  # kl = +20 and -20 exactly
     ref[0, 6], ref[0, 7] = -4.0, -26.0  # +-22: beyond the clamp
-    for col, k3_arg in ((3, 2.6108685), (4, 2.6108687)):
-        ref[1, col] = logprob[1, col] + np.float32(k3_arg)  # k3 just under / over 10
+    for col, kl in ((3, 2.6108685), (4, 2.6108687)):
+        ref[1, col] = logprob[1, col] + np.float32(kl)  # k3 just under / over 10
     ref[1, 1], ref[1, 2] = -2.5, -11.0
     ref[1, 5:] = ref[1, 5:] + np.array([0.3, -0.1, 1e-4], np.float32)
+    ref[2, 1] = -12.0  # kl = -10.999983: k3 exactly 10
+    ref[2, 2:] = ref[2, 2:] + np.array([-11.2, -10.9, 0.7, -0.3, 5.0, -2.0], np.float32)
     return logprob, ref
 
 
@@ -147,6 +151,8 @@ def test_kl_penalty_at_ties_and_clamp_bounds(name):
     verl = verl_core_algos()
     logprob, ref = kink_problem()
     ref_value, ref_dlp, ref_dref = verl_kl_grads(verl, logprob, ref, name)
+    if name in ("k3", "low_var_kl"):
+        assert ref_value[2, 1] == 10.0 and ref_dlp[2, 1] != 0.0  # on the bound, gradient passes
 
     def total(lp, rf):
         return C.kl_penalty(lp, rf, name).sum()
@@ -232,12 +238,17 @@ def test_as_torch_index_matches_verl(case):
     assert isinstance(ours, jax.Array) and ours.dtype == jax.dtypes.canonicalize_dtype(np.int64)
     np.testing.assert_array_equal(np.asarray(ours), ref)
     np.testing.assert_array_equal(np.asarray(C.as_torch_index(jnp.asarray(ref))), ref)
+    on_cpu = C.as_torch_index(labels, device="cpu")  # verl's device text
+    assert on_cpu.devices() == {jax.devices("cpu")[0]}
 
 
 def test_as_torch_index_refuses_what_verl_gets_wrong():
-    # verl truncates a numpy array of non-integer floats: 1.2 and 1.7 become one group.
-    with pytest.raises(ValueError, match="not integers"):
-        C.as_torch_index(np.array([1.2, 1.7, 3.0]))
+    # verl truncates non-integer floats of a numpy array or list: 1.2 and 1.7 become one group.
+    for labels in (np.array([1.2, 1.7, 3.0]), np.array([1.2, 1.7], dtype=object), [1.5, 2]):
+        with pytest.raises(ValueError, match="not integers"):
+            C.as_torch_index(labels)
+    with pytest.raises(ValueError, match="under jit"):
+        jax.jit(C.as_torch_index)(jnp.arange(3))
     if not jax.config.jax_enable_x64:
         with pytest.raises(ValueError, match="do not fit"):
             C.as_torch_index(np.array([1, 2**40]))
@@ -257,6 +268,8 @@ def test_group_mean_std_matches_verl():
             assert_close(x, y, what=f"{name} eps={eps}")
     with pytest.raises(ValueError, match="length mismatch"):
         C.group_mean_std(scores, gidx[:-1])
+    with pytest.raises(ValueError, match="negative"):
+        C.group_mean_std(scores, np.where(gidx == 3, -1, gidx))
     with pytest.raises(ValueError, match="concrete gidx"):
         jax.jit(C.group_mean_std)(scores, gidx)
 
