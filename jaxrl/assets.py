@@ -5,7 +5,9 @@
 With `assets.quickstart`, a missing `actor_rollout_ref.model.path` becomes a tiny random Qwen2
 policy (2 layers, hidden 64, tied embeddings; initialised by jaxrl, no torch needed) with the
 synthetic task's word-level tokenizer, and missing `data.train_files` / `data.val_files` become
-verl-format parquet of `jaxrl.data.synthetic`'s task. Nothing that exists is overwritten.
+verl-format parquet of `jaxrl.data.synthetic`'s task. Nothing that exists is overwritten, and
+nothing is written outside `assets.dir`: a missing path elsewhere (a typo in an override) is a
+`ConfigError` naming its key, never a silent run on made-up data.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+
+from jaxrl.config import ConfigError
 
 QUICKSTART_MODEL = dict(
     hidden_size=64,
@@ -27,12 +31,32 @@ QUICKSTART_MODEL = dict(
 )
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    return path.absolute().is_relative_to(folder.absolute())
+
+
+def _refuse_outside(cfg, paths: dict[str, Path]) -> None:
+    """Missing paths outside `assets.dir` are typos, not files to make."""
+    folder = Path(cfg.assets.dir).expanduser()
+    problems = [
+        f"{key}={path}: no such {'model folder' if key.endswith('model.path') else 'file'}; "
+        f"assets.quickstart writes missing files only inside assets.dir={cfg.assets.dir} "
+        "(fix the path, or set assets.dir to the folder the quickstart should fill)"
+        for key, path in paths.items()
+        if not _inside(path, folder)
+    ]
+    if problems:
+        raise ConfigError(problems)
+
+
 def _single(files, key: str) -> Path:
     if files is None:
-        raise ValueError(f"assets.quickstart writes a parquet file to {key}: set it to a path")
+        raise ConfigError([f"assets.quickstart writes a parquet file to {key}: set it to a path"])
     files = [files] if isinstance(files, str) else list(files)
     if len(files) != 1:
-        raise ValueError(f"assets.quickstart writes one parquet file; {key} lists {len(files)}")
+        raise ConfigError(
+            [f"assets.quickstart writes one parquet file; {key} lists {len(files)} files"]
+        )
     return Path(files[0]).expanduser()
 
 
@@ -75,11 +99,17 @@ def prepare(cfg) -> list[str]:
 
     written = []
     model = Path(cfg.actor_rollout_ref.model.path).expanduser()
+    train = _single(cfg.data.train_files, "data.train_files")
+    val = _single(cfg.data.val_files, "data.val_files")
+    wanted = {
+        "actor_rollout_ref.model.path": (model, (model / "config.json").is_file()),
+        "data.train_files": (train, train.is_file()),
+        "data.val_files": (val, val.is_file()),
+    }
+    _refuse_outside(cfg, {key: path for key, (path, done) in wanted.items() if not done})
     if not (model / "config.json").is_file():
         write_quickstart_model(model, seed=cfg.data.seed or 0)
         written.append(str(model))
-    train = _single(cfg.data.train_files, "data.train_files")
-    val = _single(cfg.data.val_files, "data.val_files")
     a = cfg.assets
     for path, split, size in ((train, "train", a.train_size), (val, "test", a.val_size)):
         if path.is_file():

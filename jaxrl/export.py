@@ -34,7 +34,6 @@ def resolve_step(path: Path) -> tuple[Path, int]:
 def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     """Write the actor of `checkpoint` to the HF folder `out`; returns `out`."""
     import jax
-    import orbax.checkpoint as ocp
 
     from jaxrl.models import abstract_params, load_config, save_pretrained
     from jaxrl.trainer.checkpoint import Checkpoints
@@ -50,9 +49,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     target = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_params(config)
     )
-    restored = ckpts._manager.restore(
-        step, args=ocp.args.Composite(actor_params=ocp.args.StandardRestore(target))
-    )
+    params = ckpts.restore_item(step, "actor_params", target)
     ckpts.close()
     tokenizer = None
     try:
@@ -62,9 +59,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     except (OSError, ValueError):
         pass  # a checkpoint without a tokenizer: weights and config only
     base = json.loads((source / "config.json").read_text())
-    return save_pretrained(
-        config, restored["actor_params"], out, tokenizer, dtype=dtype, base_config=base
-    )
+    return save_pretrained(config, params, out, tokenizer, dtype=dtype, base_config=base)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,9 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="HF folder to write")
     parser.add_argument("--dtype", default=None, help="storage dtype (default: the parameters')")
     args = parser.parse_args(argv)
+    from jaxrl.trainer.checkpoint import CheckpointError  # jax and orbax: after --help
+
     try:
         path = export(args.checkpoint, args.out, args.dtype)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path}")

@@ -63,6 +63,31 @@ def _model_context(path: str, override: typing.Mapping[str, object]) -> int | No
     return hf.get("max_position_embeddings")
 
 
+def folder_problems(cfg: Config) -> list[str]:
+    """Every model and tokenizer folder the run reads, checked before anything loads them:
+    one message per problem, naming the key, the path and what is missing."""
+    from jaxrl.data.templates import tokenizer_problems
+    from jaxrl.models import checkpoint_problems
+
+    arr = cfg.actor_rollout_ref.model
+    models = [("actor_rollout_ref.model.path", arr.path)]
+    if critic_enabled(cfg):
+        models.append(("critic.model.path", cfg.critic.model.path))
+    if cfg.reward_model.enable:
+        models.append(("reward_model.model.path", cfg.reward_model.model.path))
+    tokenizer_key = "tokenizer_path" if arr.tokenizer_path else "path"
+    found = [
+        f"{key}={path}: {p}" for key, path in models if path for p in checkpoint_problems(path)
+    ]
+    if not found:  # a missing folder is reported once, as a model folder
+        tokenizer = arr.tokenizer_path or arr.path
+        found += [
+            f"actor_rollout_ref.model.{tokenizer_key}={tokenizer}: {p}"
+            for p in tokenizer_problems(tokenizer)
+        ]
+    return found
+
+
 def device_summary(cfg: Config) -> str:
     """Platform, device and process counts, and the training and rollout meshes."""
     import jax
@@ -106,13 +131,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         written += [] if distributed.is_main_process() else prepare(cfg)
         for path in written:
             print(f"wrote {path}")
+        problems = folder_problems(cfg)
         for key, model in [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)] + (
             [("critic.model", cfg.critic.model)] if critic_enabled(cfg) else []
         ):
             context = _model_context(model.path, model.override_config)
-            if context is None:
-                log.warning("%s.path=%s: no config.json there yet", key, model.path)
-            check_model_context(cfg, context, f"{key}.path={model.path}")
+            try:
+                check_model_context(cfg, context, f"{key}.path={model.path}")
+            except ConfigError as e:
+                problems += e.problems
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         distributed.mark_failed(f"configuration error: {e}", exit_code=2)
@@ -122,9 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if distributed.is_main_process():
         path = save_config(cfg, cfg.trainer.default_local_dir)
         print(f"resolved config written to {path}")
-    from jaxrl.trainer.fit import fit
+    from jaxrl.trainer.checkpoint import CheckpointError
+    from jaxrl.trainer.fit import TrainingError, fit
 
-    metrics = fit(cfg)
+    try:
+        metrics = fit(cfg)
+    except (CheckpointError, TrainingError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        distributed.mark_failed(f"checkpoint error: {e}", exit_code=1)
+        return 1
     core = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
     print(f"done: {cfg.trainer.default_local_dir} ({core or 'no validation'})")
     return 0

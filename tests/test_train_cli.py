@@ -37,6 +37,7 @@ def test_quickstart_makes_its_assets_and_trains(tmp_path):
         "configs/quickstart.yaml",
         f"trainer.default_local_dir={run_dir}",
         f"actor_rollout_ref.model.path={tmp_path}/model",
+        f"assets.dir={tmp_path}",
         f"data.train_files={tmp_path}/train.parquet",
         f"data.val_files={tmp_path}/test.parquet",
         "trainer.total_training_steps=2",

@@ -220,6 +220,12 @@ def _check_ranges(cfg: Config, p: _Problems) -> None:
     for key in ("trainer.save_freq", "trainer.test_freq"):
         if get(cfg, key) == 0 or get(cfg, key) < -1:
             p.append(f"{key} must be -1 (off) or >= 1, got {get(cfg, key)}")
+    limit = cfg.trainer.max_consecutive_nonfinite_steps
+    if limit is not None and limit < 1:
+        p.append(
+            f"trainer.max_consecutive_nonfinite_steps must be >= 1 or null (never stop), "
+            f"got {limit}"
+        )
 
 
 def _check_sampling(cfg: Config, p: _Problems) -> None:

@@ -633,6 +633,10 @@ class TrainerConfig:
         default_local_dir: Run directory: checkpoints, `metrics.jsonl`, the resolved config.
         max_actor_ckpt_to_keep: Keep only the newest n actor checkpoints; null: all.
         max_critic_ckpt_to_keep: Keep only the newest n critic checkpoints; null: all.
+        max_consecutive_nonfinite_steps: *jaxrl*. A step whose gradient norm is non-finite
+            skips its optimizer update (as verl does; counted in `actor/skipped_steps`,
+            `critic/skipped_steps`); this many such steps in a row stop the run with an error
+            naming them. null: never stop.
         nnodes: Hosts the run expects; null: whatever JAX sees. When set together with
             `n_gpus_per_node`, their product must equal the device count.
         n_gpus_per_node: Accelerators per host the run expects; null: whatever JAX sees.
@@ -657,6 +661,7 @@ class TrainerConfig:
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     max_actor_ckpt_to_keep: int | None = None
     max_critic_ckpt_to_keep: int | None = None
+    max_consecutive_nonfinite_steps: int | None = 5
     nnodes: int | None = None
     n_gpus_per_node: int | None = None
 
@@ -703,6 +708,8 @@ class AssetsConfig:
             `actor_rollout_ref.model.path`, and the synthetic task as verl-format parquet to
             `data.train_files` / `data.val_files`, where those do not exist yet (see
             `configs/quickstart.yaml`). Existing files are never overwritten.
+        dir: The only folder `quickstart` writes into: a missing path outside it is an error
+            naming its key (a typo in a path must not train on made-up data).
         task: The synthetic task: `repeat`, `copy` or `reverse`.
         task_length: Digits in each answer.
         train_size: Training rows to write.
@@ -710,6 +717,7 @@ class AssetsConfig:
     """
 
     quickstart: bool = False
+    dir: str = "~/.cache/jaxrl/quickstart"
     task: str = "repeat"
     task_length: int = 4
     train_size: int = 1024

@@ -35,6 +35,20 @@ _PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 _RESERVED_KWARGS = ("tokenize", "return_dict", "return_tensors", "add_generation_prompt")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def tokenizer_problems(path: str) -> list[str]:
+    """What keeps a local folder from holding a tokenizer (empty: nothing, or not a local
+    folder: a hub id is left to transformers and its cache)."""
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        return []
+    if any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        return []
+    return [f"no tokenizer files ({', '.join(TOKENIZER_FILES)})"]
+
+
 def load_tokenizer(
     path: str, trust_remote_code: bool = False, custom_chat_template: str | None = None
 ) -> Any:

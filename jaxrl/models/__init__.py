@@ -11,6 +11,7 @@ reward model (sequence-classification head).
 from jaxrl.models.config import DecoderConfig, RopeConfig, from_hf_config
 from jaxrl.models.hf_io import (
     CheckpointError,
+    checkpoint_problems,
     from_pretrained,
     load_config,
     save_pretrained,
@@ -39,6 +40,7 @@ __all__ = [
     "DecoderConfig",
     "RopeConfig",
     "abstract_params",
+    "checkpoint_problems",
     "entropy_from_logits",
     "forward",
     "from_hf_config",

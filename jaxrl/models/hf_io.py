@@ -46,6 +46,33 @@ def load_config(path: str | os.PathLike, **options: Any) -> DecoderConfig:
     return from_hf_config(hf, overrides=overrides, **options)
 
 
+def checkpoint_problems(path: str | os.PathLike) -> list[str]:
+    """What keeps `path` from being read as an HF checkpoint folder (empty: nothing)."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        return ["no such folder"]
+    if not folder.is_dir():
+        return ["not a folder (expected an HF checkpoint folder with config.json)"]
+    problems = []
+    if not (folder / "config.json").is_file():
+        problems.append("no config.json: not an HF checkpoint folder")
+    if (folder / INDEX_FILE).is_file():
+        try:
+            shards = set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError) as e:
+            return [*problems, f"{INDEX_FILE} is unreadable ({e})"]
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            problems.append(f"weight shards listed in {INDEX_FILE} are missing: {missing}")
+    elif not (folder / SINGLE_FILE).is_file():
+        found = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.pt")
+        )
+        hint = f" (found {found}: convert them with transformers' save_pretrained)" if found else ""
+        problems.append(f"no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    return problems
+
+
 @contextlib.contextmanager
 def _open_tensors(folder: Path) -> Iterator[dict[str, Any]]:
     """name -> memory-mapped tensor handle over the folder's safetensors files."""

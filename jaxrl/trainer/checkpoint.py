@@ -1,23 +1,60 @@
-"""Checkpoints of a run with orbax: saved asynchronously, written atomically, restored straight
-into the target shardings.
+"""Checkpoints of a run with orbax: saved asynchronously, committed with checksums, verified
+before they are restored, restored straight into the target shardings.
 
     ckpt = Checkpoints(run_dir / "checkpoints", max_to_keep=2)
     ckpt.save(step, {"actor": actor_state, "critic": critic_state}, meta)   # returns at once
+    step = ckpt.restorable_step()                       # newest intact step (broken ones aside)
     state, meta = ckpt.restore(step, {"actor": abstract_actor, ...})         # ShapeDtypeStructs
                                                                             # with shardings
 `meta` is JSON: the global step, the data iterator's state, the KL controller's coefficient,
-and what `jaxrl.export` needs (the actor's HF config). Orbax writes each step into a temporary
-folder and renames it when complete, so a process killed during a save leaves the previous
-checkpoint as the latest restorable one.
+and what `jaxrl.export` needs (the actor's HF config).
+
+A step is written in two phases, and only a step that went through both is ever restored:
+
+1. orbax writes it into a temporary folder and renames that to `<dir>/<step>` when complete
+   (a process killed before leaves no step folder);
+2. a background thread then hashes every file of the step (sha256) and writes the manifest
+   `<dir>/<step>/jaxrl_checksums.json` atomically (temporary file + rename): the commit.
+
+`restore` first checks every file against the manifest (present, same size, same sha256), so
+truncated, deleted or flipped bytes are found before anything is loaded (orbax's own reads
+check neither: flipped bytes in an array file load silently). `restorable_step` walks the steps
+from the newest: a step without a manifest (a save killed before its commit) is deleted, a
+step that fails its checksums is moved to `<dir>.set_aside/`, each named in a warning, and the
+newest intact step is returned; when steps exist but none is intact, it raises and changes
+nothing. Retention (`max_to_keep`) deletes older steps only once a newer one is committed, so a
+kill at any moment leaves a committed checkpoint once one exists. A failed write (a full disk)
+is raised on the training thread by `raise_if_failed` / `save` / `wait` / `close`, naming the
+step, the folder and the fix; the previous checkpoint is untouched.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxrl.sharding.processes import allgather_objects
+
+log = logging.getLogger("jaxrl.train")
+
+MANIFEST = "jaxrl_checksums.json"
+INCOMPLETE = "no checksum manifest: its save did not complete"
+_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, found or trusted; the message names the folder,
+    what is wrong and the fix."""
 
 
 def abstract(tree: Any) -> Any:
@@ -25,43 +62,271 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: Path) -> None:
+    """Hash every file of a finished step folder into its manifest (the commit)."""
+    files = {
+        str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in _files(step_dir)
+    }
+    tmp = step_dir / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def verify(step_dir: Path) -> str | None:
+    """What is wrong with a step folder against its manifest, or None when it is intact."""
+    manifest = step_dir / MANIFEST
+    if not manifest.is_file():
+        return INCOMPLETE
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"its checksum manifest {manifest} is unreadable ({e})"
+    for name, expected in files.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes where {expected['bytes']} were written"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} differs from what was written (sha256 mismatch)"
+    return None
+
+
 class Checkpoints:
-    """A folder of step checkpoints (`<dir>/<step>/{state items, meta}`)."""
+    """A folder of step checkpoints (`<dir>/<step>/{state items, meta, manifest}`)."""
 
     def __init__(self, directory: str | Path, *, max_to_keep: int | None = None):
         self.directory = Path(directory).expanduser().absolute()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True
-        )
+        self.max_to_keep = max_to_keep
+        # Retention is ours: orbax would delete old steps before the new one is committed.
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._commit_thread: threading.Thread | None = None
+        self._failure: tuple[int, BaseException] | None = None
 
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+    @property
+    def set_aside_dir(self) -> Path:
+        return self.directory.parent / f"{self.directory.name}.set_aside"
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """Every step folder (committed or not), ascending."""
+        if not self.directory.is_dir():
+            return []
+        names = (p.name for p in self.directory.iterdir() if p.is_dir())
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- saving -----------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Start saving `state` (pytrees of arrays) and `meta` (JSON) as `step`; returns
-        before the write completes (`wait` blocks until it has)."""
+        before the write completes (`wait` blocks until it is committed). A folder already
+        holding `step` (a run resumed from an earlier step) is moved to `set_aside_dir`."""
+        self.wait()
+        if self.step_dir(step).exists() and jax.process_index() == 0:
+            self._set_aside(step, "replaced")  # set_aside_after does it for every process
         items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
-        self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
+        try:
+            self._manager.save(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items), force=True
+            )
+        except OSError as e:
+            raise CheckpointError(self._write_failure(step, e)) from e
+        self._commit_thread = threading.Thread(
+            target=self._commit, args=(step,), name=f"jaxrl-commit-{step}", daemon=True
+        )
+        self._commit_thread.start()
+
+    def _commit(self, step: int) -> None:
+        try:
+            self._manager.wait_until_finished()
+            if jax.process_index() == 0:
+                write_manifest(self.step_dir(step))
+                self._retire(step)
+        except BaseException as e:  # re-raised on the training thread
+            self._failure = (step, e)
+
+    def _retire(self, newest: int) -> None:
+        """Retention: keep the newest `max_to_keep` committed steps; steps older than the
+        newest committed one that never committed are leftovers of killed saves."""
+        if self.max_to_keep is None:
+            return
+        older = [s for s in self.all_steps() if s < newest]
+        committed = [s for s in older if (self.step_dir(s) / MANIFEST).is_file()]
+        kept_before_newest = max(self.max_to_keep - 1, 0)
+        keep = set(committed[::-1][:kept_before_newest])
+        for step in older:
+            if step not in keep:
+                self._delete(step)
+
+    def _write_failure(self, step: int, error: BaseException) -> str:
+        committed = [
+            s for s in self.all_steps() if s != step and (self.step_dir(s) / MANIFEST).is_file()
+        ]
+        previous = f"step {committed[-1]} is intact" if committed else "no earlier step exists"
+        return (
+            f"the checkpoint of step {step} could not be written to {self.directory}: "
+            f"{type(error).__name__}: {error}. {previous.capitalize()}; free space there (or "
+            "set trainer.default_local_dir to another disk) and run again: "
+            "trainer.resume_mode=auto continues from the newest intact checkpoint"
+        )
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a finished background write, if any (cheap; call per step)."""
+        thread = self._commit_thread
+        if thread is not None and not thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the pending save is committed; raise `CheckpointError` if it failed."""
+        if self._commit_thread is not None:
+            self._commit_thread.join()
+            self._commit_thread = None
+        if self._failure is not None:
+            step, error = self._failure
+            self._failure = None
+            raise CheckpointError(self._write_failure(step, error)) from error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    # -- choosing and restoring -------------------------------------------------------------
+
+    def restorable_step(self) -> int | None:
+        """The newest intact step (None when there is no step at all), decided by process 0
+        for every process: newer steps that never committed are deleted, broken ones set aside.
+
+        Raises:
+            CheckpointError: steps exist but none is intact (nothing is changed then).
+        """
+        verdict = self._choose() if jax.process_index() == 0 else None
+        verdict = allgather_objects(verdict)[0]
+        if isinstance(verdict, str):
+            raise CheckpointError(verdict)
+        self._manager.reload()
+        return verdict
+
+    def set_aside_after(self, step: int) -> None:
+        """Move every step folder newer than `step` (a run resumed from an earlier step) to
+        `set_aside_dir`, so that the steps it saves next are new folders, on every process."""
+        if jax.process_index() == 0:
+            for newer in (s for s in self.all_steps() if s > step):
+                self._set_aside(newer, "replaced")
+        allgather_objects(None)  # a barrier: the folders are gone before anyone saves
+        self._manager.reload()
+
+    def _choose(self) -> int | str | None:
+        for leftover in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(leftover, ignore_errors=True)  # writes killed before orbax's rename
+        for leftover in self.directory.glob("*.jaxrl-deleting"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        problems: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            problem = verify(self.step_dir(step))
+            if problem is None:
+                for bad, why in problems:
+                    where = self._dispose(bad, why)
+                    log.warning(
+                        "checkpoint %s: %s; %s, resuming from step %d",
+                        self.step_dir(bad),
+                        why,
+                        where,
+                        step,
+                    )
+                return step
+            problems.append((step, problem))
+        if not problems:
+            return None
+        found = "; ".join(f"step {s}: {why}" for s, why in problems)
+        return (
+            f"no intact checkpoint in {self.directory} ({found}); nothing was loaded or changed. "
+            "To start the run over, move those folders away (or choose another "
+            "trainer.experiment_name); to continue from a checkpoint elsewhere, set "
+            "trainer.resume_mode=resume_path trainer.resume_from_path=RUN/checkpoints/STEP"
+        )
+
+    def _dispose(self, step: int, problem: str) -> str:
+        if problem == INCOMPLETE:
+            self._delete(step)
+            return "deleted it"
+        return f"moved it to {self._set_aside(step, 'broken')}"
+
+    def _set_aside(self, step: int, reason: str) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        target = self.set_aside_dir / f"{step}.{reason}.{stamp}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.step_dir(step), target)
+        if reason == "replaced":
+            log.warning("step folder %s existed: moved to %s", self.step_dir(step), target)
+        self._manager.reload()
+        return target
+
+    def _delete(self, step: int) -> None:
+        doomed = self.directory / f"{step}.jaxrl-deleting"  # not a step name: never listed
+        os.replace(self.step_dir(step), doomed)
+        shutil.rmtree(doomed)
 
     def restore(self, step: int, targets: dict[str, Any]) -> tuple[dict[str, Any], dict]:
-        """(state, meta) of `step`, each tree laid out like its target (see `abstract`)."""
+        """(state, meta) of `step` after checking it against its manifest, each tree laid out
+        like its target (see `abstract`)."""
+        self._check(step)
         items = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items)
-        )
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items)
+            )
+        except (ValueError, OSError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {self.step_dir(step)} does not fit this run's state "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); was it "
+                "written with another model or trainer configuration?"
+            ) from e
         return {name: out[name] for name in targets}, dict(out["meta"])
 
+    def restore_item(self, step: int, name: str, target: Any) -> Any:
+        """One item (e.g. `actor_params`) of a verified step."""
+        self._check(step)
+        out = self._manager.restore(
+            step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(target)})
+        )
+        return out[name]
+
     def read_meta(self, step: int) -> dict[str, Any]:
+        self._check(step)
         out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+    def _check(self, step: int) -> None:
+        problem = verify(self.step_dir(step))
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint {self.step_dir(step)} cannot be trusted: {problem}. Resume from "
+                "an earlier step (trainer.resume_mode=resume_path "
+                "trainer.resume_from_path=RUN/checkpoints/STEP) or let trainer.resume_mode=auto "
+                "choose the newest intact one"
+            )

@@ -24,13 +24,47 @@ from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
 from jaxrl.sharding.processes import global_array, to_host
-from jaxrl.trainer.checkpoint import Checkpoints, abstract
+from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract
 from jaxrl.trainer.loggers import Tracking
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
 from jaxrl.trainer.update import UpdateState
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 log = logging.getLogger("jaxrl.train")
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot usefully go on; the message names the steps and what to change."""
+
+
+class NonFiniteGuard:
+    """Counts consecutive steps whose updates were skipped for a non-finite gradient norm and
+    stops the run at `limit` of them (`trainer.max_consecutive_nonfinite_steps`)."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.steps: list[int] = []
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        skipped = {
+            k: metrics[k] for k in ("actor/skipped_steps", "critic/skipped_steps") if metrics.get(k)
+        }
+        if not skipped:
+            self.steps = []
+            return
+        self.steps.append(step)
+        norms = {k: metrics.get(k) for k in ("actor/grad_norm", "critic/grad_norm") if k in metrics}
+        log.warning("step %d: non-finite gradient norm, update skipped (%s)", step, norms)
+        if self.limit is not None and len(self.steps) >= self.limit:
+            raise TrainingError(
+                f"steps {self.steps[0]}-{step}: {len(self.steps)} steps in a row had a "
+                f"non-finite gradient norm ({norms}; skipped optimizer steps {skipped}), so the "
+                "parameters have not changed since step "
+                f"{self.steps[0] - 1}; stopped as trainer.max_consecutive_nonfinite_steps="
+                f"{self.limit} says. Look at those steps' rewards and advantages in "
+                "metrics.jsonl (critic/score/*, critic/advantages/*), lower the learning rate, "
+                "or raise the key (null: never stop)"
+            )
 
 
 def reward_fn_from(manager: Any, reward_model: Any = None) -> RewardFn:
@@ -67,18 +101,20 @@ def total_steps(cfg, loader: PromptIterator) -> int:
 
 
 def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
+    """(checkpoints, step) to resume from: `resume_from_path`, or the newest intact step of
+    the run (`restorable_step` sets broken and unfinished ones aside), or None."""
     mode = cfg.trainer.resume_mode
     if mode == "disable":
         return None
     if mode == "resume_path":
         path = Path(str(cfg.trainer.resume_from_path)).expanduser()
         if not path.is_dir() or not path.name.isdigit():
-            raise FileNotFoundError(
+            raise CheckpointError(
                 f"trainer.resume_from_path={path}: expected a step folder of a run's "
                 "checkpoints (e.g. checkpoints/PROJECT/EXP/checkpoints/40)"
             )
         return Checkpoints(path.parent), int(path.name)
-    step = ckpts.latest_step()
+    step = ckpts.restorable_step()
     return None if step is None else (ckpts, step)
 
 
@@ -182,6 +218,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
         start = _restore(trainer, train_loader, *source)
         if source[0] is not ckpts:
             source[0].close()
+        ckpts.set_aside_after(start)
         log.info("resumed from step %d of %d (%s)", start, steps, source[0].directory)
         if start >= steps:
             log.warning(
@@ -197,6 +234,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
         resume_step=start,
     )
     metrics: dict[str, float] = {}
+    guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
     try:
         if val_loader is not None and cfg.trainer.val_before_train:  # on resume too, as verl
             val = validate(trainer, val_loader, start, cfg.trainer.validation_data_dir)
@@ -206,6 +244,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
         progress = tqdm(range(start + 1, steps + 1), initial=start, total=steps, disable=None)
         for step in progress:
             metrics = trainer.step(next(train_loader), step)
+            ckpts.raise_if_failed()  # a checkpoint write that failed in the background
             last = step == steps
             freq = cfg.trainer.test_freq
             if val_loader is not None and freq > 0 and (step % freq == 0 or last):
@@ -216,6 +255,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
             if save > 0 and (step % save == 0 or last):
                 ckpts.save(step, _state_items(trainer), _meta(cfg, trainer, train_loader, step))
             tracking.log(metrics, step)
+            guard.check(step, metrics)
     finally:
         ckpts.close()
         tracking.close()

@@ -28,6 +28,7 @@ def _overrides(run_dir, steps: int = STEPS) -> list[str]:
         f"data.train_files={cache}/train.parquet",
         f"data.val_files={cache}/test.parquet",
         f"actor_rollout_ref.model.path={cache}/model",
+        f"assets.dir={cache}",
         f"trainer.total_training_steps={steps}",
         "trainer.test_freq=2",
         "trainer.save_freq=1",

@@ -32,6 +32,7 @@ def assets(tmp_path_factory):
 def base_overrides(assets_dir, run_dir) -> list[str]:
     return [
         f"actor_rollout_ref.model.path={assets_dir}/model",
+        f"assets.dir={assets_dir}",
         f"data.train_files={assets_dir}/train.parquet",
         f"data.val_files={assets_dir}/test.parquet",
         f"trainer.default_local_dir={run_dir}",

@@ -1,0 +1,104 @@
+"""Paths as a new user gets them wrong: a typo in a path copied from the quickstart config, a
+model folder that does not exist, is empty, or lacks weights or a tokenizer. Each is refused
+before anything loads, with the key, the path and what is missing, and nothing is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.faults
+
+ROOT = Path(__file__).parents[2]
+CONFIG = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "jaxrl.train", "--config", CONFIG, *overrides],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def assert_refused(out: subprocess.CompletedProcess, *expected: str) -> None:
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    for text in expected:
+        assert text in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("data.train_files", "data/typo.parquet"), ("actor_rollout_ref.model.path", "models/typo")],
+)
+def test_typo_in_a_quickstart_path_is_not_filled_with_made_up_data(tmp_path, key, value):
+    out = train(tmp_path, f"{key}={value}", f"trainer.default_local_dir={tmp_path}/run")
+    assert_refused(
+        out,
+        f"{key}={value}: no such",
+        "assets.quickstart writes missing files only inside assets.dir=~/.cache/jaxrl/quickstart",
+    )
+    assert not (tmp_path / value).exists()
+
+
+def test_missing_model_folder_names_the_key(tmp_path):
+    out = train(
+        tmp_path,
+        "assets.quickstart=false",
+        f"actor_rollout_ref.model.path={tmp_path}/nowhere",
+        f"trainer.default_local_dir={tmp_path}/run",
+    )
+    assert_refused(out, f"actor_rollout_ref.model.path={tmp_path}/nowhere: no such folder")
+
+
+def test_empty_model_folder_says_what_is_missing(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = train(
+        tmp_path,
+        "assets.quickstart=false",
+        f"actor_rollout_ref.model.path={empty}",
+        f"trainer.default_local_dir={tmp_path}/run",
+    )
+    assert_refused(
+        out,
+        f"actor_rollout_ref.model.path={empty}: no config.json",
+        f"actor_rollout_ref.model.path={empty}: no model.safetensors",
+    )
+
+
+def test_model_without_a_tokenizer(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "model.safetensors").write_bytes(b"")
+    out = train(
+        tmp_path,
+        "assets.quickstart=false",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={tmp_path}/run",
+    )
+    assert_refused(out, f"actor_rollout_ref.model.path={model}: no tokenizer files")
+
+
+def test_torch_weights_only_get_the_conversion_hint(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "pytorch_model.bin").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    out = train(
+        tmp_path,
+        "assets.quickstart=false",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={tmp_path}/run",
+    )
+    assert_refused(
+        out, "(found ['pytorch_model.bin']: convert them with transformers' save_pretrained)"
+    )
