@@ -2,10 +2,12 @@
 
     written = jaxrl.assets.prepare(cfg)   # paths created; [] when everything exists
 
-With `assets.quickstart`, a missing `actor_rollout_ref.model.path` becomes a tiny random Qwen2
+With `assets.quickstart`, a missing `actor_rollout_ref.model.path` becomes a tiny random Llama
 policy (2 layers, hidden 64, tied embeddings; initialised by jaxrl, no torch needed) with the
-synthetic task's word-level tokenizer, and missing `data.train_files` / `data.val_files` become
-verl-format parquet of `jaxrl.data.synthetic`'s task. Nothing that exists is overwritten, and
+synthetic task's word-level tokenizer (a llama `config.json` lets transformers' `AutoTokenizer`
+load that tokenizer as it is; for qwen2 it substitutes a byte-level BPE `Qwen2Tokenizer`), and
+missing `data.train_files` / `data.val_files` become verl-format parquet of
+`jaxrl.data.synthetic`'s task. Nothing that exists is overwritten, and
 nothing is written outside `assets.dir`: a missing path elsewhere (a typo in an override) is a
 `ConfigError` naming its key, never a silent run on made-up data.
 """
@@ -61,9 +63,9 @@ def _single(files, key: str) -> Path:
 
 
 def write_quickstart_model(folder: Path, seed: int = 0) -> None:
-    """A tiny random Qwen2 causal LM and its tokenizer, as an HF checkpoint folder."""
+    """A tiny random Llama causal LM and its tokenizer, as an HF checkpoint folder."""
     import jax
-    from transformers import Qwen2Config
+    from transformers import LlamaConfig
 
     from jaxrl.data import load_tokenizer, synthetic
     from jaxrl.models import from_hf_config, init_params, save_pretrained
@@ -73,7 +75,7 @@ def write_quickstart_model(folder: Path, seed: int = 0) -> None:
         synthetic.write_tokenizer(staging)
         tokenizer = load_tokenizer(str(staging))
         vocab = -(-len(tokenizer) // 8) * 8
-        hf = Qwen2Config(
+        hf = LlamaConfig(
             vocab_size=vocab,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,

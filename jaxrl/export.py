@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+log = logging.getLogger("jaxrl.export")
 
 
 def resolve_step(path: Path) -> tuple[Path, int]:
@@ -59,7 +62,32 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     except (OSError, ValueError):
         pass  # a checkpoint without a tokenizer: weights and config only
     base = json.loads((source / "config.json").read_text())
-    return save_pretrained(config, params, out, tokenizer, dtype=dtype, base_config=base)
+    out = save_pretrained(config, params, out, tokenizer, dtype=dtype, base_config=base)
+    if tokenizer is not None:
+        check_auto_tokenizer(out, tokenizer)
+    return out
+
+
+def check_auto_tokenizer(folder: Path, tokenizer) -> bool:
+    """Whether transformers' `AutoTokenizer` loads the exported tokenizer so that it encodes
+    like the one training used (probed on a sample of its vocabulary and on plain text); a
+    difference is logged as a warning naming both classes."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(folder))
+    words = [w for w in list(tokenizer.get_vocab())[:200] if w.isprintable() and " " not in w]
+    probes = [" ".join(words), "Hello, world! 12 + 30 = 42", "repeat: 7"]
+    for text in probes:
+        if loaded.encode(text) != tokenizer.encode(text):
+            log.warning(
+                "%s: transformers' AutoTokenizer loads the tokenizer as %s, which encodes %r "
+                "differently from the %s used in training; load it with "
+                "jaxrl.data.load_tokenizer (or PreTrainedTokenizerFast.from_pretrained), or "
+                "export a model family whose tokenizer class transformers trusts (llama)",
+                folder, type(loaded).__name__, text[:40], type(tokenizer).__name__,
+            )  # fmt: skip
+            return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,12 +1,17 @@
 """`python -m jaxrl.train --config configs/NAME.yaml [dotted.key=value ...]`.
 
-Loads and checks the configuration against the devices JAX sees, prints the resolved config and
-the device/mesh summary, and writes the resolved config to the run directory
-(`trainer.default_local_dir/config.yaml`), makes the files `assets.*` asks for (the
-quickstart's model and data), and runs the RL loop (`jaxrl.trainer.fit`).
+Loads and checks the configuration against the devices JAX sees (and the model and data paths
+it names), makes the files `assets.*` asks for (the quickstart's model and data), prints a short
+summary of the run and the device/mesh summary, writes the resolved config to the run directory
+(`trainer.default_local_dir/config.yaml`), and runs the RL loop (`jaxrl.trainer.fit`).
 """
 
 from __future__ import annotations
+
+import os
+
+# transformers' import-time "PyTorch was not found" advice: jaxrl needs no torch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import argparse
 import dataclasses
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxrl import distributed
-from jaxrl.config import Config, ConfigError, load_config, save_config, to_yaml
+from jaxrl.config import Config, ConfigError, load_config, save_config
 from jaxrl.config.checks import check_model_context, critic_enabled
 from jaxrl.config.reference import attribute_docs
 
@@ -88,6 +93,35 @@ def folder_problems(cfg: Config) -> list[str]:
     return found
 
 
+def _files(files) -> str:
+    if files is None:
+        return "(none)"
+    return files if isinstance(files, str) else ", ".join(map(str, files))
+
+
+def run_summary(cfg: Config, overrides: Sequence[str]) -> str:
+    """A few lines for the console: the run, the overrides, models, data and the schedule (the
+    whole resolved config goes to the run directory)."""
+    arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    models = [f"actor {arr.model.path}"]
+    if critic_enabled(cfg):
+        models.append(f"critic {cfg.critic.model.path}")
+    if cfg.reward_model.enable:
+        models.append(f"reward model {cfg.reward_model.model.path}")
+    steps = t.total_training_steps or f"{t.total_epochs} epochs of"
+    return "\n".join(
+        [
+            f"run: {t.default_local_dir}",
+            f"overrides: {' '.join(overrides) or '(none)'}",
+            f"models: {', '.join(models)}",
+            f"data: train {_files(data.train_files)}, val {_files(data.val_files)}",
+            f"schedule: {steps} steps of {data.train_batch_size} prompts x {arr.rollout.n} "
+            f"responses; {cfg.algorithm.adv_estimator}, loss {arr.actor.policy_loss.loss_mode}, "
+            f"mini-batch {arr.actor.ppo_mini_batch_size} prompts x {arr.actor.ppo_epochs} epochs",
+        ]
+    )
+
+
 def device_summary(cfg: Config) -> str:
     """Platform, device and process counts, and the training and rollout meshes."""
     import jax
@@ -146,19 +180,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         distributed.mark_failed(f"configuration error: {e}", exit_code=2)
         return 2
-    print(to_yaml(cfg), end="")
+    print(run_summary(cfg, args.overrides))
     print(device_summary(cfg))
     if distributed.is_main_process():
         path = save_config(cfg, cfg.trainer.default_local_dir)
-        print(f"resolved config written to {path}")
+        print(f"resolved config written to {path} (every key: {REFERENCE})")
+    from jaxrl.data.rows import DataError
     from jaxrl.trainer.checkpoint import CheckpointError
     from jaxrl.trainer.fit import TrainingError, fit
 
     try:
         metrics = fit(cfg)
-    except (CheckpointError, TrainingError, FileExistsError) as e:
+    except (CheckpointError, TrainingError, DataError, FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        distributed.mark_failed(f"checkpoint error: {e}", exit_code=1)
+        distributed.mark_failed(f"run stopped: {e}", exit_code=1)
         return 1
     core = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
     print(f"done: {cfg.trainer.default_local_dir} ({core or 'no validation'})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -220,6 +221,10 @@ def _check_ranges(cfg: Config, p: _Problems) -> None:
     for key in ("trainer.save_freq", "trainer.test_freq"):
         if get(cfg, key) == 0 or get(cfg, key) < -1:
             p.append(f"{key} must be -1 (off) or >= 1, got {get(cfg, key)}")
+    if not math.isfinite(cfg.reward_model.error_score):
+        p.append(
+            f"reward_model.error_score must be a finite number, got {cfg.reward_model.error_score}"
+        )
     limit = cfg.trainer.max_consecutive_nonfinite_steps
     if limit is not None and limit < 1:
         p.append(

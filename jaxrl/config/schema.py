@@ -500,6 +500,8 @@ class RewardModelConfig:
         timeout_s: *jaxrl*. Seconds per sample in the `prime` manager before its worker is
             killed and the sample scores 0.
         reward_kwargs: Extra keyword arguments of the `batch` manager's scoring function.
+        error_score: *jaxrl*. The score of a row whose scorer raised, timed out, or returned
+            something that is not a finite number (counted in `reward/errors`).
     """
 
     enable: bool = False
@@ -513,6 +515,7 @@ class RewardModelConfig:
     num_workers: int = 4
     timeout_s: float = 300.0
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    error_score: float = 0.0
 
 
 @dataclass(frozen=True)

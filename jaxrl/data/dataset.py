@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl.data.batch import PromptBatch, object_array
-from jaxrl.data.rows import DataError, ReadReport, Row, read_rows
+from jaxrl.data.rows import DataError, ReadReport, Row, as_file_list, read_rows
 from jaxrl.data.templates import TRUNCATIONS, encode_prompts, left_pad, truncate
 
 log = logging.getLogger("jaxrl.data")
@@ -95,10 +95,15 @@ class RLDataset:
             seed: Seed of that draw.
             skip_bad_rows: Skip malformed rows (counted in `report`) instead of raising.
         """
-        file_list = files
         rows, report = read_rows(files, prompt_key=prompt_key, skip_bad_rows=skip_bad_rows)
         if not rows:
-            raise DataError(f"{file_list}: no usable rows")
+            names = ", ".join(as_file_list(files))
+            why = (
+                f"all {len(report.skipped)} rows are malformed (first: {report.skipped[0]})"
+                if report.skipped
+                else "the files hold no rows"
+            )
+            raise DataError(f"{names}: no usable rows: {why}")
         total = len(rows)
         if 0 < max_samples < total:
             if shuffle:

@@ -88,9 +88,19 @@ def read_table(path: str) -> list[dict[str, Any]]:
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory; give the parquet files inside it")
     try:
-        return pq.read_table(path).to_pylist()
+        # Pages written with checksums (jaxrl's own files) are verified: without them a flipped
+        # byte in a data page can load as silently different rows.
+        return pq.read_table(path, page_checksum_verification=True).to_pylist()
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({e})") from e
+
+
+def missing_columns(path: str, prompt_key: str) -> list[str]:
+    """The required columns that the parquet file's schema lacks."""
+    import pyarrow.parquet as pq
+
+    names = set(pq.read_schema(path).names)
+    return [c for c in (*REQUIRED_COLUMNS, prompt_key) if c not in names]
 
 
 def check_row(raw: dict[str, Any], prompt_key: str) -> str | None:
@@ -168,6 +178,13 @@ def read_rows(
     report = ReadReport()
     for path in as_file_list(files):
         table = read_table(path)
+        missing = missing_columns(path, prompt_key)
+        if missing:  # a file-level problem: skipping every row would hide it
+            raise DataError(
+                f"{path}: no column {', '.join(map(repr, missing))} (a verl-format file has "
+                f"{', '.join(map(repr, (*REQUIRED_COLUMNS, prompt_key)))}; the prompt column is "
+                "data.prompt_key); convert it with python -m jaxrl.data.preprocess"
+            )
         report.rows_per_file[path] = len(table)
         for i, raw in enumerate(table):
             problem = check_row(raw, prompt_key)
@@ -214,5 +231,5 @@ def write_parquet(records: Sequence[dict[str, Any]], path: str | os.PathLike) ->
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     # Parquet cannot store a struct without fields: an empty dict is written as null.
     records = [{k: (None if v == {} else v) for k, v in r.items()} for r in records]
-    pq.write_table(pa.Table.from_pylist(records), path)
+    pq.write_table(pa.Table.from_pylist(records), path, write_page_checksum=True)
     return path

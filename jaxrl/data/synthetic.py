@@ -127,8 +127,9 @@ def write_dataset(
 def write_tokenizer(folder: str | os.PathLike) -> Path:
     """Write a word-level HF tokenizer for the synthetic tasks (ChatML chat template, pad
     `<pad>` = 0, eos `<|im_end|>`, one token per digit) to `folder`; load it with
-    `jaxrl.data.load_tokenizer` (next to a qwen2 `config.json`, transformers 5's `AutoTokenizer`
-    would load it as a byte-level BPE `Qwen2Tokenizer`).
+    `jaxrl.data.load_tokenizer`, or with transformers' `AutoTokenizer` next to a llama
+    `config.json` (next to a qwen2 one, transformers 5 substitutes a byte-level BPE
+    `Qwen2Tokenizer`, which drops the words).
     Its vocabulary is `TOKENIZER_WORDS` (a tiny model needs `vocab_size >= len(...)`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -9,9 +9,12 @@ A manager turns a `RewardInputs` batch into a `RewardOutput`:
 
 `compute_score` returns a float, or a dict whose "score" is the reward and whose every key
 (including "score") is extra info; for a float, extra info gets `acc = score`, as verl 0.9.1's
-reward loop records it. A scorer that raises (or returns something that is not a number) scores
-0 for that row and is counted in `reward/errors`; the run goes on. (verl's own `naive` manager
-lets the exception end the run; its `prime` manager scores 0, as here.)
+reward loop records it. A scorer that raises, times out, or returns something that is not a
+finite number (NaN, inf, a string, a batch of the wrong length) scores `error_score`
+(`reward_model.error_score`, default 0) for that row and is counted in `reward/errors` (and
+`reward/timeouts`); the first three are logged with their reason, then one line with the
+batch's count; the run goes on. (verl's own `naive` manager lets the exception end the run; its
+`prime` manager scores 0, as here.)
 
 Scoring runs on the host in the calling process. `submit(inputs)` scores in a background
 thread and returns a `concurrent.futures.Future`, so the device can work meanwhile.
@@ -50,21 +53,28 @@ class RowResult:
     timed_out: bool = False
 
 
-def split_result(result: RowResult) -> tuple[float, dict[str, Any], str | None]:
-    """(reward, extra info, error) of one row; a failed or non-numeric result is reward 0."""
+def split_result(
+    result: RowResult, error_score: float = 0.0
+) -> tuple[float, dict[str, Any], str | None]:
+    """(reward, extra info, error) of one row; a failed, non-numeric or non-finite result is
+    reward `error_score`."""
     if result.error is not None:
-        return 0.0, {}, result.error
+        return error_score, {}, result.error
     value = result.value
     try:
         if isinstance(value, Mapping):
-            return float(value["score"]), dict(value), None
-        return float(value), {"acc": value}, None
-    except (KeyError, TypeError, ValueError) as e:
+            score, info = float(value["score"]), dict(value)
+        else:
+            score, info = float(value), {"acc": value}
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         return (
-            0.0,
+            error_score,
             {},
             f"compute_score returned {value!r}, not a number or a dict with 'score' ({e})",
         )
+    if not np.isfinite(score):
+        return error_score, {}, f"compute_score returned {score}, not a finite number"
+    return score, info, None
 
 
 def call_scorer(fn: ScoreFn, **kwargs: Any) -> RowResult:
@@ -113,11 +123,13 @@ class RewardManager:
         num_examine: int = 0,
         compute_score: ScoreFn | None = None,
         reward_fn_key: str = "data_source",
+        error_score: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.num_examine = num_examine
         self.compute_score = compute_score or default_compute_score
         self.reward_fn_key = reward_fn_key
+        self.error_score = float(error_score)
         self._executor: ThreadPoolExecutor | None = None
 
     # -- subclasses
@@ -186,19 +198,30 @@ class RewardManager:
         infos: list[dict[str, Any]] = []
         errors = timeouts = 0
         for i, result in enumerate(results):
-            scores[i], info, error = split_result(result)
+            scores[i], info, error = split_result(result, self.error_score)
             infos.append(info)
             if error is not None:
                 errors += 1
                 timeouts += int(result.timed_out)
                 if errors <= 3:
                     logger.warning(
-                        "%s reward manager: row %d (data_source=%r) scored 0: %s",
+                        "%s reward manager: row %d (data_source=%r) scored %g: %s",
                         self.name,
                         i,
                         inputs.data_sources[i],
+                        self.error_score,
                         error,
                     )
+        if errors > 3:
+            logger.warning(
+                "%s reward manager: and %d more rows (reward/errors=%d of %d rows, "
+                "reward/timeouts=%d)",
+                self.name,
+                errors - 3,
+                errors,
+                b,
+                timeouts,
+            )
         extra_b, extra_info = self.extra_reward(inputs)
         scores = scores.astype(np.float32) + extra_b.astype(np.float32)
         keys = list(dict.fromkeys(k for info in infos for k in info))

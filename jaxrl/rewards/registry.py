@@ -105,5 +105,6 @@ def make_reward_manager(
         num_examine=num_examine,
         compute_score=compute_score_from_config(config.custom_reward_function),
         reward_fn_key=_get(config.data, "reward_fn_key", "data_source"),
+        error_score=_get(rm, "error_score", 0.0),
         **options,
     )

@@ -30,11 +30,13 @@ step, the folder and the fix; the previous checkpoint is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,17 +95,20 @@ def verify(step_dir: Path) -> str | None:
     if not manifest.is_file():
         return INCOMPLETE
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"its checksum manifest {manifest} is unreadable ({e})"
-    for name, expected in files.items():
+        files = {
+            name: (int(entry["bytes"]), str(entry["sha256"]))
+            for name, entry in json.loads(manifest.read_text())["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its checksum manifest {manifest} is unreadable ({type(e).__name__}: {e})"
+    for name, (expected_bytes, expected_sha) in files.items():
         path = step_dir / name
         if not path.is_file():
             return f"{name} is missing"
         size = path.stat().st_size
-        if size != expected["bytes"]:
-            return f"{name} has {size} bytes where {expected['bytes']} were written"
-        if _sha256(path) != expected["sha256"]:
+        if size != expected_bytes:
+            return f"{name} has {size} bytes where {expected_bytes} were written"
+        if _sha256(path) != expected_sha:
             return f"{name} differs from what was written (sha256 mismatch)"
     return None
 
@@ -119,6 +124,8 @@ class Checkpoints:
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._commit_thread: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
+        self._verified: set[int] = set()
+        self._failed = False  # a write failure was raised: orbax may raise it again
 
     @property
     def set_aside_dir(self) -> Path:
@@ -142,11 +149,17 @@ class Checkpoints:
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Start saving `state` (pytrees of arrays) and `meta` (JSON) as `step`; returns
-        before the write completes (`wait` blocks until it is committed). A folder already
-        holding `step` (a run resumed from an earlier step) is moved to `set_aside_dir`."""
+        before the write completes (`wait` blocks until it is committed).
+
+        Raises:
+            CheckpointError: `step` exists already (a run resumed from an earlier step calls
+                `set_aside_after` first), or the previous save failed.
+        """
         self.wait()
-        if self.step_dir(step).exists() and jax.process_index() == 0:
-            self._set_aside(step, "replaced")  # set_aside_after does it for every process
+        if self.step_dir(step).exists():
+            raise CheckpointError(
+                f"{self.step_dir(step)} exists already; move it away (set_aside_after) first"
+            )
         items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
         try:
             self._manager.save(
@@ -164,9 +177,14 @@ class Checkpoints:
             self._manager.wait_until_finished()
             if jax.process_index() == 0:
                 write_manifest(self.step_dir(step))
-                self._retire(step)
         except BaseException as e:  # re-raised on the training thread
             self._failure = (step, e)
+            return
+        if jax.process_index() == 0:
+            try:
+                self._retire(step)
+            except OSError as e:  # the new step is committed: an old one merely lingers
+                log.warning("checkpoint retention in %s: %s", self.directory, e)
 
     def _retire(self, newest: int) -> None:
         """Retention: keep the newest `max_to_keep` committed steps; steps older than the
@@ -185,12 +203,18 @@ class Checkpoints:
         committed = [
             s for s in self.all_steps() if s != step and (self.step_dir(s) / MANIFEST).is_file()
         ]
-        previous = f"step {committed[-1]} is intact" if committed else "no earlier step exists"
+        if committed:
+            previous = (
+                f"Step {committed[-1]} is intact: free space there and run again "
+                "(trainer.resume_mode=auto continues from it), or continue on another disk with "
+                "trainer.default_local_dir=NEW trainer.resume_mode=resume_path "
+                f"trainer.resume_from_path={self.step_dir(committed[-1])}"
+            )
+        else:
+            previous = "No earlier step exists: free space there, or choose another disk"
         return (
             f"the checkpoint of step {step} could not be written to {self.directory}: "
-            f"{type(error).__name__}: {error}. {previous.capitalize()}; free space there (or "
-            "set trainer.default_local_dir to another disk) and run again: "
-            "trainer.resume_mode=auto continues from the newest intact checkpoint"
+            f"{type(error).__name__}: {error}. {previous}"
         )
 
     def raise_if_failed(self) -> None:
@@ -207,12 +231,22 @@ class Checkpoints:
         if self._failure is not None:
             step, error = self._failure
             self._failure = None
+            self._failed = True
             raise CheckpointError(self._write_failure(step, error)) from error
 
     def close(self) -> None:
+        """Wait for the pending save, then release orbax; a failed save raises its
+        `CheckpointError` (once: orbax's own re-raise of it is dropped)."""
         try:
             self.wait()
-        finally:
+        except CheckpointError:
+            with contextlib.suppress(Exception):
+                self._manager.close()
+            raise
+        if self._failed:  # orbax re-raises the failure already reported as CheckpointError
+            with contextlib.suppress(Exception):
+                self._manager.close()
+        else:
             self._manager.close()
 
     # -- choosing and restoring -------------------------------------------------------------
@@ -229,6 +263,8 @@ class Checkpoints:
         if isinstance(verdict, str):
             raise CheckpointError(verdict)
         self._manager.reload()
+        if verdict is not None:
+            self._verified.add(verdict)  # by process 0, just now: restore need not hash again
         return verdict
 
     def set_aside_after(self, step: int) -> None:
@@ -263,11 +299,19 @@ class Checkpoints:
         if not problems:
             return None
         found = "; ".join(f"step {s}: {why}" for s, why in problems)
+        legacy = (
+            " A checkpoint written before jaxrl kept checksums has no manifest either: if you "
+            "trust it, seal it with python -m jaxrl.trainer.checkpoint seal "
+            f"{self.step_dir(problems[0][0])}."
+            if any(why == INCOMPLETE for _, why in problems)
+            else ""
+        )
         return (
             f"no intact checkpoint in {self.directory} ({found}); nothing was loaded or changed. "
             "To start the run over, move those folders away (or choose another "
             "trainer.experiment_name); to continue from a checkpoint elsewhere, set "
-            "trainer.resume_mode=resume_path trainer.resume_from_path=RUN/checkpoints/STEP"
+            "trainer.resume_mode=resume_path trainer.resume_from_path=RUN/checkpoints/STEP."
+            + legacy
         )
 
     def _dispose(self, step: int, problem: str) -> str:
@@ -322,11 +366,63 @@ class Checkpoints:
         return dict(out["meta"])
 
     def _check(self, step: int) -> None:
-        problem = verify(self.step_dir(step))
-        if problem is not None:
+        """Verify `step` once per instance: on process 0, its verdict shared by every process."""
+        if step in self._verified:
+            return
+        problem = verify(self.step_dir(step)) if jax.process_index() == 0 else None
+        problem = allgather_objects(problem)[0]
+        if problem is None:
+            self._verified.add(step)
+        else:
             raise CheckpointError(
                 f"checkpoint {self.step_dir(step)} cannot be trusted: {problem}. Resume from "
                 "an earlier step (trainer.resume_mode=resume_path "
                 "trainer.resume_from_path=RUN/checkpoints/STEP) or let trainer.resume_mode=auto "
                 "choose the newest intact one"
             )
+
+
+def seal(step_dir: Path) -> None:
+    """Write the manifest of a step folder that orbax finished (one written before jaxrl kept
+    checksums): from then on it is verified like any other.
+
+    Raises:
+        CheckpointError: not a finished orbax step folder, or it has a manifest already.
+    """
+    step_dir = Path(step_dir).expanduser().absolute()
+    if not step_dir.name.isdigit() or not (step_dir / "_CHECKPOINT_METADATA").is_file():
+        raise CheckpointError(
+            f"{step_dir}: not a finished checkpoint step folder (RUN/checkpoints/N)"
+        )
+    if (step_dir / MANIFEST).exists():
+        raise CheckpointError(f"{step_dir} has a checksum manifest already: nothing to seal")
+    write_manifest(step_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxrl.trainer.checkpoint seal|verify STEP_DIR...`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrl.trainer.checkpoint")
+    parser.add_argument("command", choices=("seal", "verify"))
+    parser.add_argument("steps", nargs="+", type=Path, help="step folders: RUN/checkpoints/N")
+    args = parser.parse_args(argv)
+    failed = False
+    for step_dir in args.steps:
+        try:
+            if args.command == "seal":
+                seal(step_dir)
+                print(f"sealed {step_dir}")
+            else:
+                problem = verify(step_dir)
+                if problem is not None:
+                    raise CheckpointError(f"{step_dir}: {problem}")
+                print(f"{step_dir}: intact")
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,8 @@ from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
 from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract
-from jaxrl.trainer.loggers import Tracking
+from jaxrl.trainer.fingerprint import step_fingerprints
+from jaxrl.trainer.loggers import Tracking, read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
 from jaxrl.trainer.update import UpdateState
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
@@ -38,8 +39,9 @@ class TrainingError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Counts consecutive steps whose updates were skipped for a non-finite gradient norm and
-    stops the run at `limit` of them (`trainer.max_consecutive_nonfinite_steps`)."""
+    """Counts consecutive steps that skipped any optimizer update (actor or critic) for a
+    non-finite gradient norm and stops the run at `limit` of them
+    (`trainer.max_consecutive_nonfinite_steps`)."""
 
     def __init__(self, limit: int | None):
         self.limit = limit
@@ -57,13 +59,12 @@ class NonFiniteGuard:
         log.warning("step %d: non-finite gradient norm, update skipped (%s)", step, norms)
         if self.limit is not None and len(self.steps) >= self.limit:
             raise TrainingError(
-                f"steps {self.steps[0]}-{step}: {len(self.steps)} steps in a row had a "
-                f"non-finite gradient norm ({norms}; skipped optimizer steps {skipped}), so the "
-                "parameters have not changed since step "
-                f"{self.steps[0] - 1}; stopped as trainer.max_consecutive_nonfinite_steps="
-                f"{self.limit} says. Look at those steps' rewards and advantages in "
-                "metrics.jsonl (critic/score/*, critic/advantages/*), lower the learning rate, "
-                "or raise the key (null: never stop)"
+                f"steps {self.steps[0]}-{step}: {len(self.steps)} steps in a row skipped "
+                f"optimizer updates for a non-finite gradient norm (last: {norms}, skipped "
+                f"{skipped}); stopped as trainer.max_consecutive_nonfinite_steps={self.limit} "
+                "says. Look at those steps' rewards and advantages in metrics.jsonl "
+                "(critic/score/*, critic/advantages/*), lower the learning rate, or raise the "
+                "key (null: never stop)"
             )
 
 
@@ -136,6 +137,13 @@ def _state_items(trainer: PPOTrainer) -> dict[str, Any]:
         items["critic_params"] = trainer.critic.state.params
         items["critic_opt"] = trainer.critic.state.opt_state
     return items
+
+
+def _param_trees(trainer: PPOTrainer) -> dict[str, Any]:
+    trees = {"actor": trainer.actor.state.params}
+    if trainer.critic is not None:
+        trees["critic"] = trainer.critic.state.params
+    return trees
 
 
 def _meta(cfg, trainer: PPOTrainer, loader: PromptIterator, step: int) -> dict[str, Any]:
@@ -226,12 +234,18 @@ def fit(cfg, devices=None) -> dict[str, float]:
                 "to train further",
                 steps,
             )
+            if not cfg.trainer.val_only:  # nothing to train, validate or log again
+                ckpts.close()
+                rows = read_metrics(run_dir)
+                return {k: v for row in rows if row.get("training/global_step") == start
+                        for k, v in row.items()}  # fmt: skip
     tracking = Tracking(
         run_dir,
         cfg.trainer.logger,
         cfg.trainer.project_name,
         cfg.trainer.experiment_name,
         resume_step=start,
+        total_steps=steps,
     )
     metrics: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
@@ -244,6 +258,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
         progress = tqdm(range(start + 1, steps + 1), initial=start, total=steps, disable=None)
         for step in progress:
             metrics = trainer.step(next(train_loader), step)
+            metrics.update(step_fingerprints(trainer.last_batch, _param_trees(trainer)))
             ckpts.raise_if_failed()  # a checkpoint write that failed in the background
             last = step == steps
             freq = cfg.trainer.test_freq
@@ -257,8 +272,10 @@ def fit(cfg, devices=None) -> dict[str, float]:
             tracking.log(metrics, step)
             guard.check(step, metrics)
     finally:
-        ckpts.close()
-        tracking.close()
+        try:
+            ckpts.close()
+        finally:
+            tracking.close()
     if jax.process_index() == 0:
         from jaxrl.plot import plot_run
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,32 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _console_line(step: int, numbers: dict[str, int | float]) -> str:
+def _console_line(step: int, numbers: dict[str, int | float], progress: str = "") -> str:
     shown = [k for k in _CONSOLE_KEYS if k in numbers]
     shown += sorted(k for k in numbers if k.startswith("val-core/") and k not in shown)
-    return f"step {step}: " + " ".join(f"{k}={numbers[k]:.4g}" for k in shown)
+    line = f"step {step}: " + " ".join(f"{k}={numbers[k]:.4g}" for k in shown)
+    return f"{line} | {progress}" if progress else line
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class Progress:
+    """`step/total, eta` for the per-step console line: the mean wall time of the steps this
+    process ran, times the steps left."""
+
+    def __init__(self, total_steps: int | None, resume_step: int = 0):
+        self.total, self.first = total_steps, resume_step
+        self.started = time.monotonic()
+
+    def __call__(self, step: int) -> str:
+        if not self.total or step <= self.first:
+            return ""
+        per_step = (time.monotonic() - self.started) / (step - self.first)
+        return f"{step}/{self.total}, eta {_duration(per_step * max(self.total - step, 0))}"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -72,6 +95,7 @@ class Tracking:
         experiment: str,
         config: dict[str, Any] | None = None,
         resume_step: int = 0,  # the last step already done (0: a fresh run)
+        total_steps: int | None = None,  # for the console line's progress and ETA
     ):
         unknown = [b for b in backends if b not in LOGGERS]
         if unknown:
@@ -80,6 +104,7 @@ class Tracking:
         self.run_dir = Path(run_dir)
         self.backends = tuple(backends)
         self._tb = self._wandb = None
+        self.progress = Progress(total_steps, resume_step)
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +137,8 @@ class Tracking:
         row = {"training/global_step": step, **{k: _plain(v) for k, v in metrics.items()}}
         numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
         if not self.enabled:
-            print(f"{process_log_prefix()}{_console_line(step, numbers)}", flush=True)
+            line = _console_line(step, numbers, self.progress(step))
+            print(f"{process_log_prefix()}{line}", flush=True)
             return
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
@@ -123,7 +149,7 @@ class Tracking:
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
         if "console" in self.backends:
-            print(_console_line(step, numbers), flush=True)
+            print(_console_line(step, numbers, self.progress(step)), flush=True)
 
     def close(self) -> None:
         if not self.enabled:

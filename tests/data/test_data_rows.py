@@ -34,7 +34,7 @@ def test_several_files_and_prompt_key(write, digit_records):
     records = digit_records([3])
     records[0]["question"] = records[0].pop("prompt")
     b = write(records, "b.parquet")
-    with pytest.raises(DataError, match=r"b\.parquet: row 0: column 'prompt' is missing"):
+    with pytest.raises(DataError, match=r"b\.parquet: no column 'prompt' \(a verl-format"):
         read_rows([a, b])
     rows, _ = read_rows([b], prompt_key="question")
     assert rows[0].messages[0]["content"] == "copy: 0 1 2"
@@ -81,15 +81,16 @@ def test_wrong_column_type(write, digit_records):
         read_rows(path)
 
 
-def test_missing_column_counted_when_skipping(write, digit_records):
+def test_missing_columns_are_a_file_error_naming_each(write, digit_records):
+    """A file without a required column is refused as a whole, skip_bad_rows or not (skipping
+    every row would only end in 'no usable rows')."""
     records = digit_records([1, 2, 3])
     path = write(records)
-    table = pq.read_table(path).drop_columns(["reward_model"])
+    table = pq.read_table(path).drop_columns(["reward_model", "data_source"])
     pq.write_table(table, path)
-    with pytest.raises(DataError, match=r"row 0: column 'reward_model' is missing"):
-        read_rows(path)
-    rows, report = read_rows(path, skip_bad_rows=True)
-    assert rows == [] and len(report.skipped) == 3
+    for skip in (False, True):
+        with pytest.raises(DataError, match=r"no column 'data_source', 'reward_model' \("):
+            read_rows(path, skip_bad_rows=skip)
 
 
 def test_missing_and_non_parquet_files(tmp_path):

@@ -37,6 +37,14 @@ def assert_refused(out: subprocess.CompletedProcess, *expected: str) -> None:
     "key, value",
     [("data.train_files", "data/typo.parquet"), ("actor_rollout_ref.model.path", "models/typo")],
 )
+@pytest.mark.fault(
+    fault="A typo in a data or model path with `assets.quickstart` on",
+    outcome=(
+        "Refused: the key, the path, and that the quickstart writes only inside `assets.dir`; "
+        "nothing is written"
+    ),
+    lost="Nothing",
+)
 def test_typo_in_a_quickstart_path_is_not_filled_with_made_up_data(tmp_path, key, value):
     out = train(tmp_path, f"{key}={value}", f"trainer.default_local_dir={tmp_path}/run")
     assert_refused(
@@ -47,6 +55,11 @@ def test_typo_in_a_quickstart_path_is_not_filled_with_made_up_data(tmp_path, key
     assert not (tmp_path / value).exists()
 
 
+@pytest.mark.fault(
+    fault="A model path that does not exist",
+    outcome="Refused before anything loads, naming the key and the path",
+    lost="Nothing",
+)
 def test_missing_model_folder_names_the_key(tmp_path):
     out = train(
         tmp_path,
@@ -57,6 +70,11 @@ def test_missing_model_folder_names_the_key(tmp_path):
     assert_refused(out, f"actor_rollout_ref.model.path={tmp_path}/nowhere: no such folder")
 
 
+@pytest.mark.fault(
+    fault="An empty model folder",
+    outcome="Refused, listing the missing `config.json` and weights",
+    lost="Nothing",
+)
 def test_empty_model_folder_says_what_is_missing(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -73,6 +91,11 @@ def test_empty_model_folder_says_what_is_missing(tmp_path):
     )
 
 
+@pytest.mark.fault(
+    fault="A model folder without tokenizer files",
+    outcome="Refused, naming the tokenizer files looked for",
+    lost="Nothing",
+)
 def test_model_without_a_tokenizer(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -87,6 +110,11 @@ def test_model_without_a_tokenizer(tmp_path):
     assert_refused(out, f"actor_rollout_ref.model.path={model}: no tokenizer files")
 
 
+@pytest.mark.fault(
+    fault="A model folder with only `.bin` weights",
+    outcome="Refused, with the conversion to safetensors as the fix",
+    lost="Nothing",
+)
 def test_torch_weights_only_get_the_conversion_hint(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _damage import flip_bytes
 
 from jaxrl.trainer.checkpoint import MANIFEST, CheckpointError, Checkpoints, abstract, verify
 
@@ -41,14 +42,6 @@ def largest_file(step_dir: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_size)
 
 
-def flip_bytes(path: Path, count: int = 64) -> None:
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    for i in range(middle, min(middle + count, len(data))):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -70,6 +63,18 @@ DAMAGES = {
 }
 
 
+@pytest.mark.fault(
+    fault=(
+        "The newest checkpoint damaged on disk: bytes flipped, a file truncated or deleted, "
+        "metadata rewritten, its checksum manifest broken"
+    ),
+    outcome=(
+        "Resume checks every file's size and sha256 against the manifest written at the save's "
+        "commit, names the broken step, moves it to `checkpoints.set_aside/` and resumes from the"
+        " previous intact step"
+    ),
+    lost="The steps since that previous checkpoint",
+)
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
     ckpts = saved(tmp_path / "ckpt")
@@ -88,6 +93,11 @@ def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
     ckpts.close()
 
 
+@pytest.mark.fault(
+    fault="A save killed after orbax's rename but before jaxrl's commit (no manifest)",
+    outcome="The step is treated as unfinished: deleted, and the previous intact step is resumed",
+    lost="The steps since that previous checkpoint",
+)
 def test_unfinished_save_is_deleted_not_trusted(tmp_path):
     """A step folder without a manifest: orbax finished, the commit did not (killed)."""
     ckpts = saved(tmp_path)
@@ -98,6 +108,14 @@ def test_unfinished_save_is_deleted_not_trusted(tmp_path):
     ckpts.close()
 
 
+@pytest.mark.fault(
+    fault="Every checkpoint of the run broken or unfinished",
+    outcome=(
+        "Resume refuses with the folder, each step's problem and the two ways out; nothing is "
+        "loaded, moved or deleted"
+    ),
+    lost="Nothing (the run does not start)",
+)
 def test_no_intact_checkpoint_refuses_and_changes_nothing(tmp_path):
     ckpts = saved(tmp_path / "ckpt", steps=(1, 2))
     flip_bytes(largest_file(ckpts.step_dir(2)))
@@ -119,6 +137,11 @@ def test_empty_folder_has_no_restorable_step(tmp_path):
     ckpts.close()
 
 
+@pytest.mark.fault(
+    fault="`max_actor_ckpt_to_keep` retention at any moment of a save",
+    outcome="Older steps are deleted only after the newer one is committed",
+    lost="Nothing: a committed checkpoint always exists once one was written",
+)
 def test_retention_deletes_only_after_the_newer_commit(tmp_path):
     ckpts = saved(tmp_path, steps=(1, 2, 3, 4), max_to_keep=2)
     assert ckpts.all_steps() == [3, 4]
@@ -129,6 +152,15 @@ def test_retention_deletes_only_after_the_newer_commit(tmp_path):
     ckpts.close()
 
 
+@pytest.mark.fault(
+    fault=(
+        "A run resumed from an earlier step reaches the step of an existing (e.g. corrupt) folder"
+    ),
+    outcome=(
+        "The old folder is moved to `checkpoints.set_aside/`, the new step is written in its place"
+    ),
+    lost="Nothing (the old folder is kept aside)",
+)
 def test_resuming_an_earlier_step_sets_later_ones_aside(tmp_path):
     ckpts = saved(tmp_path / "ckpt")
     ckpts.set_aside_after(1)
@@ -151,17 +183,34 @@ DISK_FULL = textwrap.dedent(
     c = Checkpoints(sys.argv[1])
     c.save(1, {"actor": {"w": jnp.ones((64, 64))}}, {"global_step": 1})
     c.wait()
+    noise = jax.random.normal(jax.random.key(0), (1024, 1024))  # 4 MiB, incompressible
+    c.save(2, {"actor": {"w": noise}}, {"global_step": 2})
     try:
-        noise = jax.random.normal(jax.random.key(0), (1024, 1024))  # 4 MiB, incompressible
-        c.save(2, {"actor": {"w": noise}}, {"global_step": 2})
         c.wait()
     except CheckpointError as e:
         print("ERROR:", e)
+    else:
+        sys.exit(1)
+    c.close()  # the failure was reported: closing raises nothing more (orbax would re-raise)
+    c = Checkpoints(sys.argv[1])
+    c.save(3, {"actor": {"w": noise}}, {"global_step": 3})
+    try:
+        c.close()  # a failure first seen by close is raised by it, as a CheckpointError
+    except CheckpointError as e:
+        print("CLOSE:", str(e).split(":")[0])
         sys.exit(3)
     """
 )
 
 
+@pytest.mark.fault(
+    fault="Disk full during a checkpoint write (a 2 MiB tmpfs)",
+    outcome=(
+        "The run stops with an error naming the step, the folder, the intact previous step and "
+        "the fix; that step stays restorable"
+    ),
+    lost="The steps since the previous checkpoint",
+)
 def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous(tmp_path):
     """A 2 MiB tmpfs in a private mount namespace (no mount outside this test)."""
     if shutil.which("unshare") is None:
@@ -182,7 +231,8 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous(tmp_path):
     assert out.returncode == 3, out.stdout + out.stderr
     assert "the checkpoint of step 2 could not be written" in out.stdout
     assert "No space left on device" in out.stdout
-    assert "Step 1 is intact" in out.stdout and "trainer.default_local_dir" in out.stdout
+    assert "Step 1 is intact" in out.stdout and "trainer.resume_from_path=" in out.stdout
+    assert "CLOSE: the checkpoint of step 3 could not be written" in out.stdout
     copy = Checkpoints(tmp_path / "copy")
     assert copy.restorable_step() == 1
     restored, _ = copy.restore(1, {"actor": abstract({"w": jnp.zeros((64, 64))})})

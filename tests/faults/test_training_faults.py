@@ -22,8 +22,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _damage import flip_bytes
 
 from jaxrl.assets import prepare
+from jaxrl.compare import main as compare
 from jaxrl.config import load_config
 from jaxrl.trainer.checkpoint import MANIFEST, verify
 from jaxrl.trainer.loggers import read_metrics
@@ -84,21 +86,21 @@ def train(assets: Path, run_dir: Path, steps: int = STEPS) -> subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def straight(assets, tmp_path_factory) -> list[dict]:
-    """The metrics of an uninterrupted run."""
+def straight(assets, tmp_path_factory) -> Path:
+    """The run directory of an uninterrupted run."""
     run_dir = tmp_path_factory.mktemp("straight")
     out = train(assets, run_dir)
     assert out.returncode == 0, out.stderr[-3000:]
-    return read_metrics(run_dir)
+    return run_dir
 
 
-def assert_same_run(metrics: list[dict], reference: list[dict]) -> None:
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Every step, every metric but timings, and the fingerprints of the step's inputs and
+    parameters are equal (`python -m jaxrl.compare --metrics`)."""
+    metrics = read_metrics(run_dir)
     assert [r["training/global_step"] for r in metrics] == list(range(1, STEPS + 1))
-    for ours, ref in zip(metrics, reference, strict=True):
-        for key, value in ref.items():
-            if key.startswith(("timing", "perf/time", "perf/throughput")):
-                continue
-            assert ours[key] == value, (ref["training/global_step"], key, value, ours[key])
+    assert "fingerprint/actor" in metrics[-1]
+    assert compare([str(reference), str(run_dir), "--metrics"]) == 0
 
 
 def newest_intact(checkpoints: Path) -> int:
@@ -148,6 +150,17 @@ def run_and_kill(assets: Path, run_dir: Path, rng: random.Random, during_save: b
     return stderr
 
 
+@pytest.mark.fault(
+    fault=(
+        "SIGKILL at random moments of a run with `save_freq=1`, every other kill inside a "
+        "checkpoint save"
+    ),
+    outcome=(
+        "Each restart resumes from the newest intact checkpoint; the finished run's metrics and "
+        "parameter fingerprints equal an uninterrupted run's at every step"
+    ),
+    lost="The steps since the newest intact checkpoint",
+)
 @pytest.mark.soak
 def test_sigkill_soak_resumes_exactly(assets, straight, tmp_path):
     kills = int(os.environ.get("JAXRL_SOAK_KILLS", "3"))
@@ -169,17 +182,20 @@ def test_sigkill_soak_resumes_exactly(assets, straight, tmp_path):
     out = train(assets, run_dir)
     assert out.returncode == 0, out.stderr[-3000:]
     assert resumed_from(out.stderr) == expected
-    assert_same_run(read_metrics(run_dir), straight)
+    assert_same_run(run_dir, straight)
 
 
-def flip_middle(path: Path, count: int = 64) -> None:
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    for i in range(middle, min(middle + count, len(data))):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
+@pytest.mark.fault(
+    fault=(
+        "64 bytes flipped in the largest file of the newest checkpoint's actor parameters (a real"
+        " run)"
+    ),
+    outcome=(
+        "Found by its sha256 before loading; the run resumes from the step before and trains "
+        "exactly as an uninterrupted run"
+    ),
+    lost="The steps since the previous checkpoint",
+)
 def test_flipped_bytes_fall_back_and_train_exactly(assets, straight, tmp_path):
     """The issue's case: 64 bytes flipped in the largest file of the newest checkpoint's actor
     parameters. The resume names it, sets it aside, resumes from the one before, and every
@@ -189,16 +205,24 @@ def test_flipped_bytes_fall_back_and_train_exactly(assets, straight, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     params = run_dir / "checkpoints" / "3" / "actor_params"
     largest = max((p for p in params.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    flip_middle(largest)
+    flip_bytes(largest)
     out = train(assets, run_dir)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"checkpoint {run_dir / 'checkpoints' / '3'}: " in out.stderr
     assert "sha256 mismatch" in out.stderr and "resuming from step 2" in out.stderr
     assert resumed_from(out.stderr) == 2
     assert (run_dir / "checkpoints.set_aside").is_dir()
-    assert_same_run(read_metrics(run_dir), straight)
+    assert_same_run(run_dir, straight)
 
 
+@pytest.mark.fault(
+    fault="The only checkpoint's metadata overwritten (a real run)",
+    outcome=(
+        "`python -m jaxrl.train` exits 1 with one error line naming the folder and the fix, no "
+        "traceback"
+    ),
+    lost="Nothing (the run does not start)",
+)
 def test_no_intact_checkpoint_refuses_without_a_traceback(assets, tmp_path):
     run_dir = tmp_path / "run"
     out = train(assets, run_dir, steps=1)
@@ -232,6 +256,14 @@ def actor_params(run_dir: Path, step: int) -> dict:
     return params
 
 
+@pytest.mark.fault(
+    fault="NaN in one micro-batch's gradients",
+    outcome=(
+        "The optimizer step is skipped (parameters unchanged, verified from the checkpoints), "
+        "counted in `actor/skipped_steps`, and the run goes on"
+    ),
+    lost="That step's update",
+)
 def test_nan_in_one_micro_batch_skips_the_step_and_goes_on(assets, tmp_path):
     run_dir = tmp_path / "run"
     out = inject("nan-grads", "3", assets, run_dir)
@@ -246,11 +278,41 @@ def test_nan_in_one_micro_batch_skips_the_step_and_goes_on(assets, tmp_path):
     assert any(not np.array_equal(a, c) for a, c in changed)
 
 
+@pytest.mark.fault(
+    fault="Non-finite gradients in several steps in a row",
+    outcome=(
+        "After `trainer.max_consecutive_nonfinite_steps` such steps the run stops with an error "
+        "naming them"
+    ),
+    lost="Those steps' updates",
+)
 def test_consecutive_nonfinite_steps_stop_the_run(assets, tmp_path):
     run_dir = tmp_path / "run"
     out = inject("nan-grads", "2,3,4", assets, run_dir, "trainer.max_consecutive_nonfinite_steps=2")
     assert out.returncode == 1, out.stderr[-3000:]
-    assert "error: steps 2-3: 2 steps in a row had a non-finite gradient norm" in out.stderr
+    assert "error: steps 2-3: 2 steps in a row skipped optimizer updates" in out.stderr
     assert "trainer.max_consecutive_nonfinite_steps=2" in out.stderr
     assert "Traceback" not in out.stderr
     assert [r["training/global_step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+@pytest.mark.fault(
+    fault="Running a finished run again",
+    outcome="Nothing is trained, validated or logged again; `done:` reports the last validation",
+    lost="Nothing",
+)
+def test_rerunning_a_finished_run_changes_nothing(assets, tmp_path):
+    """A second `python -m jaxrl.train` of a finished run: no validation, no second row for
+    the last step, and `done:` reports the last step's validation."""
+    run_dir = tmp_path / "run"
+    validating = [*command(assets, run_dir, steps=1), "trainer.test_freq=1"]
+    first = subprocess.run(validating, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert "val-core/jaxrl/synthetic_repeat/acc/mean@1" in rows[-1]
+    again = subprocess.run(validating, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already at its last step (1)" in again.stderr
+    assert read_metrics(run_dir) == rows
+    assert "val-core/jaxrl/synthetic_repeat/acc/mean@1" in again.stdout.split("done:")[1]
+    assert "step 1:" not in again.stdout  # nothing trained, validated or logged again

@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl.assets import prepare
 from jaxrl.config import load_config
+from jaxrl.data import load_tokenizer
 from jaxrl.trainer.fit import fit
 from jaxrl.trainer.loggers import read_metrics
 
@@ -220,4 +221,12 @@ def test_export_loads_in_transformers_with_trained_weights(assets, tmp_path):
     config_, params = M.from_pretrained(out)
     np.testing.assert_allclose(M.forward(config_, params, ids), ref, atol=1e-4)
     assert (out / "tokenizer.json").is_file()
-    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    # transformers loads the tokenizer of training (AutoTokenizer), and generates with it
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    trained_tokenizer = load_tokenizer(str(assets / "model"))
+    for text in ("repeat: 7", "copy: 1 2 3", "<|im_start|>user\nreverse: 4 5<|im_end|>"):
+        assert tokenizer.encode(text) == trained_tokenizer.encode(text), text
+    prompt = tokenizer("repeat: 7", return_tensors="pt")
+    generated = trained.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
