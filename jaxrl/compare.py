@@ -5,7 +5,7 @@ Reads both runs' `metrics.jsonl` and compares, step by step, the determinism fin
 `fingerprint/critic`: the parameters after the step). With `--metrics`, every other metric
 except timings and throughput must be equal too. Prints where they first differ (or that they
 agree) and exits 0 when they agree on every step both have, 1 when they differ, 2 when a run
-directory has no metrics.
+directory has no metrics or there is nothing to compare.
 
     python -m jaxrl.compare checkpoints/p/straight checkpoints/p/resumed
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxrl.trainer.loggers import read_metrics
 
-VOLATILE = ("timing", "perf/time", "perf/throughput")
+VOLATILE = ("timing", "perf/time", "perf/throughput", "perf/mfu")  # wall-time based
 
 
 def by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -68,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only",
         nargs="+",
         default=[],
-        metavar="NAME",
-        help="compare only these fingerprints (inputs, actor, critic)",
+        choices=("inputs", "actor", "critic"),
+        help="compare only these fingerprints",
     )
     args = parser.parse_args(argv)
     try:
@@ -82,6 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no common steps ({args.run_a}: {len(a)} steps, {args.run_b}: {len(b)} steps)")
         return 1
     prints, others = keys_to_compare(a, b, args.metrics, args.only)
+    if not prints and not others:
+        print(
+            f"error: nothing to compare: no {'/'.join(args.only) or ''} fingerprints in these "
+            "runs (written since jaxrl kept them); add --metrics to compare the metrics",
+            file=sys.stderr,
+        )
+        return 2
     for key in prints:  # each fingerprint on its own: inputs may agree where parameters do not
         found = first_difference(a, b, [key])
         agree = f"agrees on steps {common[0]}-{common[-1]}"

@@ -108,14 +108,18 @@ def run_summary(cfg: Config, overrides: Sequence[str]) -> str:
         models.append(f"critic {cfg.critic.model.path}")
     if cfg.reward_model.enable:
         models.append(f"reward model {cfg.reward_model.model.path}")
-    steps = t.total_training_steps or f"{t.total_epochs} epochs of"
+    steps = (
+        f"{t.total_training_steps} steps"
+        if t.total_training_steps
+        else f"{t.total_epochs} epochs of steps"
+    )
     return "\n".join(
         [
             f"run: {t.default_local_dir}",
             f"overrides: {' '.join(overrides) or '(none)'}",
             f"models: {', '.join(models)}",
             f"data: train {_files(data.train_files)}, val {_files(data.val_files)}",
-            f"schedule: {steps} steps of {data.train_batch_size} prompts x {arr.rollout.n} "
+            f"schedule: {steps} of {data.train_batch_size} prompts x {arr.rollout.n} "
             f"responses; {cfg.algorithm.adv_estimator}, loss {arr.actor.policy_loss.loss_mode}, "
             f"mini-batch {arr.actor.ppo_mini_batch_size} prompts x {arr.actor.ppo_epochs} epochs",
         ]

@@ -498,7 +498,7 @@ class RewardModelConfig:
             null: none.
         num_workers: *jaxrl*. Scoring processes of the `prime` manager.
         timeout_s: *jaxrl*. Seconds per sample in the `prime` manager before its worker is
-            killed and the sample scores 0.
+            killed and the sample scores `error_score`.
         reward_kwargs: Extra keyword arguments of the `batch` manager's scoring function.
         error_score: *jaxrl*. The score of a row whose scorer raised, timed out, or returned
             something that is not a finite number (counted in `reward/errors`).

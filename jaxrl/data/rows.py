@@ -92,6 +92,8 @@ def read_table(path: str) -> list[dict[str, Any]]:
         # byte in a data page can load as silently different rows.
         return pq.read_table(path, page_checksum_verification=True).to_pylist()
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+        if "page integrity" in str(e) or "checksum" in str(e).lower():
+            raise DataError(f"{path}: corrupted: a page checksum does not match ({e})") from e
         raise DataError(f"{path}: not a readable parquet file ({e})") from e
 
 

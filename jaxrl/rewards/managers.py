@@ -14,7 +14,7 @@ finite number (NaN, inf, a string, a batch of the wrong length) scores `error_sc
 (`reward_model.error_score`, default 0) for that row and is counted in `reward/errors` (and
 `reward/timeouts`); the first three are logged with their reason, then one line with the
 batch's count; the run goes on. (verl's own `naive` manager lets the exception end the run; its
-`prime` manager scores 0, as here.)
+`prime` manager scores 0, as here by default.)
 
 Scoring runs on the host in the calling process. `submit(inputs)` scores in a background
 thread and returns a `concurrent.futures.Future`, so the device can work meanwhile.
@@ -372,8 +372,8 @@ class BatchRewardManager(RewardManager):
         compute_score(data_sources=[B], solution_strs=[B], ground_truths=[B], extra_infos=[B],
                       **reward_kwargs) -> [B] floats or dicts
 
-    If that call raises, every row scores 0 and counts as an error. Without a `compute_score`,
-    the built-in scorers are applied row by row (verl requires a function here).
+    If that call raises, every row scores `error_score` and counts as an error. Without a
+    `compute_score`, the built-in scorers are applied row by row (verl requires a function).
     """
 
     name = "batch"

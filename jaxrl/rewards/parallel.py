@@ -3,9 +3,10 @@
 A thread cannot be stopped, so a scorer stuck in a regex backtrack or a symbolic comparison would
 hold a thread-based manager forever. Here every row runs in one of `num_workers` worker
 processes; a row that runs longer than `timeout_s` has its worker killed (SIGKILL) and replaced,
-scores 0 and is counted in `reward/timeouts` and `reward/errors`. A row whose scorer raises, or
-whose worker dies, scores 0 and is counted in `reward/errors`. The clock of a row starts when
-its worker receives it, so waiting in the queue and starting a fresh worker do not count.
+scores `error_score` (default 0) and is counted in `reward/timeouts` and `reward/errors`. A row
+whose scorer raises, or whose worker dies, scores `error_score` and is counted in
+`reward/errors`. The clock of a row starts when its worker receives it, so waiting in the queue
+and starting a fresh worker do not count.
 
 Workers start with the `forkserver` method (`spawn` where there is none), never `fork`: the
 parent holds JAX's threads, and forking those can deadlock. They are daemons that exit when the

@@ -91,6 +91,15 @@ def write_manifest(step_dir: Path) -> None:
 
 def verify(step_dir: Path) -> str | None:
     """What is wrong with a step folder against its manifest, or None when it is intact."""
+    if not step_dir.is_dir():
+        return "no such step folder"
+    try:
+        return _verify_files(step_dir)
+    except OSError as e:  # unreadable, or changed while being read: not to be trusted
+        return f"a file could not be read ({type(e).__name__}: {e})"
+
+
+def _verify_files(step_dir: Path) -> str | None:
     manifest = step_dir / MANIFEST
     if not manifest.is_file():
         return INCOMPLETE
@@ -258,7 +267,12 @@ class Checkpoints:
         Raises:
             CheckpointError: steps exist but none is intact (nothing is changed then).
         """
-        verdict = self._choose() if jax.process_index() == 0 else None
+        verdict = None
+        if jax.process_index() == 0:
+            try:
+                verdict = self._choose()
+            except Exception as e:  # shared as a refusal: the other processes must not hang
+                verdict = f"choosing a checkpoint in {self.directory} failed: {e!r}"
         verdict = allgather_objects(verdict)[0]
         if isinstance(verdict, str):
             raise CheckpointError(verdict)
@@ -299,11 +313,12 @@ class Checkpoints:
         if not problems:
             return None
         found = "; ".join(f"step {s}: {why}" for s, why in problems)
+        unsealed = [step for step, why in problems if why == INCOMPLETE]
         legacy = (
             " A checkpoint written before jaxrl kept checksums has no manifest either: if you "
             "trust it, seal it with python -m jaxrl.trainer.checkpoint seal "
-            f"{self.step_dir(problems[0][0])}."
-            if any(why == INCOMPLETE for _, why in problems)
+            f"{self.step_dir(unsealed[0])}."
+            if unsealed
             else ""
         )
         return (

@@ -226,7 +226,6 @@ def fit(cfg, devices=None) -> dict[str, float]:
         start = _restore(trainer, train_loader, *source)
         if source[0] is not ckpts:
             source[0].close()
-        ckpts.set_aside_after(start)
         log.info("resumed from step %d of %d (%s)", start, steps, source[0].directory)
         if start >= steps:
             log.warning(
@@ -239,6 +238,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
                 rows = read_metrics(run_dir)
                 return {k: v for row in rows if row.get("training/global_step") == start
                         for k, v in row.items()}  # fmt: skip
+        ckpts.set_aside_after(start)  # later steps of a run resumed from an earlier one
     tracking = Tracking(
         run_dir,
         cfg.trainer.logger,

@@ -62,17 +62,22 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """`step/total, eta` for the per-step console line: the mean wall time of the steps this
-    process ran, times the steps left."""
+    """`step/total, eta` for the per-step console line: the mean wall time per step since the
+    first step this process logged (so compilation and validation before it do not count),
+    times the steps left."""
 
-    def __init__(self, total_steps: int | None, resume_step: int = 0):
-        self.total, self.first = total_steps, resume_step
-        self.started = time.monotonic()
+    def __init__(self, total_steps: int | None):
+        self.total = total_steps
+        self.first: tuple[int, float] | None = None
 
     def __call__(self, step: int) -> str:
-        if not self.total or step <= self.first:
+        if not self.total:
             return ""
-        per_step = (time.monotonic() - self.started) / (step - self.first)
+        now = time.monotonic()
+        if self.first is None or step <= self.first[0]:
+            self.first = (step, now)
+            return f"{step}/{self.total}"
+        per_step = (now - self.first[1]) / (step - self.first[0])
         return f"{step}/{self.total}, eta {_duration(per_step * max(self.total - step, 0))}"
 
 
@@ -104,7 +109,7 @@ class Tracking:
         self.run_dir = Path(run_dir)
         self.backends = tuple(backends)
         self._tb = self._wandb = None
-        self.progress = Progress(total_steps, resume_step)
+        self.progress = Progress(total_steps)
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)

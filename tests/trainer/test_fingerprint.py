@@ -8,6 +8,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.compare import main as compare
@@ -82,7 +83,11 @@ def test_compare_finds_the_first_differing_step(tmp_path, capsys):
     assert "first difference at step 3: fingerprint/actor = aaaa0003" in out
     assert compare([str(tmp_path / "a"), str(tmp_path / "c"), "--metrics"]) == 1
     assert "step 2: actor/pg_loss = 0.5" in capsys.readouterr().out
-    assert compare([str(tmp_path / "a"), str(tmp_path / "c"), "--only", "inputs"]) == 0
+    # Nothing compared is not agreement: no inputs fingerprints in these rows.
+    assert compare([str(tmp_path / "a"), str(tmp_path / "c"), "--only", "inputs"]) == 2
+    assert "nothing to compare" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare([str(tmp_path / "a"), str(tmp_path / "c"), "--only", "actr"])
     assert compare([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
 
 
