@@ -30,6 +30,7 @@ step, the folder and the fix; the previous checkpoint is untouched.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -248,15 +249,9 @@ class Checkpoints:
         `CheckpointError` (once: orbax's own re-raise of it is dropped)."""
         try:
             self.wait()
-        except CheckpointError:
-            with contextlib.suppress(Exception):
+        finally:  # orbax re-raises a failure already reported as a CheckpointError: drop it
+            with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
                 self._manager.close()
-            raise
-        if self._failed:  # orbax re-raises the failure already reported as CheckpointError
-            with contextlib.suppress(Exception):
-                self._manager.close()
-        else:
-            self._manager.close()
 
     # -- choosing and restoring -------------------------------------------------------------
 
@@ -342,8 +337,7 @@ class Checkpoints:
         os.replace(self.step_dir(step), target)
         if reason == "replaced":
             log.warning("step folder %s existed: moved to %s", self.step_dir(step), target)
-        self._manager.reload()
-        return target
+        return target  # callers reload orbax's step list once they are done
 
     def _delete(self, step: int) -> None:
         doomed = self.directory / f"{step}.jaxrl-deleting"  # not a step name: never listed
@@ -353,12 +347,9 @@ class Checkpoints:
     def restore(self, step: int, targets: dict[str, Any]) -> tuple[dict[str, Any], dict]:
         """(state, meta) of `step` after checking it against its manifest, each tree laid out
         like its target (see `abstract`)."""
-        self._check(step)
         items = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
         try:
-            out = self._manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items)
-            )
+            out = self._restore(step, meta=ocp.args.JsonRestore(), **items)
         except (ValueError, OSError, KeyError) as e:
             raise CheckpointError(
                 f"checkpoint {self.step_dir(step)} does not fit this run's state "
@@ -369,16 +360,15 @@ class Checkpoints:
 
     def restore_item(self, step: int, name: str, target: Any) -> Any:
         """One item (e.g. `actor_params`) of a verified step."""
-        self._check(step)
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(target)})
-        )
-        return out[name]
+        return self._restore(step, **{name: ocp.args.StandardRestore(target)})[name]
 
     def read_meta(self, step: int) -> dict[str, Any]:
+        return dict(self._restore(step, meta=ocp.args.JsonRestore())["meta"])
+
+    def _restore(self, step: int, **items: Any) -> Any:
+        """orbax's restore of `items` from `step`, after checking the step's manifest."""
         self._check(step)
-        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out["meta"])
+        return self._manager.restore(step, args=ocp.args.Composite(**items))
 
     def _check(self, step: int) -> None:
         """Verify `step` once per instance: on process 0, its verdict shared by every process."""
@@ -416,8 +406,6 @@ def seal(step_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m jaxrl.trainer.checkpoint seal|verify STEP_DIR...`."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m jaxrl.trainer.checkpoint")
     parser.add_argument("command", choices=("seal", "verify"))
     parser.add_argument("steps", nargs="+", type=Path, help="step folders: RUN/checkpoints/N")

@@ -77,7 +77,6 @@ def step_fingerprints(batch: Mapping[str, Any], params: Mapping[str, Any]) -> di
     """`fingerprint/inputs` of the step's batch and `fingerprint/<role>` of each role's
     parameters after the step, as 8 hex digits."""
     out = {"fingerprint/inputs": host_hash({k: batch[k] for k in INPUT_KEYS if k in batch})}
-    for role, tree in params.items():
-        value = int(to_host(tree_hash(tree)))
-        out[f"fingerprint/{role}"] = f"{value:08x}"
+    hashes = to_host({role: tree_hash(tree) for role, tree in params.items()})  # one read
+    out.update({f"fingerprint/{role}": f"{int(value):08x}" for role, value in hashes.items()})
     return out

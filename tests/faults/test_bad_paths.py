@@ -16,6 +16,7 @@ pytestmark = pytest.mark.faults
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "quickstart.yaml")
+QWEN2 = json.dumps({"model_type": "qwen2"})
 
 
 def train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -24,6 +25,23 @@ def train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "jaxrl.train", "--config", CONFIG, *overrides],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+def train_model(
+    tmp_path: Path, model: Path, files: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Train on the model folder `model` (without the quickstart's assets), after writing
+    `files` (name -> text) into it; None: the folder is not made."""
+    if files is not None:
+        model.mkdir()
+    for name, text in (files or {}).items():
+        (model / name).write_text(text)
+    return train(
+        tmp_path,
+        "assets.quickstart=false",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={tmp_path}/run",
+    )
 
 
 def assert_refused(out: subprocess.CompletedProcess, *expected: str) -> None:
@@ -61,12 +79,7 @@ def test_typo_in_a_quickstart_path_is_not_filled_with_made_up_data(tmp_path, key
     lost="Nothing",
 )
 def test_missing_model_folder_names_the_key(tmp_path):
-    out = train(
-        tmp_path,
-        "assets.quickstart=false",
-        f"actor_rollout_ref.model.path={tmp_path}/nowhere",
-        f"trainer.default_local_dir={tmp_path}/run",
-    )
+    out = train_model(tmp_path, tmp_path / "nowhere")
     assert_refused(out, f"actor_rollout_ref.model.path={tmp_path}/nowhere: no such folder")
 
 
@@ -77,13 +90,7 @@ def test_missing_model_folder_names_the_key(tmp_path):
 )
 def test_empty_model_folder_says_what_is_missing(tmp_path):
     empty = tmp_path / "empty"
-    empty.mkdir()
-    out = train(
-        tmp_path,
-        "assets.quickstart=false",
-        f"actor_rollout_ref.model.path={empty}",
-        f"trainer.default_local_dir={tmp_path}/run",
-    )
+    out = train_model(tmp_path, empty, files={})
     assert_refused(
         out,
         f"actor_rollout_ref.model.path={empty}: no config.json",
@@ -98,15 +105,7 @@ def test_empty_model_folder_says_what_is_missing(tmp_path):
 )
 def test_model_without_a_tokenizer(tmp_path):
     model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    (model / "model.safetensors").write_bytes(b"")
-    out = train(
-        tmp_path,
-        "assets.quickstart=false",
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={tmp_path}/run",
-    )
+    out = train_model(tmp_path, model, {"config.json": QWEN2, "model.safetensors": ""})
     assert_refused(out, f"actor_rollout_ref.model.path={model}: no tokenizer files")
 
 
@@ -116,17 +115,8 @@ def test_model_without_a_tokenizer(tmp_path):
     lost="Nothing",
 )
 def test_torch_weights_only_get_the_conversion_hint(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    (model / "pytorch_model.bin").write_bytes(b"")
-    (model / "tokenizer.json").write_text("{}")
-    out = train(
-        tmp_path,
-        "assets.quickstart=false",
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={tmp_path}/run",
-    )
+    files = {"config.json": QWEN2, "pytorch_model.bin": "", "tokenizer.json": "{}"}
+    out = train_model(tmp_path, tmp_path / "model", files)
     assert_refused(
         out, "(found ['pytorch_model.bin']: convert them with transformers' save_pretrained)"
     )

@@ -27,7 +27,9 @@ from _damage import flip_bytes
 from jaxrl.assets import prepare
 from jaxrl.compare import main as compare
 from jaxrl.config import load_config
-from jaxrl.trainer.checkpoint import MANIFEST, verify
+from jaxrl.models import abstract_params
+from jaxrl.models import load_config as load_model_config
+from jaxrl.trainer.checkpoint import MANIFEST, Checkpoints, verify
 from jaxrl.trainer.loggers import read_metrics
 
 pytestmark = [pytest.mark.faults, pytest.mark.entry]
@@ -243,16 +245,17 @@ def inject(fault: str, steps: str, assets: Path, run_dir: Path, *extra: str):
     )
 
 
-def actor_params(run_dir: Path, step: int) -> dict:
-    from jaxrl.trainer.checkpoint import Checkpoints
-
+def actor_params(assets: Path, run_dir: Path, step: int) -> dict:
+    """The actor parameters of a run's checkpoint `step` (the quickstart model's shapes)."""
     ckpts = Checkpoints(run_dir / "checkpoints")
-    meta = ckpts.read_meta(step)
-    tree = ckpts._manager.item_metadata(step)["actor_params"]
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+    assert ckpts.read_meta(step)["global_step"] == step
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+        abstract_params(load_model_config(assets / "model")),
+    )
     params = ckpts.restore_item(step, "actor_params", target)
     ckpts.close()
-    assert meta["global_step"] == step
     return params
 
 
@@ -271,7 +274,7 @@ def test_nan_in_one_micro_batch_skips_the_step_and_goes_on(assets, tmp_path):
     assert "step 3: non-finite gradient norm, update skipped" in out.stderr
     rows = read_metrics(run_dir)
     assert [r["actor/skipped_steps"] for r in rows] == [0, 0, 1] + [0] * (STEPS - 3)
-    before, skipped, after = (actor_params(run_dir, s) for s in (2, 3, 4))
+    before, skipped, after = (actor_params(assets, run_dir, s) for s in (2, 3, 4))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(skipped), strict=True):
         np.testing.assert_array_equal(a, b)  # step 3 left the parameters as they were
     changed = zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
