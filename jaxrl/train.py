@@ -93,6 +93,21 @@ def folder_problems(cfg: Config) -> list[str]:
     return found
 
 
+def preflight_problems(cfg: Config) -> list[str]:
+    """What keeps a loaded config from starting, found without loading any weights: the model
+    and tokenizer folders (`folder_problems`) and the lengths against each model's context."""
+    problems = folder_problems(cfg)
+    for key, model in [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)] + (
+        [("critic.model", cfg.critic.model)] if critic_enabled(cfg) else []
+    ):
+        context = _model_context(model.path, model.override_config)
+        try:
+            check_model_context(cfg, context, f"{key}.path={model.path}")
+        except ConfigError as e:
+            problems += e.problems
+    return problems
+
+
 def _files(files) -> str:
     if files is None:
         return "(none)"
@@ -169,16 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         written += [] if distributed.is_main_process() else prepare(cfg)
         for path in written:
             print(f"wrote {path}")
-        problems = folder_problems(cfg)
-        for key, model in [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)] + (
-            [("critic.model", cfg.critic.model)] if critic_enabled(cfg) else []
-        ):
-            context = _model_context(model.path, model.override_config)
-            try:
-                check_model_context(cfg, context, f"{key}.path={model.path}")
-            except ConfigError as e:
-                problems += e.problems
-        if problems:
+        if problems := preflight_problems(cfg):
             raise ConfigError(problems)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,19 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests (hypothesis) are derandomized: CI sees the same examples each run, so a
+# failure reproduces. JAXRL_HYPOTHESIS_EXAMPLES=2000 searches wider by hand.
+settings.register_profile(
+    "jaxrl",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=int(os.environ.get("JAXRL_HYPOTHESIS_EXAMPLES", "200")),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("jaxrl")
 
 
 def pytest_collection_modifyitems(config, items):

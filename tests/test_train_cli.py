@@ -83,7 +83,7 @@ def test_mesh_that_does_not_fit_the_devices(tmp_path):
         devices=8,
     )
     assert out.returncode == 2
-    assert "mesh: mesh dp=1 x fsdp=4 x tp=1 x sp=1 spans 4 devices but 8" in out.stderr
+    assert "mesh.tp, mesh.sp: mesh dp=1 x fsdp=4 x tp=1 x sp=1 spans 4 devices but 8" in out.stderr
 
 
 @pytest.mark.entry

@@ -150,11 +150,12 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
     p.choice(cfg, "algorithm.rollout_correction.loss_type", ("ppo_clip", "reinforce"))
     rc = cfg.algorithm.rollout_correction
     if (rc.rollout_is or rc.rollout_rs) and not rc.bypass_mode:
+        keys = [f"algorithm.rollout_correction.{k}" for k in ("rollout_is", "rollout_rs")]
+        given = ", ".join(k for k in keys if get(cfg, k))
         p.append(
-            "algorithm.rollout_correction: rollout_is / rollout_rs without bypass_mode (verl's "
-            "decoupled mode) is not implemented in jaxrl's trainer; set "
-            "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
-            "null"
+            f"{given} without algorithm.rollout_correction.bypass_mode (verl's decoupled mode) "
+            "is not implemented in jaxrl's trainer; set bypass_mode=true, or leave rollout_is "
+            "and rollout_rs null"
         )
     p.choice(cfg, "assets.task", ("repeat", "copy", "reverse"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))
@@ -368,7 +369,7 @@ def _check_devices(cfg: Config, p: _Problems, num_devices: int) -> int | None:
                     "mesh.sp to 2 or more, or use attention_impl=auto"
                 )
     except ValueError as e:
-        p.append(f"mesh: {e}")
+        p.append(f"mesh.dp, mesh.fsdp, mesh.tp, mesh.sp: {e}")
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if tp >= 1 and num_devices % tp:
         p.append(

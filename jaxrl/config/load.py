@@ -275,7 +275,53 @@ def merge(pairs: Iterable[tuple[str, Any]]) -> Config:
     except oc_errors.OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigError([f"{e.full_key}: cannot resolve its value: {msg}"]) from None
-    return _freeze(resolved)
+    cfg = _freeze(resolved)
+    if problems := _type_problems(cfg):  # interpolations are typed only once resolved
+        raise ConfigError(problems)
+    return cfg
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a resolved value fits the schema's annotation `tp` (unknown types: yes)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if origin is dict:
+        return isinstance(value, Mapping)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if Ellipsis in args:
+            return all(_matches(v, args[0]) for v in value)
+        if len(value) != len(args):
+            return False
+        return all(_matches(v, t) for v, t in zip(value, args, strict=True))
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return True
+
+
+def _type_problems(cfg: Config) -> list[str]:
+    problems = []
+    for key, info in schema_index().items():
+        if info.kind == "group":
+            continue
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not _matches(value, info.type):
+            problems.append(
+                f"{key}: {value!r} is not valid here; expected {describe_type(info.type)}"
+            )
+    return problems
 
 
 def load_config(
@@ -297,9 +343,25 @@ def load_config(
     from jaxrl.config.checks import check, normalize
 
     pairs = (read_yaml(path) if path is not None else []) + parse_overrides(overrides)
-    cfg = normalize(merge(pairs))
-    check(cfg, num_devices=num_devices)
+    try:
+        cfg = normalize(merge(pairs))
+        check(cfg, num_devices=num_devices)
+    except ConfigError as e:
+        raise ConfigError(_name_verl_keys(e.problems, [k for k, _ in pairs])) from None
     return cfg
+
+
+def _name_verl_keys(problems: list[str], given: list[str]) -> list[str]:
+    """Problems about a key that was given under its verl name also name that verl key."""
+    as_given = {t: k for k in given if (t := verl_compat.renamed_to(k)) is not None}
+    out = []
+    for p in problems:
+        for target, key in as_given.items():
+            if p.startswith(target) and p[len(target) : len(target) + 1] in ":= " and key not in p:
+                p = f"{key} (jaxrl's {target}){p[len(target) :]}"
+                break
+        out.append(p)
+    return out
 
 
 # ------------------------------------------------------------------------------- output

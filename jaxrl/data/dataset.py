@@ -153,10 +153,14 @@ class RLDataset:
         )
         self._ids.update(zip(todo, encoded, strict=True))
 
+    def prompt_lengths(self) -> np.ndarray:
+        """int64 [N]: each row's templated prompt length in tokens, before truncation."""
+        self._encode(range(len(self.rows)))
+        return np.asarray([len(self._ids[i]) for i in range(len(self.rows))], np.int64)
+
     def filter_overlong(self) -> int:
         """Drop rows whose templated prompt is longer than P; returns (and logs) the count."""
-        self._encode(range(len(self.rows)))
-        keep = [i for i in range(len(self.rows)) if len(self._ids[i]) <= self.max_prompt_length]
+        keep = np.flatnonzero(self.prompt_lengths() <= self.max_prompt_length).tolist()
         dropped = len(self.rows) - len(keep)
         self.rows = [self.rows[i] for i in keep]
         self._ids = {new: self._ids[old] for new, old in enumerate(keep)}

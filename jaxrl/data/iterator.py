@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.dataset import RLDataset
+from jaxrl.data.rows import DataError
 
 
 def _process_info(process_index: int | None, process_count: int | None) -> tuple[int, int]:
@@ -75,7 +76,7 @@ class PromptIterator:
                 f"{self.process_count} JAX processes (each takes an equal slice)"
             )
         if drop_last and self.batch_size > len(dataset):
-            raise ValueError(
+            raise DataError(
                 f"batch size {self.batch_size} is larger than the dataset ({len(dataset)} rows "
                 "after filtering); lower data.train_batch_size or add rows"
             )

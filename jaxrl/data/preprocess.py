@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrl.data.rows import DataError, read_table, write_parquet
+from jaxrl.data.rows import BadRow, DataError, read_table, write_parquet
 from jaxrl.rewards.scorers.braces import balanced_from
 
 GSM8K_SOURCE = "openai/gsm8k"
@@ -127,7 +127,11 @@ def read_examples(path: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     if path.endswith(".parquet"):
-        return read_table(path)
+        examples = read_table(path)
+        for i, e in enumerate(examples):
+            if isinstance(e, BadRow):
+                raise DataError(f"{path}: row {i}: {e.problem}; fix or drop that row")
+        return examples
     with open(path) as f:
         text = f.read()
     try:

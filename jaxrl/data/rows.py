@@ -75,8 +75,31 @@ def as_file_list(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list
     return [os.path.expanduser(os.fspath(f)) for f in files]
 
 
-def read_table(path: str) -> list[dict[str, Any]]:
-    """All rows of one parquet file as Python dicts; a missing or non-parquet file names `path`."""
+@dataclass(frozen=True)
+class BadRow:
+    """A row `read_table` could not turn into Python values; `problem` names the column."""
+
+    problem: str
+
+
+def _decode_row(table: Any, i: int) -> dict[str, Any] | BadRow:
+    """Row `i` of a pyarrow table as a dict, or a `BadRow` naming a column that is not UTF-8."""
+    row = table.slice(i, 1)
+    values = {}
+    for name in row.column_names:
+        try:
+            (values[name],) = row.column(name).to_pylist()
+        except UnicodeDecodeError as e:
+            return BadRow(f"column {name!r}: a string that is not valid UTF-8 ({e.reason})")
+    return values
+
+
+def read_table(path: str) -> list[dict[str, Any] | BadRow]:
+    """All rows of one parquet file as Python dicts; a missing or non-parquet file names `path`.
+
+    A row holding a string column whose bytes are not UTF-8 (parquet does not enforce it on
+    write) comes back as a `BadRow`, so callers can name it or skip it like any malformed row.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -90,11 +113,15 @@ def read_table(path: str) -> list[dict[str, Any]]:
     try:
         # Pages written with checksums (jaxrl's own files) are verified: without them a flipped
         # byte in a data page can load as silently different rows.
-        return pq.read_table(path, page_checksum_verification=True).to_pylist()
+        table = pq.read_table(path, page_checksum_verification=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
         if "page integrity" in str(e) or "checksum" in str(e).lower():
             raise DataError(f"{path}: corrupted: a page checksum does not match ({e})") from e
         raise DataError(f"{path}: not a readable parquet file ({e})") from e
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:  # rare: find the rows, one at a time
+        return [_decode_row(table, i) for i in range(table.num_rows)]
 
 
 def missing_columns(path: str, prompt_key: str) -> list[str]:
@@ -105,8 +132,12 @@ def missing_columns(path: str, prompt_key: str) -> list[str]:
     return [c for c in (*REQUIRED_COLUMNS, prompt_key) if c not in names]
 
 
-def check_row(raw: dict[str, Any], prompt_key: str) -> str | None:
+def check_row(raw: dict[str, Any] | BadRow, prompt_key: str) -> str | None:
     """Why `raw` is not a valid verl row (naming the column), or None when it is."""
+    if isinstance(raw, BadRow):
+        return raw.problem
+    if not isinstance(raw, dict):
+        return f"expected a record of columns, got {raw!r}"
     for column in (*REQUIRED_COLUMNS, prompt_key):
         if column not in raw:
             return f"column {column!r} is missing"

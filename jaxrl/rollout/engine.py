@@ -396,6 +396,14 @@ def generate(
         return _generate_processes(
             config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs
         )
+    fn, args = _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs)
+    return _rows(fn(*args), slice(0, b * sp.n))
+
+
+def _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs):
+    """The jitted generation program for these prompts and its arguments (rows repeated `n`
+    times and padded to the bucketed shapes the program is compiled for)."""
+    b, p = input_ids.shape
     ids = jnp.repeat(jnp.asarray(input_ids, jnp.int32), sp.n, axis=0)
     mask = jnp.repeat(jnp.asarray(attention_mask, jnp.int32), sp.n, axis=0)
     rows = b * sp.n
@@ -408,7 +416,26 @@ def generate(
     kernels = cpu_decode.enabled(config.compute_dtype, layout)
     fn = _compiled(config, sp, layout, padded_rows, padded_len, slots, kernels)
     order = jnp.arange(padded_rows, dtype=jnp.int32)
-    return _rows(fn(params, ids, mask, rng, jnp.int32(rows), order), slice(0, rows))
+    return fn, (params, ids, mask, rng, jnp.int32(rows), order)
+
+
+def compile_generate(
+    config: DecoderConfig,
+    params: Any,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    sampling_params: SamplingParams,
+    *,
+    layout: Layout | None = None,
+    max_num_seqs: int | None = None,
+) -> jax.stages.Compiled:
+    """The compiled program `generate` runs for prompts of these shapes, without running it
+    (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory analysis."""
+    rng = jax.random.key(0)
+    fn, args = _program(
+        config, params, input_ids, attention_mask, sampling_params, rng, layout, max_num_seqs
+    )
+    return fn.lower(*args).compile()
 
 
 def _num_slots(max_num_seqs: int | None, rows: int, dp: int) -> int:

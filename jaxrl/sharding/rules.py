@@ -56,6 +56,11 @@ def rule_problems(rules: dict, mesh_axes: tuple[str, ...], key: str) -> list[str
             problems.append(
                 f"{key}.{name}: unknown logical axis; use one of {', '.join(LOGICAL_AXES)}"
             )
+        if target is not None and not isinstance(target, str | list | tuple):
+            problems.append(
+                f"{key}.{name}: {target!r} is not a mesh axis name, a list of them or null"
+            )
+            continue
         axes = [] if target is None else [target] if isinstance(target, str) else list(target)
         for axis in axes:
             if axis not in mesh_axes:

@@ -123,6 +123,21 @@ def _verify_files(step_dir: Path) -> str | None:
     return None
 
 
+def step_numbers(directory: Path) -> list[int]:
+    """The steps of a checkpoint folder (its numbered subfolders, committed or not), ascending."""
+    if not directory.is_dir():
+        return []
+    names = (p.name for p in directory.iterdir() if p.is_dir())
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def survey(directory: str | Path) -> dict[int, str | None]:
+    """Every step of a checkpoint folder and what is wrong with it (None: intact), newest
+    first; reads only (`python -m jaxrl.doctor`). A run resumes from the newest intact one."""
+    directory = Path(directory).expanduser()
+    return {step: verify(directory / str(step)) for step in reversed(step_numbers(directory))}
+
+
 class Checkpoints:
     """A folder of step checkpoints (`<dir>/<step>/{state items, meta, manifest}`)."""
 
@@ -146,10 +161,7 @@ class Checkpoints:
 
     def all_steps(self) -> list[int]:
         """Every step folder (committed or not), ascending."""
-        if not self.directory.is_dir():
-            return []
-        names = (p.name for p in self.directory.iterdir() if p.is_dir())
-        return sorted(int(n) for n in names if n.isdigit())
+        return step_numbers(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()

@@ -12,6 +12,7 @@ computes what an uninterrupted run computes: the sampler's key is derived from t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ from tqdm import tqdm
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
+from jaxrl.rewards.reward_model import RewardModel
 from jaxrl.sharding.processes import global_array, to_host
-from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract
+from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.loggers import Tracking, read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
@@ -119,16 +121,18 @@ def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
     return None if step is None else (ckpts, step)
 
 
-def _refuse_overwrite(cfg, ckpts: Checkpoints) -> None:
-    """A fresh run must not write over (or be confused by) another run's checkpoints."""
-    steps = ckpts.all_steps()
+def fresh_start_problem(cfg, directory: Path) -> str | None:
+    """Why a fresh run (`resume_mode=disable`) must not start in `directory`: it would write
+    over (or be confused by) another run's checkpoints. None when it may."""
+    steps = step_numbers(directory)
     if steps and cfg.trainer.resume_mode == "disable":
-        raise FileExistsError(
-            f"{ckpts.directory} already holds checkpoints of steps {sorted(steps)}, and "
+        return (
+            f"{directory} already holds checkpoints of steps {steps}, and "
             f"trainer.resume_mode={cfg.trainer.resume_mode} starts over: set "
             "trainer.resume_mode=auto to continue that run, or choose another "
             "trainer.experiment_name / trainer.default_local_dir (or remove the folder)"
         )
+    return None
 
 
 def _state_items(trainer: PPOTrainer) -> dict[str, Any]:
@@ -182,9 +186,20 @@ def _scalar_like(like: jax.Array, value: int) -> jax.Array:
     return global_array(np.asarray(value, like.dtype), like.sharding)
 
 
-def fit(cfg, devices=None) -> dict[str, float]:
-    """Run `cfg` to its last step; returns the last step's metrics."""
-    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+@dataclasses.dataclass
+class Run:
+    """What `build_run` makes of a config: the tokenizer, the data loaders, the number of
+    steps and the trainer (models loaded on the mesh, nothing trained yet)."""
+
+    tokenizer: Any
+    train_loader: PromptIterator
+    val_loader: PromptIterator | None
+    steps: int
+    trainer: PPOTrainer
+
+
+def build_run(cfg, devices=None) -> Run:
+    """Load the tokenizer and data, build the reward managers and the trainer."""
     model = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(
         model.tokenizer_path or model.path,
@@ -205,8 +220,6 @@ def fit(cfg, devices=None) -> dict[str, float]:
     steps = total_steps(cfg, train_loader)
     reward_model = None
     if cfg.reward_model.enable:
-        from jaxrl.rewards.reward_model import RewardModel
-
         reward_model = RewardModel.from_config(cfg.reward_model, tokenizer)
     manager = make_reward_manager(cfg, tokenizer)
     val_manager = make_reward_manager(cfg, tokenizer, num_examine=1)
@@ -218,9 +231,23 @@ def fit(cfg, devices=None) -> dict[str, float]:
         devices=devices,
     )
     trainer.tokenizer = tokenizer
+    return Run(tokenizer, train_loader, val_loader, steps, trainer)
+
+
+def fit(cfg, devices=None) -> dict[str, float]:
+    """Run `cfg` to its last step; returns the last step's metrics."""
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    run = build_run(cfg, devices)
+    trainer, train_loader, val_loader, steps = (
+        run.trainer,
+        run.train_loader,
+        run.val_loader,
+        run.steps,
+    )
     ckpts = Checkpoints(run_dir / "checkpoints", max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
     start = 0
-    _refuse_overwrite(cfg, ckpts)
+    if (problem := fresh_start_problem(cfg, ckpts.directory)) is not None:
+        raise FileExistsError(problem)
     source = _resume_source(cfg, ckpts)
     if source is not None:
         start = _restore(trainer, train_loader, *source)

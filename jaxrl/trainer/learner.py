@@ -171,10 +171,7 @@ class Learner:
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, mini_batch_rows):
                 rows = order[start : start + mini_batch_rows]
-                info = global_batch_info(jnp.asarray(batch["response_mask"][rows], jnp.float32))
-                # seq-mean-token-sum-norm's default divisor: the batch's response length, not a
-                # trimmed micro-batch's (as verl's padded tensors have it)
-                info["loss_scale_factor"] = batch["responses"].shape[1]
+                info = _mini_batch_info(batch, rows)
                 acc = self._zeros(self.state.params)
                 micro = []
                 for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
@@ -185,6 +182,69 @@ class Learner:
                 self.state, applied = self._apply(self.state, acc)
                 steps.append((micro, applied))
         return _average(to_host(steps))
+
+    def compile_update(
+        self,
+        batch: dict[str, np.ndarray],
+        *,
+        mini_batch_rows: int,
+        micro_rows: int | None,
+        token_budget: int | None,
+        fields: tuple[str, ...],
+        balance: bool = False,
+        **update_only: Any,
+    ) -> dict[str, jax.stages.Compiled]:
+        """The programs `update` (same arguments; `epochs`, `shuffle` and `seed` change no
+        shape) runs for `batch`'s first mini-batch, compiled but not run: "micro-batch"
+        (gradients of its largest micro-batch) and "optimizer" (clip and apply), for their
+        memory analysis."""
+        del update_only
+        arrays = {k: batch[k] for k in (*SEQUENCE_FIELDS, *fields)}
+        rows = np.arange(min(mini_batch_rows, len(batch["responses"])))
+        plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)
+        mb = to_device(take(arrays, _largest(plans)), self.layout)
+        grads = jax.eval_shape(self._zeros, self.state.params)
+        grads = jax.tree.map(
+            lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=p.sharding),
+            grads,
+            self.state.params,
+        )
+        info = _mini_batch_info(batch, rows)
+        return {
+            "micro-batch": self._accumulate.lower(self.state.params, grads, mb, info).compile(),
+            "optimizer": self._apply.lower(self.state, grads).compile(),
+        }
+
+
+def _mini_batch_info(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, Any]:
+    """`global_batch_info` of the mini-batch `rows` for the micro-batch losses."""
+    info = global_batch_info(jnp.asarray(batch["response_mask"][rows], jnp.float32))
+    # seq-mean-token-sum-norm's default divisor: the batch's response length, not a trimmed
+    # micro-batch's (as verl's padded tensors have it)
+    info["loss_scale_factor"] = batch["responses"].shape[1]
+    return info
+
+
+def compile_infer(
+    fn: Any,
+    params: Any,
+    batch: dict[str, np.ndarray],
+    *,
+    layout: Layout | None,
+    micro_rows: int | None,
+    token_budget: int | None,
+    balance: bool = False,
+) -> jax.stages.Compiled:
+    """The program `infer` runs for `batch`'s largest micro-batch, compiled but not run."""
+    arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
+    n = len(batch["responses"])
+    plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
+    return fn.lower(params, to_device(take(arrays, _largest(plans)), layout)).compile()
+
+
+def _largest(plans: list[MicroBatch]) -> MicroBatch:
+    """The micro-batch of the most token slots (the one a program's memory is sized by)."""
+    return max(plans, key=lambda mb: len(mb.rows) * (mb.prompt_len + mb.response_len))
 
 
 def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:

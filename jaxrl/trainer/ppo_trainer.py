@@ -31,13 +31,14 @@ import numpy as np
 
 from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
-from jaxrl.rollout import SamplingParams, generate
+from jaxrl.rollout import SamplingParams, compile_generate, generate
 from jaxrl.sharding.layouts import layouts_from_config
 from jaxrl.sharding.processes import allgather_objects, gather_rows
 from jaxrl.sharding.reshard import free, reshard
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
-from jaxrl.trainer.learner import Learner, infer, shardings_of
+from jaxrl.trainer.learner import Learner, compile_infer, infer, shardings_of
+from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
 from jaxrl.trainer.metrics import (
     data_metrics,
     mfu_metrics,
@@ -53,6 +54,8 @@ from jaxrl.trainer.roles import (
     values_fn,
 )
 from jaxrl.trainer.update import init_state
+
+CRITIC_FIELDS = ("values", "returns")
 
 # (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
 RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
@@ -315,15 +318,12 @@ class PPOTrainer:
                     )
             if self.critic is not None:
                 with timer("values", timing):
-                    c = cfg.critic
                     batch["values"] = infer(
                         self._values,
                         self.critic.params,
                         batch,
                         layout=self.train_layout,
-                        micro_rows=c.forward_micro_batch_size_per_gpu,
-                        token_budget=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
-                        balance=cfg.trainer.balance_batch,
+                        **self._values_micro(),
                     )
             with timer("adv", timing):
                 if self.kl_ctrl is not None:
@@ -338,35 +338,15 @@ class PPOTrainer:
                 batch["advantages"], batch["returns"] = adv, ret
             if self.critic is not None:
                 with timer("update_critic", timing):
-                    c = cfg.critic
                     critic_metrics = self.critic.update(
-                        batch,
-                        mini_batch_rows=c.ppo_mini_batch_size * n,
-                        epochs=c.ppo_epochs,
-                        shuffle=c.shuffle,
-                        seed=c.data_loader_seed + global_step,
-                        micro_rows=c.ppo_micro_batch_size_per_gpu,
-                        token_budget=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
-                        fields=("values", "returns"),
-                        balance=cfg.trainer.balance_batch,
+                        batch, **self._update_args(cfg.critic, global_step, CRITIC_FIELDS)
                     )
                     metrics.update(_prefixed(critic_metrics, "critic"))
             if global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timing):
+                    fields = self._actor_fields(batch, on_policy)
                     actor_metrics = self.actor.update(
-                        batch,
-                        mini_batch_rows=mini_rows,
-                        epochs=actor_cfg.ppo_epochs,
-                        shuffle=actor_cfg.shuffle,
-                        seed=actor_cfg.data_loader_seed + global_step,
-                        micro_rows=actor_cfg.ppo_micro_batch_size_per_gpu,
-                        token_budget=(
-                            actor_cfg.ppo_max_token_len_per_gpu
-                            if actor_cfg.use_dynamic_bsz
-                            else None
-                        ),
-                        fields=self._actor_fields(batch, on_policy),
-                        balance=cfg.trainer.balance_batch,
+                        batch, **self._update_args(actor_cfg, global_step, fields)
                     )
                     metrics.update(_prefixed(actor_metrics, "actor"))
                     if "actor/entropy" not in metrics:  # on-policy: no old-log-prob pass
@@ -384,10 +364,99 @@ class PPOTrainer:
         self.last_batch = batch
         return metrics
 
+    def _update_args(self, role, global_step: int, fields: tuple[str, ...]) -> dict[str, Any]:
+        """`Learner.update`'s arguments for the actor or critic config `role` at a step."""
+        return {
+            "mini_batch_rows": role.ppo_mini_batch_size * self.sampling.n,
+            "epochs": role.ppo_epochs,
+            "shuffle": role.shuffle,
+            "seed": role.data_loader_seed + global_step,
+            "micro_rows": role.ppo_micro_batch_size_per_gpu,
+            "token_budget": role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None,
+            "fields": fields,
+            "balance": self.cfg.trainer.balance_batch,
+        }
+
+    def compile_step(self) -> dict[str, jax.stages.Compiled]:
+        """Every program of a step, compiled for the largest batch the config allows (every
+        prompt `max_prompt_length` tokens, every response `max_tokens`) but not run: for
+        their memory analysis (`python -m jaxrl.doctor`). One process's view."""
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        prompts = cfg.data.train_batch_size // jax.process_count()
+        p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
+        rollout_params = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(
+                x.shape, self.rollout_config.param_dtype, sharding=sharding
+            ),
+            self.actor.params,
+            self._rollout_shardings,
+        )
+        programs = {
+            "generate": compile_generate(
+                self.rollout_config,
+                rollout_params,
+                np.zeros((prompts, p), np.int32),
+                np.ones((prompts, p), np.int32),
+                self.sampling,
+                layout=self.rollout_layout,
+                max_num_seqs=arr.rollout.max_num_seqs,
+            )
+        }
+        fields = ("advantages", "old_log_probs", "ref_log_probs", *CRITIC_FIELDS)
+        batch = worst_case_batch(prompts * self.sampling.n, p, r, fields)
+        infer_args = dict(layout=self.train_layout, **self._log_prob_micro())
+        programs["actor log-probs"] = compile_infer(
+            self._log_prob, self.actor.params, batch, **infer_args
+        )
+        if self.ref_params is not None:
+            programs["ref log-probs"] = compile_infer(
+                self._ref_log_prob, self.ref_params, batch, **infer_args
+            )
+        if self.critic is not None:
+            programs["critic values"] = compile_infer(
+                self._values,
+                self.critic.params,
+                batch,
+                layout=self.train_layout,
+                **self._values_micro(),
+            )
+            args = self._update_args(cfg.critic, 1, CRITIC_FIELDS)
+            update = self.critic.compile_update(batch, **args)
+            programs.update({f"critic {k}": v for k, v in update.items()})
+        actor_fields = self._actor_fields(batch, on_policy=False)
+        update = self.actor.compile_update(batch, **self._update_args(arr.actor, 1, actor_fields))
+        programs.update({f"actor {k}": v for k, v in update.items()})
+        return programs
+
+    def memory_plan(self) -> MemoryPlan:
+        """The step's device memory estimate from `compile_step`'s programs (see
+        `jaxrl.trainer.memory`)."""
+        resident: dict[str, Any] = {"actor": self.actor.state}
+        arguments = {
+            "actor log-probs": self.actor.params,
+            "actor micro-batch": self.actor.params,
+            "actor optimizer": self.actor.state,
+        }
+        if self.ref_params is not None:
+            resident["ref"] = arguments["ref log-probs"] = self.ref_params
+        if self.critic is not None:
+            resident["critic"] = self.critic.state
+            arguments["critic values"] = arguments["critic micro-batch"] = self.critic.params
+            arguments["critic optimizer"] = self.critic.state
+        return memory_plan(self.compile_step(), resident, arguments)
+
     def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
         optional = ("ref_log_probs", "rollout_is_weights")
         fields = ("advantages", *(() if on_policy else ("old_log_probs",)))
         return fields + tuple(name for name in optional if name in batch)
+
+    def _values_micro(self) -> dict[str, Any]:
+        c = self.cfg.critic
+        return {
+            "micro_rows": c.forward_micro_batch_size_per_gpu,
+            "token_budget": c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+            "balance": self.cfg.trainer.balance_batch,
+        }
 
     def _log_prob_micro(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout

@@ -3,6 +3,7 @@ and `data.skip_bad_rows` decides between refusing and skipping (counted)."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -122,3 +123,37 @@ def test_overlong_prompts_by_truncation_mode(tmp_path, tokenizer, truncation):
             ds.batch([0])
     else:
         assert ds.batch([0, 1]).input_ids.shape == (2, 5)
+
+
+def with_raw_bytes(table, column: str, row: int, raw: bytes):
+    """`table` with row `row` of string column `column` replaced by bytes that may not be UTF-8.
+
+    pyarrow checks UTF-8 when it builds a string array from Python, not when it reads a file:
+    the array is built as binary and its buffers reinterpreted as a string column.
+    """
+    values = table.column(column).to_pylist()
+    values[row] = raw
+    binary = pa.array([v if isinstance(v, bytes) else v.encode() for v in values], pa.binary())
+    strings = pa.Array.from_buffers(pa.string(), len(binary), binary.buffers())
+    return table.set_column(table.column_names.index(column), column, strings)
+
+
+@pytest.mark.fault(
+    fault="A string that is not valid UTF-8 (bytes 0xff 0xfe in a row's data_source)",
+    outcome=(
+        "That row is refused naming the file, the row and the column; with "
+        "data.skip_bad_rows=true it is skipped and counted like any malformed row"
+    ),
+    lost="The undecodable row (with skip_bad_rows)",
+)
+def test_non_utf8_string_named_or_skipped(tmp_path):
+    path = tmp_path / "rows.parquet"
+    write_parquet(records(4), path)
+    table = with_raw_bytes(pq.read_table(path), "data_source", 2, b"\xff\xfebad")
+    pq.write_table(table, path)
+    with pytest.raises(
+        DataError, match=rf"{path}: row 2: column 'data_source': a string that is not valid UTF-8"
+    ):
+        read_rows(path)
+    kept, report = read_rows(path, skip_bad_rows=True)
+    assert [r.source[1] for r in kept] == [0, 1, 3] and len(report.skipped) == 1

@@ -73,6 +73,41 @@ def _select(data_source: str):
     )
 
 
+def _is_text_or_texts(x: Any) -> bool:
+    return isinstance(x, str) or (
+        isinstance(x, list | tuple) and all(isinstance(t, str) for t in x)
+    )
+
+
+def _type_problem(data_source: str, ground_truth: Any) -> str | None:
+    if data_source in SEARCH_R1_SOURCES:
+        if isinstance(ground_truth, dict) and _is_text_or_texts(ground_truth.get("target")):
+            return None
+        expected = "{'target': str or list of str}"
+    elif data_source.startswith(SYNTHETIC_PREFIX) or isinstance(ground_truth, str):
+        return None
+    else:
+        expected = "a string"
+    return (
+        f"data_source {data_source!r} needs reward_model.ground_truth to be {expected}, "
+        f"got {ground_truth!r}"
+    )
+
+
+def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
+    """Why the built-in scorers cannot score `data_source` against `ground_truth`, or None.
+
+    The math and gsm8k scorers compare strings (an int `72` would never equal the extracted
+    "72": a silent zero reward), and Search-R1's read `ground_truth["target"]`, a string or a
+    list of them. An unknown `data_source` is a problem too (no scorer).
+    """
+    try:
+        _select(data_source)
+    except NotImplementedError as e:
+        return str(e)
+    return _type_problem(data_source, ground_truth)
+
+
 def default_compute_score(
     data_source: str,
     solution_str: str,
@@ -94,9 +129,13 @@ def default_compute_score(
 
     Raises:
         NotImplementedError: For a data source without a built-in scorer.
+        TypeError: For a ground truth of the wrong type (`ground_truth_problem`).
     """
     del extra_info, kwargs
-    res = _select(data_source)(solution_str, ground_truth)
+    scorer = _select(data_source)
+    if (problem := _type_problem(data_source, ground_truth)) is not None:
+        raise TypeError(problem)
+    res = scorer(solution_str, ground_truth)
     if isinstance(res, dict):
         return res
     if isinstance(res, int | float | bool):
@@ -104,4 +143,11 @@ def default_compute_score(
     return float(res[0])
 
 
-__all__ = ["default_compute_score", "gsm8k", "math_dapo", "math_reward", "qa_em"]
+__all__ = [
+    "default_compute_score",
+    "ground_truth_problem",
+    "gsm8k",
+    "math_dapo",
+    "math_reward",
+    "qa_em",
+]

@@ -1,0 +1,132 @@
+"""Device memory of a step, from XLA's analysis of the compiled programs (nothing runs).
+
+    programs = trainer.compile_step()            # name -> jax.stages.Compiled
+    plan = memory_plan(programs, resident={"actor": trainer.actor.state, ...})
+
+Per device, a step holds its resident state (parameters, optimizer states, the reference
+model) throughout, and one program at a time adds what XLA reports for it: its inputs beyond
+the resident state (the micro-batch, the gradient accumulator, the rollout copy of the
+weights), its outputs that do not reuse a donated input, and its temporaries:
+
+    peak  ~=  resident + max over programs p of (arguments_p - resident_p + outputs_p
+                                                  - aliased_p + temporaries_p)
+
+where resident_p is the part of program p's arguments that is resident state. This is an
+estimate: the allocator's fragmentation, XLA's own workspace and the host runtime come on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def worst_case_batch(
+    rows: int, prompt_len: int, response_len: int, fields: tuple[str, ...]
+) -> dict[str, np.ndarray]:
+    """A host batch of the largest shapes a step can see: every prompt `prompt_len` tokens
+    and every response `response_len` (masks all ones), `fields` float32 [rows, R] zeros."""
+    batch = {
+        "prompts": np.zeros((rows, prompt_len), np.int32),
+        "prompt_mask": np.ones((rows, prompt_len), np.int32),
+        "responses": np.zeros((rows, response_len), np.int32),
+        "response_mask": np.ones((rows, response_len), np.int32),
+    }
+    batch.update({name: np.zeros((rows, response_len), np.float32) for name in fields})
+    return batch
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays (or `ShapeDtypeStruct`s with shardings):
+    the largest shard of each leaf, summed."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """XLA's memory analysis of one compiled program, bytes per device."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> ProgramMemory:
+        stats = compiled.memory_analysis()
+        return cls(
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+            temporaries=int(stats.temp_size_in_bytes),
+        )
+
+    def beyond(self, resident: int) -> int:
+        """What the program adds on top of `resident` bytes of its arguments."""
+        return max(self.arguments - resident, 0) + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The estimate of a step's peak device memory (see the module doc), bytes per device.
+
+    Attributes:
+        resident: Resident state per role ("actor", "ref", "critic").
+        programs: Each program's analysis.
+        adds: What each program adds to the resident state while it runs.
+    """
+
+    resident: dict[str, int]
+    programs: dict[str, ProgramMemory]
+    adds: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return sum(self.resident.values()) + max(self.adds.values(), default=0)
+
+    @property
+    def largest(self) -> str:
+        return max(self.adds, key=self.adds.__getitem__)
+
+
+def memory_plan(
+    programs: Mapping[str, jax.stages.Compiled],
+    resident: Mapping[str, Any],
+    resident_arguments: Mapping[str, Any],
+) -> MemoryPlan:
+    """The step's memory plan.
+
+    Args:
+        programs: `PPOTrainer.compile_step()`'s programs.
+        resident: Role name -> its resident tree (an `UpdateState`, the reference parameters).
+        resident_arguments: Program name -> the resident tree it takes as an argument (the
+            role's parameters or whole state); absent: none (generation takes the rollout
+            copy of the weights, made for it).
+    """
+    analysed = {name: ProgramMemory.of(c) for name, c in programs.items()}
+    adds = {
+        name: stats.beyond(bytes_per_device(resident_arguments.get(name)))
+        for name, stats in analysed.items()
+    }
+    return MemoryPlan(
+        resident={role: bytes_per_device(tree) for role, tree in resident.items()},
+        programs=analysed,
+        adds=adds,
+    )
+
+
+def gib(n: int) -> str:
+    """Bytes as a short human figure."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,184 @@
+"""`python -m jaxrl.doctor`: a run checked without training, each problem found before a run
+would meet it (in process: `main` returns the exit status and prints the report)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxrl import doctor
+from jaxrl.config import load_config
+from jaxrl.data import synthetic
+from jaxrl.data.rows import write_parquet
+from jaxrl.trainer.checkpoint import INCOMPLETE, write_manifest
+from jaxrl.trainer.memory import bytes_per_device
+
+ROOT = Path(__file__).parents[1]
+CONFIG = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def quickstart(tmp_path: Path, *overrides: str) -> list[str]:
+    """The quickstart's arguments with its assets and run directory inside `tmp_path`."""
+    return [
+        "--config",
+        CONFIG,
+        f"assets.dir={tmp_path}",
+        f"actor_rollout_ref.model.path={tmp_path}/model",
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/test.parquet",
+        f"trainer.default_local_dir={tmp_path}/run",
+        *overrides,
+    ]
+
+
+def run(capsys, args: list[str]) -> tuple[int, str]:
+    status = doctor.main(args)
+    out = capsys.readouterr()
+    return status, out.out + out.err
+
+
+@pytest.mark.slow
+def test_quickstart_is_healthy_and_its_memory_estimated(tmp_path, capsys):
+    status, out = run(capsys, quickstart(tmp_path))
+    assert status == 0, out
+    for section in ("config", "models", "data", "checkpoints", "plan", "memory"):
+        assert f"== {section}" in out
+    assert "train: 1024 rows in 1 file(s)" in out
+    assert "no checkpoints; the run starts at step 1" in out
+    assert "steps: 200 (64 batches per epoch of 1024 rows" in out
+    assert "per step: 16 prompts x n=16 = 256 responses" in out
+    for program in ("generate", "actor log-probs", "actor micro-batch", "actor optimizer"):
+        assert f"\n   {program} " in out
+    assert "estimated peak per device:" in out and "no problems found" in out
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written to the run
+
+
+def bad_data(tmp_path: Path) -> tuple[Path, Path]:
+    """Quickstart rows with a malformed row (1) and a long prompt (2), and a file of gsm8k
+    rows whose ground truths are ints, which the built-in scorer would never match."""
+    rows = synthetic.make_records(8, task="repeat", length=4, seed=0, split="train")
+    rows[1]["prompt"] = []
+    rows[2]["prompt"] = [{"role": "user", "content": "repeat: " + "7 " * 40}]
+    ints = synthetic.make_records(2, task="repeat", length=4, seed=0, split="train")
+    for row in ints:
+        row["data_source"] = "openai/gsm8k"
+        row["reward_model"] = {"style": "rule", "ground_truth": 72}
+    return (
+        Path(write_parquet(rows, tmp_path / "bad.parquet")),
+        Path(write_parquet(ints, tmp_path / "ints.parquet")),
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """The quickstart's model folder (made once)."""
+    folder = tmp_path_factory.mktemp("assets")
+    doctor.prepare(load_config(CONFIG, quickstart(folder)[2:]))
+    return folder / "model"
+
+
+def own_data(tmp_path: Path, model: Path, *overrides: str) -> list[str]:
+    """The quickstart with the model of `model` and data files of the test's own."""
+    return quickstart(
+        tmp_path,
+        "assets.quickstart=false",
+        f"actor_rollout_ref.model.path={model}",
+        f"data.val_files={model.parent}/test.parquet",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        *overrides,
+    )
+
+
+def test_every_bad_row_named_before_a_run(tmp_path, model, capsys):
+    path, ints = bad_data(tmp_path)
+    args = own_data(tmp_path, model, f"data.train_files=[{path},{ints}]", "--no-compile")
+    status, out = run(capsys, args)
+    assert status == 1, out
+    assert f"train: 1 malformed rows: {path}: row 1: column 'prompt'" in out
+    assert "data.skip_bad_rows=true" in out
+    assert "train: 1 prompts are longer than data.max_prompt_length=16" in out
+    assert f"{path}: row 2 (" in out
+    assert "train: 2 rows the built-in scorers cannot score" in out
+    assert f"{ints}: row 0: data_source 'openai/gsm8k' needs reward_model.ground_truth" in out
+    assert "not estimated" not in out and "skipped (--no-compile)" in out
+    assert "3 problem(s) found" in out
+
+
+def test_skipping_and_truncating_are_reported_not_refused(tmp_path, model, capsys):
+    path, ints = bad_data(tmp_path)
+    args = own_data(
+        tmp_path,
+        model,
+        f"data.train_files=[{path},{ints}]",
+        "data.skip_bad_rows=true",
+        "data.truncation=left",
+        "custom_reward_function.path=" + str(ROOT / "tests/faults/faulty_scorers.py"),
+        "custom_reward_function.name=compute_score",
+        "--no-compile",
+    )
+    status, out = run(capsys, args)
+    assert "train: 1 malformed rows will be skipped" in out
+    assert "train: 1 prompts will be cut to 16 tokens (left)" in out
+    assert status == 0, out
+
+
+def checkpoint_step(root: Path, step: int, payload: bytes) -> Path:
+    folder = root / str(step)
+    folder.mkdir(parents=True)
+    (folder / "state").write_bytes(payload)
+    write_manifest(folder)
+    return folder
+
+
+def test_checkpoints_verified_and_the_resume_step_named(tmp_path, capsys):
+    ckpts = tmp_path / "run" / "checkpoints"
+    checkpoint_step(ckpts, 1, b"a" * 64)
+    broken = checkpoint_step(ckpts, 2, b"b" * 64)
+    (broken / "state").write_bytes(b"c" * 64)
+    (ckpts / "3").mkdir()  # killed before it committed
+    status, out = run(capsys, quickstart(tmp_path, "--no-compile"))
+    assert f"step 3: {INCOMPLETE}" in out
+    assert "step 2: state differs from what was written (sha256 mismatch)" in out
+    assert "step 1: intact" in out
+    assert "a run resumes from step 1; steps [3, 2] are set aside or deleted first" in out
+    assert status == 0, out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["1", "2", "3"]  # read only
+
+
+def test_no_intact_checkpoint_is_a_problem(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+    status, out = run(capsys, quickstart(tmp_path, "--no-compile"))
+    assert status == 1 and "no intact checkpoint; a run refuses to start" in out
+
+
+def test_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
+    status, out = run(capsys, quickstart(tmp_path, "data.train_batch_sise=8"))
+    assert status == 2 and "unknown config key 'data.train_batch_sise'" in out
+
+
+@pytest.mark.slow
+def test_memory_estimate_follows_the_config(tmp_path):
+    """The estimate comes from the compiled programs: sharding the parameters over 8 devices
+    divides the resident state by 8 (up to padding), and a larger micro-batch needs more
+    temporaries."""
+    from jaxrl.trainer.fit import build_run
+
+    base = quickstart(tmp_path)[1:]
+    written = doctor.prepare(load_config(base[0], base[1:], num_devices=8))
+    assert written  # the quickstart's model and data
+
+    def plan(*overrides):
+        cfg = load_config(base[0], [*base[1:], *overrides], num_devices=8)
+        trainer = build_run(cfg).trainer
+        return trainer, trainer.memory_plan()
+
+    trainer, sharded = plan("mesh.fsdp=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    _, replicated = plan("mesh.fsdp=1", "mesh.dp=8")
+    assert replicated.resident["actor"] > 6 * sharded.resident["actor"]
+    assert bytes_per_device(trainer.actor.state) == sharded.resident["actor"]
+    _, larger = plan("mesh.fsdp=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    small = sharded.programs["actor micro-batch"].temporaries
+    assert larger.programs["actor micro-batch"].temporaries > 2 * small
+    assert larger.adds["actor micro-batch"] > sharded.adds["actor micro-batch"]
