@@ -12,12 +12,15 @@ Takes the same arguments as `python -m jaxrl.train` and reports, section by sect
     checkpoints  every step folder of the run verified against its checksum manifest, and the
                  step a run would resume from
     plan         devices and meshes, steps, the batch sizes of a step
-    memory       every program of a step compiled (not run) for the largest batch the config
-                 allows, XLA's memory analysis per device and an estimate of the peak
-                 (`jaxrl.trainer.memory`); it loads the models. --no-compile skips it.
+    memory       every program of a step (and of validation) compiled, not run, for the
+                 largest batch the config allows, on abstract weights (only config.json is
+                 read, nothing is allocated on the devices): XLA's memory analysis per device
+                 and an estimate of the peak (`jaxrl.trainer.memory`). --no-compile skips it.
 
-Exit status: 0 when nothing is wrong, 1 when a problem was found (each names the key, the file
-and row, or the folder, and the fix), 2 when the config itself is invalid.
+It checks against the devices of this host, as one process (a multi-host config's mesh checks
+need the run's own launch). Exit status: 0 when nothing is wrong, 1 when a problem was found
+(each names the key, the file and row, or the folder, and the fix), 2 when the config itself
+is invalid.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -41,11 +45,12 @@ from jaxrl.assets import prepare
 from jaxrl.config import Config, ConfigError, load_config
 from jaxrl.config.checks import critic_enabled
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
+from jaxrl.data.dataset import selection
 from jaxrl.data.rows import DataError, read_rows
 from jaxrl.rewards.scorers import ground_truth_problem
-from jaxrl.train import device_summary, preflight_problems, run_summary
-from jaxrl.trainer.checkpoint import survey, verify
-from jaxrl.trainer.fit import build_run, fresh_start_problem, total_steps
+from jaxrl.train import device_summary, folder_problems, preflight_problems, run_summary
+from jaxrl.trainer.checkpoint import step_numbers, survey, verify
+from jaxrl.trainer.fit import build_run, fresh_start_problem, resume_path_problem, total_steps
 from jaxrl.trainer.memory import MemoryPlan, gib
 
 SHOWN = 3  # examples listed per kind of problem
@@ -77,18 +82,18 @@ def _listing(items: Sequence[str]) -> str:
 
 
 def check_split(cfg: Config, tokenizer, split: str, report: Report) -> RLDataset | None:
-    """Every row of the train or val files; returns the dataset a run would build."""
+    """Every row of the train or val files; returns the dataset a run would build (after
+    `max_samples` and the overlong filter), or None when a run could not build it."""
     data = cfg.data
     key = f"data.{split}_files"
     files = data.train_files if split == "train" else data.val_files
-    try:
+    try:  # every row, bad ones too, so that all of them are listed
         rows, read = read_rows(files, prompt_key=data.prompt_key, skip_bad_rows=True)
     except (DataError, FileNotFoundError) as e:
         report.problem(f"{key}: {e}")
         return None
-    report.info(
-        f"{split}: {sum(read.rows_per_file.values())} rows in {len(read.rows_per_file)} file(s)"
-    )
+    total, count = sum(read.rows_per_file.values()), len(read.rows_per_file)
+    report.info(f"{split}: {total} rows in {count} file(s)")
     if read.skipped:
         n = len(read.skipped)
         if data.skip_bad_rows:
@@ -98,29 +103,32 @@ def check_split(cfg: Config, tokenizer, split: str, report: Report) -> RLDataset
                 f"{split}: {n} malformed rows: {_listing(read.skipped)}; fix them, or set "
                 "data.skip_bad_rows=true to skip them"
             )
-    if not rows:
-        report.problem(f"{key}: no usable rows")
+    options = selection(data, split)
+    filter_overlong = options.pop("filter_overlong_prompts")
+    try:
+        dataset = RLDataset.from_rows(rows, read, tokenizer, **options)
+        if len(dataset) < len(rows):
+            report.info(f"{split}: {len(dataset)} rows drawn ({split}_max_samples)")
+        _check_lengths(cfg, dataset, split, report)
+        if filter_overlong:
+            dataset.filter_overlong()
+    except DataError as e:
+        report.problem(f"{key}: {e}")
         return None
-    dataset = RLDataset(
-        rows,
-        tokenizer,
-        max_prompt_length=data.max_prompt_length,
-        truncation=data.truncation,
-        chat_template_kwargs=data.apply_chat_template_kwargs,
-        report=read,
-    )
-    _check_lengths(cfg, dataset, split, report)
     if cfg.custom_reward_function.path is None and not cfg.reward_model.enable:
         _check_ground_truths(dataset, split, report)
     return dataset
 
 
 def _where(row) -> str:
+    """`FILE: row I` of a row, as every data message names it."""
     path, index = row.source
     return f"{path}: row {index}"
 
 
 def _check_lengths(cfg: Config, dataset: RLDataset, split: str, report: Report) -> None:
+    """Prompt lengths after the chat template against `data.max_prompt_length`, and what
+    `data.filter_overlong_prompts` / `data.truncation` do with longer ones."""
     data, p = cfg.data, cfg.data.max_prompt_length
     lengths = dataset.prompt_lengths()
     report.info(
@@ -149,6 +157,7 @@ def _check_lengths(cfg: Config, dataset: RLDataset, split: str, report: Report) 
 
 
 def _check_ground_truths(dataset: RLDataset, split: str, report: Report) -> None:
+    """Rows the built-in scorers cannot score (unknown data source, ground truth type)."""
     bad = [
         f"{_where(row)}: {problem}"
         for row in dataset.rows
@@ -170,11 +179,13 @@ def check_checkpoints(cfg: Config, steps: int | None, report: Report) -> None:
     directory = Path(t.default_local_dir).expanduser() / "checkpoints"
     if t.resume_mode == "resume_path":
         path = Path(str(t.resume_from_path)).expanduser()
-        problem = verify(path)
+        problem = resume_path_problem(path)
+        if problem is None and (broken := verify(path)) is not None:
+            problem = f"trainer.resume_from_path={path}: {broken}"
         if problem is None:
             report.info(f"resumes from {path} (intact)")
         else:
-            report.problem(f"trainer.resume_from_path={path}: {problem}")
+            report.problem(problem)
         return
     if (problem := fresh_start_problem(cfg, directory)) is not None:
         report.problem(problem)
@@ -185,6 +196,9 @@ def check_checkpoints(cfg: Config, steps: int | None, report: Report) -> None:
         return
     for step, problem in found.items():
         report.info(f"step {step}: {'intact' if problem is None else problem}")
+    older = len(step_numbers(directory)) - len(found)
+    if older:
+        report.info(f"{older} older step(s) not read (a run does not reach them)")
     intact = [step for step, problem in found.items() if problem is None]
     if not intact:
         report.problem(
@@ -258,10 +272,15 @@ def memory_lines(plan: MemoryPlan) -> list[str]:
 
 
 def check_memory(cfg: Config, report: Report) -> None:
-    run = build_run(cfg)
-    plan = run.trainer.memory_plan()
+    """Compile a step's programs on an abstract trainer (nothing allocated) and report the
+    plan; a plan over the device's memory is a problem."""
+    run = build_run(cfg, abstract=True)
+    val_prompts = run.val_loader.batch_size if run.val_loader is not None else None
+    plan = run.trainer.memory_plan(val_prompts)
     for line in memory_lines(plan):
         report.info(line)
+    if cfg.reward_model.enable:
+        report.info("not counted: the reward model's weights and its pass (reward_model.*)")
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if limit and plan.peak > limit:
         report.problem(
@@ -284,46 +303,69 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-compile",
         action="store_true",
-        help="skip the memory estimate (it loads the models and compiles the step)",
+        help="skip the memory estimate (it compiles every program of a step)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
 
 
 def diagnose(cfg: Config, report: Report, *, compile_step: bool = True) -> None:
-    """Every section after the config's own checks."""
-    report.section("models")
-    model_problems = preflight_problems(cfg)
-    for problem in model_problems:
+    """Every section after the config's own checks; an unexpected error in one is reported
+    as a problem of that section and the next goes on."""
+    state: dict[str, Any] = {"loader": None, "steps": None}
+    sections = [
+        ("models", lambda: _models(cfg, report, state)),
+        ("data", lambda: _data(cfg, report, state)),
+        ("checkpoints", lambda: check_checkpoints(cfg, state["steps"], report)),
+        ("plan", lambda: _plan(cfg, report, state)),
+        ("memory", lambda: _memory(cfg, report, compile_step)),
+    ]
+    for title, run in sections:
+        report.section(title)
+        try:
+            run()
+        except Exception as e:  # a diagnosis, not a crash: name it and go on
+            report.problem(f"{title}: {type(e).__name__}: {e}")
+
+
+def _models(cfg: Config, report: Report, state: dict[str, Any]) -> None:
+    state["folders_ok"] = not (folders := folder_problems(cfg))
+    for problem in preflight_problems(cfg):
         report.problem(problem)
-    if not model_problems:
+    if not folders:
         report.info(f"actor {cfg.actor_rollout_ref.model.path}: readable")
-    report.section("data")
-    loader = steps = None
-    if not model_problems:
-        model = cfg.actor_rollout_ref.model
-        tokenizer = load_tokenizer(
-            model.tokenizer_path or model.path,
-            trust_remote_code=model.trust_remote_code,
-            custom_chat_template=model.custom_chat_template,
-        )
-        train = check_split(cfg, tokenizer, "train", report)
-        if cfg.data.val_files:
-            check_split(cfg, tokenizer, "val", report)
-        if train is not None:
-            try:
-                loader = PromptIterator(train, cfg.data.train_batch_size, seed=cfg.data.seed)
-                steps = total_steps(cfg, loader)
-            except DataError as e:
-                report.problem(f"data.train_files: {e}")
-    else:
-        report.info("not checked: the tokenizer folder has problems (above)")
-    report.section("checkpoints")
-    check_checkpoints(cfg, steps, report)
-    report.section("plan")
-    for line in [*device_summary(cfg).splitlines(), *plan_lines(cfg, loader, steps)]:
+
+
+def _data(cfg: Config, report: Report, state: dict[str, Any]) -> None:
+    if not state.get("folders_ok"):
+        report.info("not checked: the model or tokenizer folder has problems (above)")
+        return
+    model = cfg.actor_rollout_ref.model
+    tokenizer = load_tokenizer(
+        model.tokenizer_path or model.path,
+        trust_remote_code=model.trust_remote_code,
+        custom_chat_template=model.custom_chat_template,
+    )
+    train = check_split(cfg, tokenizer, "train", report)
+    if cfg.data.val_files:
+        check_split(cfg, tokenizer, "val", report)
+    if train is None:
+        return
+    try:
+        loader = PromptIterator(train, cfg.data.train_batch_size, seed=cfg.data.seed)
+    except DataError as e:
+        report.problem(f"data.train_files: {e}")
+        return
+    state["loader"], state["steps"] = loader, total_steps(cfg, loader)
+
+
+def _plan(cfg: Config, report: Report, state: dict[str, Any]) -> None:
+    lines = [*device_summary(cfg).splitlines(), *plan_lines(cfg, state["loader"], state["steps"])]
+    for line in lines:
         report.info(line)
-    report.section("memory")
+
+
+def _memory(cfg: Config, report: Report, compile_step: bool) -> None:
     if not compile_step:
         report.info("skipped (--no-compile)")
     elif report.problems:

@@ -48,8 +48,10 @@ def test_quickstart_is_healthy_and_its_memory_estimated(tmp_path, capsys):
     assert "no checkpoints; the run starts at step 1" in out
     assert "steps: 200 (64 batches per epoch of 1024 rows" in out
     assert "per step: 16 prompts x n=16 = 256 responses" in out
-    for program in ("generate", "actor log-probs", "actor micro-batch", "actor optimizer"):
+    # on-policy (one mini-batch, one epoch): no old-log-prob pass
+    for program in ("generate", "validate generate", "actor micro-batch", "actor optimizer"):
         assert f"\n   {program} " in out
+    assert "actor log-probs" not in out
     assert "estimated peak per device:" in out and "no problems found" in out
     assert not (tmp_path / "run").exists()  # nothing trained, nothing written to the run
 
@@ -160,25 +162,74 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_memory_estimate_follows_the_config(tmp_path):
-    """The estimate comes from the compiled programs: sharding the parameters over 8 devices
-    divides the resident state by 8 (up to padding), and a larger micro-batch needs more
-    temporaries."""
+    """The estimate comes from the compiled programs: an abstract trainer (nothing loaded)
+    plans exactly what the loaded one does; sharding the parameters over 8 devices divides
+    the resident state by 8 (up to padding); a larger micro-batch needs more temporaries; and
+    with a token budget the widest micro-batch packs many short rows padded to a full one."""
     from jaxrl.trainer.fit import build_run
 
-    base = quickstart(tmp_path)[1:]
-    written = doctor.prepare(load_config(base[0], base[1:], num_devices=8))
-    assert written  # the quickstart's model and data
+    base = quickstart(tmp_path, "critic.enable=true", "actor_rollout_ref.actor.use_kl_loss=true")
+    base = base[1:]
+    assert doctor.prepare(load_config(base[0], base[1:], num_devices=8))  # model and data
 
-    def plan(*overrides):
+    def plan(*overrides, abstract=True):
         cfg = load_config(base[0], [*base[1:], *overrides], num_devices=8)
-        trainer = build_run(cfg).trainer
+        trainer = build_run(cfg, abstract=abstract).trainer
         return trainer, trainer.memory_plan()
 
-    trainer, sharded = plan("mesh.fsdp=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
-    _, replicated = plan("mesh.fsdp=1", "mesh.dp=8")
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    _, sharded = plan("mesh.fsdp=8", f"{micro}=2")
+    loaded_trainer, loaded = plan("mesh.fsdp=8", f"{micro}=2", abstract=False)
+    assert sharded == loaded
+    assert set(sharded.programs) == {
+        "generate", "ref log-probs", "critic values", "critic micro-batch",
+        "critic optimizer", "actor micro-batch", "actor optimizer",
+    }  # fmt: skip
+    assert bytes_per_device(loaded_trainer.actor.state) == sharded.resident["actor"]
+    _, replicated = plan("mesh.fsdp=1", "mesh.dp=8", f"{micro}=2")
     assert replicated.resident["actor"] > 6 * sharded.resident["actor"]
-    assert bytes_per_device(trainer.actor.state) == sharded.resident["actor"]
-    _, larger = plan("mesh.fsdp=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    _, larger = plan("mesh.fsdp=8", f"{micro}=8")
     small = sharded.programs["actor micro-batch"].temporaries
     assert larger.programs["actor micro-batch"].temporaries > 2 * small
     assert larger.adds["actor micro-batch"] > sharded.adds["actor micro-batch"]
+    # A budget of 32 valid tokens per device admits one full row (24 tokens: all-full rows
+    # would make micro-batches of one row per device) but 16 short rows of 2: the planner
+    # deals them into micro-batches of about 11 rows, padded to the full row's width.
+    budget = ("actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32")  # fmt: skip
+    _, dynamic = plan("mesh.fsdp=8", *budget)
+    _, one_row = plan("mesh.fsdp=8", f"{micro}=1")
+    _, eight_rows = plan("mesh.fsdp=8", f"{micro}=8")
+    widest = dynamic.programs["actor micro-batch"].temporaries
+    assert widest > eight_rows.programs["actor micro-batch"].temporaries
+    assert widest > 4 * one_row.programs["actor micro-batch"].temporaries
+
+
+def test_a_batch_larger_than_the_drawn_rows_is_a_problem(tmp_path, model, capsys):
+    args = own_data(
+        tmp_path,
+        model,
+        f"data.train_files={model.parent}/train.parquet",
+        "data.train_max_samples=2",
+        "--no-compile",
+    )
+    status, out = run(capsys, args)
+    assert status == 1, out
+    assert "train: 2 rows drawn (train_max_samples)" in out
+    assert "batch size 4 is larger than the dataset (2 rows after filtering)" in out
+
+
+def test_resume_path_and_a_fresh_start_over_checkpoints_are_checked(tmp_path, capsys):
+    ckpts = tmp_path / "run" / "checkpoints"
+    checkpoint_step(ckpts, 1, b"a" * 64)
+    status, out = run(capsys, quickstart(tmp_path, "trainer.resume_mode=disable", "--no-compile"))
+    assert status == 1 and "already holds checkpoints of steps [1]" in out
+    resume = ["trainer.resume_mode=resume_path", "--no-compile"]
+    status, out = run(capsys, quickstart(tmp_path, f"trainer.resume_from_path={ckpts}/1", *resume))
+    assert status == 0 and f"resumes from {ckpts}/1 (intact)" in out
+    verl_style = tmp_path / "global_step_1"
+    verl_style.mkdir()
+    status, out = run(
+        capsys, quickstart(tmp_path, f"trainer.resume_from_path={verl_style}", *resume)
+    )
+    assert status == 1 and "expected a step folder of a run's checkpoints" in out

@@ -154,8 +154,9 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
         given = ", ".join(k for k in keys if get(cfg, k))
         p.append(
             f"{given} without algorithm.rollout_correction.bypass_mode (verl's decoupled mode) "
-            "is not implemented in jaxrl's trainer; set bypass_mode=true, or leave rollout_is "
-            "and rollout_rs null"
+            "is not implemented in jaxrl's trainer; set "
+            "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
+            "null"
         )
     p.choice(cfg, "assets.task", ("repeat", "copy", "reverse"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl.data.batch import PromptBatch, object_array
-from jaxrl.data.rows import DataError, ReadReport, Row, as_file_list, read_rows
+from jaxrl.data.rows import DataError, ReadReport, Row, read_rows
 from jaxrl.data.templates import TRUNCATIONS, encode_prompts, left_pad, truncate
 
 log = logging.getLogger("jaxrl.data")
@@ -96,8 +96,38 @@ class RLDataset:
             skip_bad_rows: Skip malformed rows (counted in `report`) instead of raising.
         """
         rows, report = read_rows(files, prompt_key=prompt_key, skip_bad_rows=skip_bad_rows)
+        return cls.from_rows(
+            rows,
+            report,
+            tokenizer,
+            max_prompt_length=max_prompt_length,
+            truncation=truncation,
+            filter_overlong_prompts=filter_overlong_prompts,
+            chat_template_kwargs=chat_template_kwargs,
+            max_samples=max_samples,
+            shuffle=shuffle,
+            seed=seed,
+        )
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Row],
+        report: ReadReport,
+        tokenizer: Any,
+        *,
+        max_prompt_length: int = 512,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        max_samples: int = -1,
+        shuffle: bool = False,
+        seed: int | None = 1,
+    ) -> RLDataset:
+        """The dataset of rows already read (`read_rows`): `max_samples` drawn, then the
+        overlong filter; the arguments are `from_files`'."""
         if not rows:
-            names = ", ".join(as_file_list(files))
+            names = ", ".join(report.rows_per_file)
             why = (
                 f"all {len(report.skipped)} rows are malformed (first: {report.skipped[0]})"
                 if report.skipped
@@ -127,20 +157,14 @@ class RLDataset:
     @classmethod
     def from_config(cls, data: Any, tokenizer: Any, split: str = "train") -> RLDataset:
         """The `train` or `val` dataset described by a `DataConfig` (`data.*`)."""
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        options = selection(data, split)
+        files = data.train_files if split == "train" else data.val_files
         return cls.from_files(
-            data.train_files if split == "train" else data.val_files,
+            files,
             tokenizer,
             prompt_key=data.prompt_key,
-            max_prompt_length=data.max_prompt_length,
-            truncation=data.truncation,
-            filter_overlong_prompts=data.filter_overlong_prompts,
-            chat_template_kwargs=data.apply_chat_template_kwargs,
-            max_samples=data.train_max_samples if split == "train" else data.val_max_samples,
-            shuffle=data.shuffle if split == "train" else data.validation_shuffle,
-            seed=1 if data.seed is None else data.seed,
             skip_bad_rows=getattr(data, "skip_bad_rows", False),
+            **options,
         )
 
     def __len__(self) -> int:
@@ -225,3 +249,18 @@ class RLDataset:
             if is_padding is None
             else np.asarray(is_padding, bool),
         )
+
+
+def selection(data: Any, split: str) -> dict[str, Any]:
+    """`from_rows`' arguments for the train or val split of a `DataConfig` (`data.*`)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    return {
+        "max_prompt_length": data.max_prompt_length,
+        "truncation": data.truncation,
+        "filter_overlong_prompts": data.filter_overlong_prompts,
+        "chat_template_kwargs": data.apply_chat_template_kwargs,
+        "max_samples": data.train_max_samples if split == "train" else data.val_max_samples,
+        "shuffle": data.shuffle if split == "train" else data.validation_shuffle,
+        "seed": 1 if data.seed is None else data.seed,
+    }

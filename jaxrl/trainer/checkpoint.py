@@ -132,10 +132,15 @@ def step_numbers(directory: Path) -> list[int]:
 
 
 def survey(directory: str | Path) -> dict[int, str | None]:
-    """Every step of a checkpoint folder and what is wrong with it (None: intact), newest
-    first; reads only (`python -m jaxrl.doctor`). A run resumes from the newest intact one."""
-    directory = Path(directory).expanduser()
-    return {step: verify(directory / str(step)) for step in reversed(step_numbers(directory))}
+    """The steps of a checkpoint folder, newest first, down to the newest intact one (the
+    step a run resumes from), and what is wrong with each (None: intact); older steps are not
+    read. Reads only (`python -m jaxrl.doctor`)."""
+    found: dict[int, str | None] = {}
+    for step in reversed(step_numbers(Path(directory).expanduser())):
+        found[step] = verify(Path(directory).expanduser() / str(step))
+        if found[step] is None:
+            break
+    return found
 
 
 class Checkpoints:

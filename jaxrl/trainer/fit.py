@@ -103,6 +103,17 @@ def total_steps(cfg, loader: PromptIterator) -> int:
     return loader.batches_per_epoch * cfg.trainer.total_epochs
 
 
+def resume_path_problem(path: Path) -> str | None:
+    """Why `trainer.resume_from_path` is not a step folder to resume from (None: it is; its
+    contents are verified against the manifest when restored)."""
+    if not path.is_dir() or not path.name.isdigit():
+        return (
+            f"trainer.resume_from_path={path}: expected a step folder of a run's "
+            "checkpoints (e.g. checkpoints/PROJECT/EXP/checkpoints/40)"
+        )
+    return None
+
+
 def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
     """(checkpoints, step) to resume from: `resume_from_path`, or the newest intact step of
     the run (`restorable_step` sets broken and unfinished ones aside), or None."""
@@ -111,11 +122,8 @@ def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
         return None
     if mode == "resume_path":
         path = Path(str(cfg.trainer.resume_from_path)).expanduser()
-        if not path.is_dir() or not path.name.isdigit():
-            raise CheckpointError(
-                f"trainer.resume_from_path={path}: expected a step folder of a run's "
-                "checkpoints (e.g. checkpoints/PROJECT/EXP/checkpoints/40)"
-            )
+        if (problem := resume_path_problem(path)) is not None:
+            raise CheckpointError(problem)
         return Checkpoints(path.parent), int(path.name)
     step = ckpts.restorable_step()
     return None if step is None else (ckpts, step)
@@ -198,8 +206,9 @@ class Run:
     trainer: PPOTrainer
 
 
-def build_run(cfg, devices=None) -> Run:
-    """Load the tokenizer and data, build the reward managers and the trainer."""
+def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
+    """Load the tokenizer and data, build the reward managers and the trainer (`abstract`:
+    one that only compiles, no weights loaded, no reward model; see `PPOTrainer`)."""
     model = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(
         model.tokenizer_path or model.path,
@@ -219,7 +228,7 @@ def build_run(cfg, devices=None) -> Run:
         )
     steps = total_steps(cfg, train_loader)
     reward_model = None
-    if cfg.reward_model.enable:
+    if cfg.reward_model.enable and not abstract:
         reward_model = RewardModel.from_config(cfg.reward_model, tokenizer)
     manager = make_reward_manager(cfg, tokenizer)
     val_manager = make_reward_manager(cfg, tokenizer, num_examine=1)
@@ -229,6 +238,7 @@ def build_run(cfg, devices=None) -> Run:
         val_reward_fn=reward_fn_from(val_manager, reward_model),
         total_steps=steps,
         devices=devices,
+        abstract=abstract,
     )
     trainer.tokenizer = tokenizer
     return Run(tokenizer, train_loader, val_loader, steps, trainer)

@@ -192,13 +192,15 @@ class Learner:
         token_budget: int | None,
         fields: tuple[str, ...],
         balance: bool = False,
-        **update_only: Any,
+        epochs: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
     ) -> dict[str, jax.stages.Compiled]:
         """The programs `update` (same arguments; `epochs`, `shuffle` and `seed` change no
         shape) runs for `batch`'s first mini-batch, compiled but not run: "micro-batch"
-        (gradients of its largest micro-batch) and "optimizer" (clip and apply), for their
-        memory analysis."""
-        del update_only
+        (gradients of its widest micro-batch) and "optimizer" (clip and apply), for their
+        memory analysis. The state may be abstract (`jax.ShapeDtypeStruct`s)."""
+        del epochs, shuffle, seed
         arrays = {k: batch[k] for k in (*SEQUENCE_FIELDS, *fields)}
         rows = np.arange(min(mini_batch_rows, len(batch["responses"])))
         plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)

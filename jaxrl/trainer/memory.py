@@ -1,7 +1,7 @@
 """Device memory of a step, from XLA's analysis of the compiled programs (nothing runs).
 
-    programs = trainer.compile_step()            # name -> jax.stages.Compiled
-    plan = memory_plan(programs, resident={"actor": trainer.actor.state, ...})
+    plan = trainer.memory_plan()     # PPOTrainer: compile_step's programs and its resident state
+    plan.peak, plan.largest, plan.programs["actor micro-batch"].temporaries
 
 Per device, a step holds its resident state (parameters, optimizer states, the reference
 model) throughout, and one program at a time adds what XLA reports for it: its inputs beyond
@@ -28,13 +28,25 @@ import numpy as np
 def worst_case_batch(
     rows: int, prompt_len: int, response_len: int, fields: tuple[str, ...]
 ) -> dict[str, np.ndarray]:
-    """A host batch of the largest shapes a step can see: every prompt `prompt_len` tokens
-    and every response `response_len` (masks all ones), `fields` float32 [rows, R] zeros."""
+    """A host batch whose widest micro-batch is the largest a step can see: row 0 a full
+    `prompt_len` + `response_len` tokens, every other row one prompt and one response token.
+
+    Micro-batches are trimmed to their longest row, so the one holding row 0 is full width;
+    with a fixed row count it has as many rows as any, and with a token budget
+    (`use_dynamic_bsz`) its other shards' parts are as many of the short rows as the budget
+    admits: the most padded token slots a budget allows. `fields` are float32 [rows, R] zeros.
+    """
+    prompt_mask = np.zeros((rows, prompt_len), np.int32)
+    prompt_mask[:, -1] = 1
+    prompt_mask[0] = 1
+    response_mask = np.zeros((rows, response_len), np.int32)
+    response_mask[:, 0] = 1
+    response_mask[0] = 1
     batch = {
         "prompts": np.zeros((rows, prompt_len), np.int32),
-        "prompt_mask": np.ones((rows, prompt_len), np.int32),
+        "prompt_mask": prompt_mask,
         "responses": np.zeros((rows, response_len), np.int32),
-        "response_mask": np.ones((rows, response_len), np.int32),
+        "response_mask": response_mask,
     }
     batch.update({name: np.zeros((rows, response_len), np.float32) for name in fields})
     return batch
@@ -71,7 +83,8 @@ class ProgramMemory:
         )
 
     def beyond(self, resident: int) -> int:
-        """What the program adds on top of `resident` bytes of its arguments."""
+        """What the program adds on top of `resident` bytes of its arguments (resident state
+        it reads; jit drops unused arguments, hence the floor at 0)."""
         return max(self.arguments - resident, 0) + self.outputs - self.aliased + self.temporaries
 
 
@@ -91,10 +104,12 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
+        """Resident state plus the largest program's addition, bytes per device."""
         return sum(self.resident.values()) + max(self.adds.values(), default=0)
 
     @property
     def largest(self) -> str:
+        """The program that adds the most."""
         return max(self.adds, key=self.adds.__getitem__)
 
 

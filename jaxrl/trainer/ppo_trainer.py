@@ -47,6 +47,7 @@ from jaxrl.trainer.metrics import (
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
 from jaxrl.trainer.roles import (
+    abstract_model,
     critic_from_policy,
     dtype_name,
     load_model,
@@ -86,6 +87,9 @@ class PPOTrainer:
         val_reward_fn: Scores validation responses; default `reward_fn`.
         total_steps: Optimizer-schedule length (steps of the run).
         devices: The mesh's devices; default all.
+        abstract: Read only the models' `config.json`: parameters and optimizer states are
+            `jax.ShapeDtypeStruct`s in their shardings, nothing is loaded or allocated; such
+            a trainer only compiles (`compile_step`, `memory_plan`), it cannot step.
     """
 
     def __init__(
@@ -96,8 +100,10 @@ class PPOTrainer:
         val_reward_fn: RewardFn | None = None,
         total_steps: int,
         devices=None,
+        abstract: bool = False,
     ):
         self.cfg, self.reward_fn = cfg, reward_fn
+        load = abstract_model if abstract else load_model
         self.val_reward_fn = val_reward_fn or reward_fn
         arr = cfg.actor_rollout_ref
         actor_cfg, rollout_cfg = arr.actor, arr.rollout
@@ -112,7 +118,7 @@ class PPOTrainer:
         self.train_layout, self.rollout_layout = layouts_from_config(cfg, devices)
         self.devices = self.train_layout.mesh.devices.size
         remat = arr.model.remat_policy if arr.model.enable_gradient_checkpointing else "none"
-        self.actor_config, params = load_model(
+        self.actor_config, params = load(
             arr.model.path,
             param_dtype=dtype_name(actor_cfg.model_dtype, "actor.model_dtype"),
             compute_dtype=dtype_name(actor_cfg.dtype, "actor.dtype"),
@@ -161,7 +167,7 @@ class PPOTrainer:
         )
         self.ref_params = self._ref_config = None
         if uses_reference(cfg):
-            self._ref_config, self.ref_params = load_model(
+            self._ref_config, self.ref_params = load(
                 arr.model.path,
                 param_dtype=dtype_name(arr.ref.model_dtype, "ref.model_dtype"),
                 compute_dtype=dtype_name(arr.ref.dtype, "ref.dtype"),
@@ -175,7 +181,7 @@ class PPOTrainer:
         self.critic = None
         if uses_critic(cfg):
             c = cfg.critic
-            config, params = load_model(
+            config, params = load(
                 c.model.path,
                 param_dtype=dtype_name(c.model_dtype, "critic.model_dtype"),
                 compute_dtype=dtype_name(c.dtype, "critic.dtype"),
@@ -279,13 +285,7 @@ class PPOTrainer:
                         batch, group_ids, extra, reward_metrics
                     )
             metrics.update(reward_metrics)
-            mini_rows = actor_cfg.ppo_mini_batch_size * n
-            on_policy = (
-                mini_rows >= len(batch["responses"])
-                and actor_cfg.ppo_epochs == 1
-                and not cfg.algorithm.use_kl_in_reward
-                and not self.bypass  # bypass trains against the rollout's log-probs
-            )
+            on_policy = self._on_policy(len(batch["responses"]))
             micro = self._log_prob_micro()
             if self.bypass:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
@@ -364,6 +364,18 @@ class PPOTrainer:
         self.last_batch = batch
         return metrics
 
+    def _on_policy(self, rows: int) -> bool:
+        """Whether the actor's old log-probs are the current policy's, so the step skips
+        their pass: one mini-batch of all `rows`, one epoch, no KL in the reward, and not
+        bypass mode (which trains against the rollout's log-probs)."""
+        actor_cfg = self.cfg.actor_rollout_ref.actor
+        return (
+            actor_cfg.ppo_mini_batch_size * self.sampling.n >= rows
+            and actor_cfg.ppo_epochs == 1
+            and not self.cfg.algorithm.use_kl_in_reward
+            and not self.bypass
+        )
+
     def _update_args(self, role, global_step: int, fields: tuple[str, ...]) -> dict[str, Any]:
         """`Learner.update`'s arguments for the actor or critic config `role` at a step."""
         return {
@@ -377,37 +389,32 @@ class PPOTrainer:
             "balance": self.cfg.trainer.balance_batch,
         }
 
-    def compile_step(self) -> dict[str, jax.stages.Compiled]:
-        """Every program of a step, compiled for the largest batch the config allows (every
-        prompt `max_prompt_length` tokens, every response `max_tokens`) but not run: for
-        their memory analysis (`python -m jaxrl.doctor`). One process's view."""
+    def compile_step(self, val_prompts: int | None = None) -> dict[str, jax.stages.Compiled]:
+        """Every program of a step (and of validation, for `val_prompts` prompts), compiled
+        for the largest batch the config allows but not run: for their memory analysis
+        (`python -m jaxrl.doctor`). Single-process runs.
+
+        Generation takes `train_batch_size` prompts of `max_prompt_length` tokens. The passes
+        and updates take `worst_case_batch`: one full-length row among rows of one prompt and
+        one response token, which the micro-batch planner packs into its widest micro-batch
+        (its rows padded to the full row; with `use_dynamic_bsz` that is as many rows as
+        the token budget admits of the short ones, many more than of full rows)."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        prompts = cfg.data.train_batch_size // jax.process_count()
+        prompts, n = cfg.data.train_batch_size, self.sampling.n
         p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
-        rollout_params = jax.tree.map(
-            lambda x, sharding: jax.ShapeDtypeStruct(
-                x.shape, self.rollout_config.param_dtype, sharding=sharding
-            ),
-            self.actor.params,
-            self._rollout_shardings,
-        )
-        programs = {
-            "generate": compile_generate(
-                self.rollout_config,
-                rollout_params,
-                np.zeros((prompts, p), np.int32),
-                np.ones((prompts, p), np.int32),
-                self.sampling,
-                layout=self.rollout_layout,
-                max_num_seqs=arr.rollout.max_num_seqs,
-            )
-        }
-        fields = ("advantages", "old_log_probs", "ref_log_probs", *CRITIC_FIELDS)
-        batch = worst_case_batch(prompts * self.sampling.n, p, r, fields)
+        programs = {"generate": self._compile_generate(prompts, self.sampling)}
+        if val_prompts:
+            programs["validate generate"] = self._compile_generate(val_prompts, self.val_sampling)
+        on_policy = self._on_policy(prompts * n)
+        fields = ("advantages", "old_log_probs")
+        fields += ("ref_log_probs",) if self.ref_params is not None else ()
+        fields += CRITIC_FIELDS if self.critic is not None else ()
+        batch = worst_case_batch(prompts * n, p, r, fields)
         infer_args = dict(layout=self.train_layout, **self._log_prob_micro())
-        programs["actor log-probs"] = compile_infer(
-            self._log_prob, self.actor.params, batch, **infer_args
-        )
+        if not on_policy and not self.bypass:
+            programs["actor log-probs"] = compile_infer(
+                self._log_prob, self.actor.params, batch, **infer_args
+            )
         if self.ref_params is not None:
             programs["ref log-probs"] = compile_infer(
                 self._ref_log_prob, self.ref_params, batch, **infer_args
@@ -423,12 +430,33 @@ class PPOTrainer:
             args = self._update_args(cfg.critic, 1, CRITIC_FIELDS)
             update = self.critic.compile_update(batch, **args)
             programs.update({f"critic {k}": v for k, v in update.items()})
-        actor_fields = self._actor_fields(batch, on_policy=False)
+        actor_fields = self._actor_fields(batch, on_policy)
         update = self.actor.compile_update(batch, **self._update_args(arr.actor, 1, actor_fields))
         programs.update({f"actor {k}": v for k, v in update.items()})
         return programs
 
-    def memory_plan(self) -> MemoryPlan:
+    def _compile_generate(self, prompts: int, sampling: SamplingParams) -> jax.stages.Compiled:
+        """`generate`'s program for `prompts` full-length prompts, on the rollout copy of the
+        actor's weights (abstract: `generate` makes that copy, `reshard`, for each call)."""
+        p = self.cfg.data.max_prompt_length
+        rollout_params = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(
+                x.shape, self.rollout_config.param_dtype, sharding=sharding
+            ),
+            self.actor.params,
+            self._rollout_shardings,
+        )
+        return compile_generate(
+            self.rollout_config,
+            rollout_params,
+            np.zeros((prompts, p), np.int32),
+            np.ones((prompts, p), np.int32),
+            sampling,
+            layout=self.rollout_layout,
+            max_num_seqs=self.cfg.actor_rollout_ref.rollout.max_num_seqs,
+        )
+
+    def memory_plan(self, val_prompts: int | None = None) -> MemoryPlan:
         """The step's device memory estimate from `compile_step`'s programs (see
         `jaxrl.trainer.memory`)."""
         resident: dict[str, Any] = {"actor": self.actor.state}
@@ -443,7 +471,7 @@ class PPOTrainer:
             resident["critic"] = self.critic.state
             arguments["critic values"] = arguments["critic micro-batch"] = self.critic.params
             arguments["critic optimizer"] = self.critic.state
-        return memory_plan(self.compile_step(), resident, arguments)
+        return memory_plan(self.compile_step(val_prompts), resident, arguments)
 
     def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
         optional = ("ref_log_probs", "rollout_is_weights")

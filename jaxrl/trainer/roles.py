@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.config import DecoderConfig
-from jaxrl.models.hf_io import from_pretrained
+from jaxrl.models.hf_io import from_pretrained, load_config
+from jaxrl.models.params import abstract_params
 from jaxrl.sharding.layouts import Layout, use_layout
 from jaxrl.trainer.sequences import response_log_probs, response_values
 
@@ -59,6 +60,38 @@ def load_model(
     return config.replace(dtype=compute_dtype, attention_impl=attention_impl), params
 
 
+def abstract_model(
+    path: str,
+    *,
+    param_dtype: str,
+    compute_dtype: str,
+    layout: Layout | None,
+    remat: str = "none",
+    override_config: dict | None = None,
+    attention_impl: str = "auto",
+) -> tuple[DecoderConfig, Any]:
+    """`load_model`'s (config, params) with the parameters as `jax.ShapeDtypeStruct`s in
+    their shardings: only `config.json` is read, no weight is loaded or allocated (for
+    compiling programs without running them, `PPOTrainer(abstract=True)`)."""
+    config = load_config(
+        path, param_dtype=param_dtype, remat=remat, override_config=override_config or None
+    )
+    shardings = layout.params(config) if layout is not None else None
+    params = abstract_params(config)
+    if shardings is not None:
+        params = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            params,
+            shardings,
+        )
+    return config.replace(dtype=compute_dtype, attention_impl=attention_impl), params
+
+
+def is_abstract(tree: Any) -> bool:
+    """Whether a parameter tree holds `jax.ShapeDtypeStruct`s (an abstract model)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 def _initializer_range(path: str) -> float:
     config = json.loads((Path(path).expanduser() / "config.json").read_text())
     return float(config.get("initializer_range", 0.02))
@@ -73,12 +106,20 @@ def critic_from_policy(
         return config, params
     critic = config.replace(head="token_classification", num_labels=1, score_bias=True)
     std = _initializer_range(path)
+    abstract = is_abstract(params)
     params = {k: v for k, v in params.items() if k != "lm_head_dv"}
     dtype = jnp.dtype(config.param_dtype)
+    shardings = layout.params(critic)["score"] if layout is not None else None
+    if abstract:
+        score = abstract_params(critic)["score"]
+        if shardings is not None:
+            score = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), score, shardings
+            )
+        return critic, {**params, "score": score}
     w = std * jax.random.normal(jax.random.key(seed), (config.hidden_size, 1), jnp.float32)
     score = {"w_dc": w.astype(dtype), "b_c": jnp.zeros((1,), dtype)}
-    if layout is not None:
-        shardings = layout.params(critic)["score"]
+    if shardings is not None:
         score = jax.device_put(score, shardings)
     return critic, {**params, "score": score}
 

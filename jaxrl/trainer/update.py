@@ -63,7 +63,12 @@ def apply_gradients(
 def init_state(
     params: Any, optimizer: optax.GradientTransformation, layout: Layout | None, param_shardings
 ) -> UpdateState:
-    """Optimizer state created directly in its sharding (moments like the parameters)."""
+    """Optimizer state created directly in its sharding (moments like the parameters).
+
+    Parameters given as `jax.ShapeDtypeStruct`s give an abstract state: every leaf a
+    `ShapeDtypeStruct` in its sharding, nothing allocated."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return _abstract_state(params, optimizer, layout, param_shardings)
     if layout is None:
         return UpdateState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
     abstract = jax.eval_shape(optimizer.init, params)
@@ -71,6 +76,20 @@ def init_state(
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), layout.replicated())
     return UpdateState(params, opt_state, step)
+
+
+def _abstract_state(params, optimizer, layout: Layout | None, param_shardings) -> UpdateState:
+    state = jax.eval_shape(
+        lambda p: UpdateState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), params
+    )
+    if layout is None:
+        return state
+    shardings = state_shardings(state, optimizer, layout, param_shardings)
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        state,
+        shardings,
+    )
 
 
 def state_shardings(state: UpdateState, optimizer, layout: Layout, param_shardings) -> UpdateState:

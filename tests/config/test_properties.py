@@ -15,7 +15,7 @@ KEYS = sorted({*schema_index(), *RENAMED, *IGNORED})
 KEY = st.one_of(
     st.sampled_from(KEYS),
     st.sampled_from(KEYS).map(lambda k: k + ".x"),  # below a leaf, or inside a mapping
-    st.from_regex(r"[a-z_]{1,8}(\.[a-z_0-9]{1,8}){0,3}", fullmatch=True),
+    st.from_regex(r"[a-z_]{3,8}(\.[a-z_0-9]{1,8}){0,3}", fullmatch=True),  # long: no accidental hit
 )
 VALUE = st.one_of(
     st.text(max_size=20),
