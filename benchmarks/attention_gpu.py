@@ -23,28 +23,81 @@ def _time(fn, *args) -> float:
     return median_seconds(lambda: jax.block_until_ready(fn(*args)), warmup=2, repeats=5)
 
 
-def _cudnn_figures(q, k, v, dout, out, fwd_flops):
+def random_inputs(t: int, b: int = 1, n: int = 8, kh: int = 2, h: int = 64):
+    """A1's bf16 (q, k, v, dout) at sequence length t."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(t), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, kh, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, kh, h), jnp.bfloat16)
+    dout = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
+    return q, k, v, dout
+
+
+def causal_fwd_flops(q) -> float:
+    """2 matmuls x 2 FLOPs x B x N x T^2 x H, halved by the causal mask."""
+    b, t, n, h = q.shape
+    return 2 * 2 * b * n * t * t * h / 2
+
+
+def pallas_figures(q, k, v, dout, block_q: int, block_k: int, interpret: bool = False) -> dict:
+    """Forward and forward+backward time and TFLOP/s of the Pallas kernel."""
+    import jax
+
+    from jaxrl.kernels.pallas_gpu import pallas_attention
+
+    attend = functools.partial(
+        pallas_attention,
+        causal=True,
+        scale=q.shape[-1] ** -0.5,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+    )
+    fwd = jax.jit(lambda q, k, v: attend(q, k, v)[0])
+    fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: attend(*a)[0], q, k, v)[1](do))
+    fwd_s, fwd_bwd_s = _time(fwd, q, k, v), _time(fwd_bwd, q, k, v, dout)
+    flops = causal_fwd_flops(q)
+    return {
+        "block_q": block_q,
+        "block_k": block_k,
+        "fwd_ms": fwd_s * 1e3,
+        "fwd_tflops": flops / fwd_s / 1e12,
+        "fwd_bwd_ms": fwd_bwd_s * 1e3,
+        "fwd_bwd_tflops": 3.5 * flops / fwd_bwd_s / 1e12,
+        "out": fwd(q, k, v),
+    }
+
+
+def cudnn_figures(q, k, v, dout, pallas_out=None) -> dict:
+    """The same for `jax.nn.dot_product_attention(implementation="cudnn")`, and its max
+    |difference| from the Pallas output when given; an error is reported, not raised."""
     import jax
     import jax.numpy as jnp
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
+    flops = causal_fwd_flops(q)
     try:
         fwd = jax.jit(attend)
         fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
         ref = fwd(q, k, v)
-        diff = float(jnp.max(jnp.abs(ref.astype(jnp.float32) - out.astype(jnp.float32))))
         fwd_s, fwd_bwd_s = _time(fwd, q, k, v), _time(fwd_bwd, q, k, v, dout)
     except Exception as error:  # cuDNN missing or the shape unsupported: report, go on
         return {"cudnn_error": f"{type(error).__name__}: {str(error)[:200]}"}
-    return {
+    figures = {
         "cudnn_fwd_ms": fwd_s * 1e3,
-        "cudnn_fwd_tflops": fwd_flops / fwd_s / 1e12,
+        "cudnn_fwd_tflops": flops / fwd_s / 1e12,
         "cudnn_fwd_bwd_ms": fwd_bwd_s * 1e3,
-        "cudnn_fwd_bwd_tflops": 3.5 * fwd_flops / fwd_bwd_s / 1e12,
-        "max_abs_diff_vs_cudnn": diff,
+        "cudnn_fwd_bwd_tflops": 3.5 * flops / fwd_bwd_s / 1e12,
     }
+    if pallas_out is not None:
+        diff = jnp.max(jnp.abs(ref.astype(jnp.float32) - pallas_out.astype(jnp.float32)))
+        figures["max_abs_diff_vs_cudnn"] = float(diff)
+    return figures
 
 
 def main() -> None:
@@ -56,50 +109,20 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    import jax.numpy as jnp
-
-    from jaxrl.kernels.pallas_gpu import pallas_attention
 
     b, n, kh, h = 1, 8, 2, 64
     results = []
     for t in (int(x) for x in args.ts.split(",")):
-        keys = jax.random.split(jax.random.key(t), 4)
-        q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (b, t, kh, h), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (b, t, kh, h), jnp.bfloat16)
-        dout = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
-        fwd_flops = 2 * 2 * b * n * t * t * h / 2
+        q, k, v, dout = random_inputs(t, b, n, kh, h)
         out = None
         for block in args.blocks.split(","):
             block_q, block_k = (int(x) for x in block.split("x"))
-            attend = functools.partial(
-                pallas_attention,
-                causal=True,
-                scale=h**-0.5,
-                block_q=block_q,
-                block_k=block_k,
-                interpret=args.interpret,
-            )
-            fwd = jax.jit(lambda q, k, v, attend=attend: attend(q, k, v)[0])
-            fwd_bwd = jax.jit(
-                lambda q, k, v, do, attend=attend: jax.vjp(lambda *a: attend(*a)[0], q, k, v)[1](do)
-            )
-            out = fwd(q, k, v)
-            fwd_s, fwd_bwd_s = _time(fwd, q, k, v), _time(fwd_bwd, q, k, v, dout)
-            results.append(
-                {
-                    "t": t,
-                    "block_q": block_q,
-                    "block_k": block_k,
-                    "fwd_ms": fwd_s * 1e3,
-                    "fwd_tflops": fwd_flops / fwd_s / 1e12,
-                    "fwd_bwd_ms": fwd_bwd_s * 1e3,
-                    "fwd_bwd_tflops": 3.5 * fwd_flops / fwd_bwd_s / 1e12,
-                }
-            )
+            figures = pallas_figures(q, k, v, dout, block_q, block_k, interpret=args.interpret)
+            out = figures.pop("out")
+            results.append({"t": t, **figures})
             print(results[-1], flush=True)
         if not args.no_cudnn and jax.default_backend() == "gpu":
-            results.append({"t": t, **_cudnn_figures(q, k, v, dout, out, fwd_flops)})
+            results.append({"t": t, **cudnn_figures(q, k, v, dout, out)})
             print(results[-1], flush=True)
     emit(
         {

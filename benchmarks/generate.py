@@ -61,18 +61,25 @@ def memory_bandwidth() -> float:
 
 
 def bench_jaxrl(folder, dtype: str, bandwidth: float) -> dict:
+    import jaxrl.models as M
+
+    config, params = M.from_pretrained(folder, dtype=dtype)
+    return bench_engine(config, params, dtype, bandwidth)
+
+
+def bench_engine(config, params, dtype: str, bandwidth: float, new: int = NEW) -> dict:
+    """W1 on loaded parameters: `BATCH` prompts x `PROMPT` random tokens, `new` sampled tokens
+    each; the decode step against its roof, (parameter + KV-cache bytes) / `bandwidth`."""
     import jax
     import numpy as np
 
-    import jaxrl.models as M
     from jaxrl.rollout import SamplingParams, generate
 
-    config, params = M.from_pretrained(folder, dtype=dtype)
     config = config.replace(dtype=dtype)
     rng = np.random.RandomState(0)
     ids = rng.randint(3, config.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     mask = np.ones_like(ids)
-    sp = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True)
     keys = iter(jax.random.split(jax.random.key(0), 100))
 
     def run(sampling):
@@ -83,22 +90,22 @@ def bench_jaxrl(folder, dtype: str, bandwidth: float) -> dict:
     start = time.perf_counter()
     out = run(sp)
     first_call = time.perf_counter() - start
-    assert int(out.lengths.min()) == NEW
+    assert int(out.lengths.min()) == new
     total = median_seconds(lambda: run(sp), warmup=0)
     prefill_sp = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
     run(prefill_sp)
     prefill = median_seconds(lambda: run(prefill_sp), warmup=0)
-    decode_step = (total - prefill) / (NEW - 1)
+    decode_step = (total - prefill) / (new - 1)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     kv_bytes = (
-        2 * config.num_layers * BATCH * (PROMPT + NEW) * config.num_kv_heads * config.head_dim
+        2 * config.num_layers * BATCH * (PROMPT + new) * config.num_kv_heads * config.head_dim
     ) * np.dtype(dtype).itemsize
     roofline_step = (param_bytes + kv_bytes) / bandwidth
     return {
-        "tokens_per_s": BATCH * NEW / total,
+        "tokens_per_s": BATCH * new / total,
         "seconds": total,
         "prefill_s": prefill,
-        "decode_tokens_per_s": BATCH * (NEW - 1) / (total - prefill),
+        "decode_tokens_per_s": BATCH * (new - 1) / (total - prefill),
         "decode_step_s": decode_step,
         "roofline_step_s": roofline_step,
         "fraction_of_roofline": roofline_step / decode_step,

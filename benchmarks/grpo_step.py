@@ -45,7 +45,19 @@ def prompt_ids(vocab: int):
     return np.random.RandomState(0).randint(3, vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)
 
 
-def bench_jaxrl(folder, micro: int | None) -> dict:
+def bench_jaxrl(
+    folder,
+    micro: int | None,
+    *,
+    dtype: str = "float32",
+    prompts: int = PROMPTS,
+    new: int = NEW,
+    mini_batches: int = 1,
+    steps: int = 4,
+) -> dict:
+    """Median figures of `steps` - 1 GRPO steps after a warm-up. `dtype`: rollout and actor
+    compute; `mini_batches` > 1 splits the update, so the step runs the old-log-prob pass
+    (`log_prob_s`) too."""
     import numpy as np
 
     from jaxrl.config import load_config
@@ -56,14 +68,14 @@ def bench_jaxrl(folder, micro: int | None) -> dict:
         None,
         [
             f"actor_rollout_ref.model.path={folder}",
-            f"data.train_batch_size={PROMPTS}",
+            f"data.train_batch_size={prompts}",
             f"data.max_prompt_length={PROMPT_LEN}",
-            f"data.max_response_length={NEW}",
+            f"data.max_response_length={new}",
             f"actor_rollout_ref.rollout.n={N}",
             "actor_rollout_ref.rollout.ignore_eos=true",
-            "actor_rollout_ref.rollout.dtype=float32",
-            "actor_rollout_ref.actor.dtype=float32",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+            f"actor_rollout_ref.rollout.dtype={dtype}",
+            f"actor_rollout_ref.actor.dtype={dtype}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts // mini_batches}",
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro or 'null'}",
             "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
             "actor_rollout_ref.actor.entropy_from_logits_chunk_size=2048",
@@ -79,8 +91,8 @@ def bench_jaxrl(folder, micro: int | None) -> dict:
         return rule_reward(responses, mask), {}, {}
 
     trainer = PPOTrainer(cfg, reward, total_steps=10)
-    ids = prompt_ids(trainer.actor_config.vocab_size)
-    b = PROMPTS
+    ids = prompt_ids(trainer.actor_config.vocab_size)[:prompts]
+    b = prompts
     batch = PromptBatch(
         input_ids=ids,
         attention_mask=np.ones_like(ids),
@@ -94,9 +106,9 @@ def bench_jaxrl(folder, micro: int | None) -> dict:
         raw_prompt=object_array([()] * b),
         is_padding=np.zeros(b, bool),
     )
-    steps = [trainer.step(batch, s) for s in range(1, 5)]
-    timed = steps[1:]
-    assert all(m["response_length/min"] == NEW for m in steps)
+    done = [trainer.step(batch, s) for s in range(1, steps + 1)]
+    timed = done[1:]
+    assert all(m["response_length/min"] == new for m in done)
 
     def med(key):
         return statistics.median(m.get(key, 0.0) for m in timed)
@@ -106,8 +118,9 @@ def bench_jaxrl(folder, micro: int | None) -> dict:
         "generation_s": med("timing_s/gen"),
         "scoring_s": med("timing_s/reward"),
         "advantage_s": med("timing_s/adv"),
+        "log_prob_s": med("timing_s/old_log_prob"),
         "update_s": med("timing_s/update_actor"),
-        "first_step_s": steps[0]["timing_s/step"],
+        "first_step_s": done[0]["timing_s/step"],
     }
 
 
