@@ -67,13 +67,17 @@ def bench_jaxrl(folder, dtype: str, bandwidth: float) -> dict:
     return bench_engine(config, params, dtype, bandwidth)
 
 
-def bench_engine(config, params, dtype: str, bandwidth: float, new: int = NEW) -> dict:
+def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int = NEW) -> dict:
     """W1 on loaded parameters: `BATCH` prompts x `PROMPT` random tokens, `new` sampled tokens
-    each; the decode step against its roof, (parameter + KV-cache bytes) / `bandwidth`."""
+    each. `bytes_per_step` is what a decode step reads: the parameters and the KV cache, whose
+    length is the engine's (`cache_geometry`: up to 256 entries it is one block read whole
+    every step, as here; beyond, blocks up to the live prefix, and this is an upper bound).
+    With `bandwidth`, the step's roof is `bytes_per_step / bandwidth`."""
     import jax
     import numpy as np
 
-    from jaxrl.rollout import SamplingParams, generate
+    from jaxrl.rollout import SamplingParams, bucket, generate
+    from jaxrl.rollout.engine import cache_geometry
 
     config = config.replace(dtype=dtype)
     rng = np.random.RandomState(0)
@@ -97,19 +101,29 @@ def bench_engine(config, params, dtype: str, bandwidth: float, new: int = NEW) -
     prefill = median_seconds(lambda: run(prefill_sp), warmup=0)
     decode_step = (total - prefill) / (new - 1)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    cache_len, _ = cache_geometry(bucket(PROMPT), new)
     kv_bytes = (
-        2 * config.num_layers * BATCH * (PROMPT + new) * config.num_kv_heads * config.head_dim
+        2 * config.num_layers * BATCH * cache_len * config.num_kv_heads * config.head_dim
     ) * np.dtype(dtype).itemsize
-    roofline_step = (param_bytes + kv_bytes) / bandwidth
-    return {
+    figures = {
         "tokens_per_s": BATCH * new / total,
         "seconds": total,
         "prefill_s": prefill,
         "decode_tokens_per_s": BATCH * (new - 1) / (total - prefill),
         "decode_step_s": decode_step,
-        "roofline_step_s": roofline_step,
-        "fraction_of_roofline": roofline_step / decode_step,
+        "bytes_per_step": param_bytes + kv_bytes,
         "compile_s": first_call - total,
+    }
+    return figures if bandwidth is None else with_roof(figures, bandwidth)
+
+
+def with_roof(figures: dict, bandwidth: float) -> dict:
+    """`bench_engine`'s figures with the decode step's roof at `bandwidth` bytes/s."""
+    roof = figures["bytes_per_step"] / bandwidth
+    return {
+        **figures,
+        "roofline_step_s": roof,
+        "fraction_of_roofline": roof / figures["decode_step_s"],
     }
 
 

@@ -1,26 +1,28 @@
 """One command that measures jaxrl on a CUDA GPU; `--dry-run` proves it on any CPU.
 
     bash benchmarks/gpu_suite.sh OUT_DIR [--wheels DIR]      # the GPU machine (installs, runs this)
-    python benchmarks/gpu_suite.py OUT_DIR [--only a,b] [--dry-run]
+    python benchmarks/gpu_suite.py OUT_DIR [--only a,b] [--limit step=seconds] [--dry-run]
 
-Every step runs in a child process under its own time limit (so a hang, a crash or running out
-of device memory costs one step, never the suite) and appends one JSON line per measurement to
-OUT_DIR/results.jsonl; stdout ends with a summary table. The steps, with their limits (the
-whole suite fits in 8 minutes on one H100):
+Every step runs in a child process (its own process group) under its own time limit, so a
+hang, a crash or running out of device memory costs one step, never the suite, and appends
+one JSON line to OUT_DIR/results.jsonl per measurement as soon as it is measured (a step cut
+short keeps what it had). Each line carries the run id, the step, the device's
+`peak_bytes_in_use` at that point (GPUs report it; every model is its own process, so the peak
+is that measurement's) and its figures; stdout ends with a summary table. XLA's compilation
+cache lives in OUT_DIR/jax_cache, so a step run again (`--only`) skips its compiles. The steps
+and their limits (485 s in all: the suite fits in 8 minutes on one H100; `--limit` changes one):
 
-    env          devices, jax, measured copy bandwidth and bf16 matmul rate, the bf16 peak  30 s
-    tests        pytest: the `gpu` marker and the Pallas kernel tests, compiled for real     80 s
-    attention    A1: Pallas and cuDNN, forward and forward+backward, 2k-32k tokens, bf16   60 s
-    decode-M/L/1.5B  W1 in bf16: tokens/s and the fraction of the HBM-bandwidth roof    45 s each
-    train-none/full  W2: the 1.5B shape at 4 x 2048 tokens, MFU, remat none / full      55 s each
-    grpo-L       W3 for model L in bf16: generation, log-probs and update seconds          70 s
+    models       the workload checkpoints M and L written by transformers (torch, before JAX)
+    env          devices, jax, measured copy bandwidth and bf16 matmul rate, the bf16 peak
+    tests        pytest: the `gpu` marker and the Pallas kernel tests, compiled for real
+    attention    A1: Pallas (two block shapes) and cuDNN, fwd and fwd+bwd, 2k-32k tokens, bf16
+    decode-M/L/1.5B  W1 in bf16: tokens/s and the fraction of the HBM-bandwidth roof
+    train-none/full  W2: the 1.5B shape at 4 x 2048 tokens, MFU, remat none / full
+    grpo-L       W3 for model L in bf16: generation, log-probs and update seconds
 
-Each record carries the device's `peak_bytes_in_use` at the end of its measurement (GPUs report
-it; each decode/train/grpo step is its own process, so the peak is that measurement's).
-
-`--dry-run` runs every step on the CPU with tiny shapes (the Pallas kernels lowered for CUDA
-without a GPU, the tests collected, not run), so CI proves the suite is not broken between GPU
-runs. Figures of a dry run mean nothing.
+`--dry-run` runs every step on the CPU with tiny shapes (model S for the checkpoint paths, the
+Pallas kernels in the interpreter and lowered for CUDA, the GPU tests collected, not run), so
+CI proves the suite is not broken between GPU runs. Figures of a dry run mean nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,94 +131,142 @@ def matmul_rate(dry: bool) -> float:
 
 
 # ------------------------------------------------------------------------------------ steps
+# A step is a generator of records: each is written the moment it is yielded.
+
+Records = Iterator[dict[str, Any]]
 
 
-def step_env(dry: bool) -> list[dict]:
-    import jax
+def step_models(dry: bool) -> Records:
+    """The workload checkpoints (transformers in torch), made in a process of their own before
+    any JAX step starts CUDA: the decode and GRPO steps only load them."""
+    from common import workload_checkpoint
 
-    jax.print_environment_info()
-    return [
-        {
-            **device_facts(),
-            "copy_bytes_per_s": copy_bandwidth(dry),
-            "bf16_matmul_flops": matmul_rate(dry),
-        }
-    ]
+    for size in ("S",) if dry else ("M", "L"):
+        start = time.perf_counter()
+        yield {"model": size, "folder": str(workload_checkpoint(size)),
+               "made_s": time.perf_counter() - start}  # fmt: skip
 
 
-def step_tests(dry: bool) -> list[dict]:
-    """The `gpu` marker and the Pallas kernel tests (compiled on a GPU), in a pytest child."""
+def step_env(dry: bool) -> Records:
+    yield {
+        **device_facts(),
+        "copy_bytes_per_s": copy_bandwidth(dry),
+        "bf16_matmul_flops": matmul_rate(dry),
+    }
+
+
+def step_tests(dry: bool, limit: float) -> Records:
+    """The `gpu` marker and the Pallas kernel tests (compiled on a GPU) in a pytest child that
+    writes to this step's log; float32 matmuls at full precision (Triton's default for a
+    float32 dot is TF32, ~1e-3 off, while the tests compare float32 at 1e-5)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu" if dry else "cuda"}
-    args = ["-m", "gpu or not gpu", "tests/kernels/test_gpu.py", "tests/kernels/test_pallas_gpu.py"]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
-    if dry:
-        command.append("--collect-only")
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    print(out.stdout[-3000:], out.stderr[-2000:], sep="\n")
-    summary = (out.stdout.strip().splitlines() or [""])[-1]
-    return [{"returncode": out.returncode, "summary": summary}]
+    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    files = ["tests/kernels/test_gpu.py", "tests/kernels/test_pallas_gpu.py"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+               "gpu or not gpu", *files, *(["--collect-only"] if dry else [])]  # fmt: skip
+    junit = Path(tempfile.mkdtemp()) / "tests.xml"
+    code = run_group([*command, "--junitxml", str(junit)], env, timeout=limit - 10, cwd=ROOT)
+    yield {"returncode": code, **_junit_counts(junit)}
+    if code != 0:
+        raise SystemExit(f"pytest exited {code}")
 
 
-def step_attention(dry: bool) -> list[dict]:
-    """A1 on the GPU: Pallas (best of two block shapes) and cuDNN, bf16."""
+def _junit_counts(path: Path) -> dict[str, Any]:
+    """Test counts from pytest's JUnit XML (empty when it wrote none)."""
+    if not path.exists():
+        return {}
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def step_attention(dry: bool) -> Records:
+    """A1 on the GPU: Pallas (block 64x64 and 128x64) and cuDNN, bf16, each as a fraction of
+    the bf16 peak; on a CPU the kernels run in the interpreter at 64 tokens and are lowered
+    for CUDA."""
     import jax
-    import jax.numpy as jnp
     from attention_gpu import cudnn_figures, pallas_figures, random_inputs
 
     peak = bf16_peak(jax.devices()[0].device_kind)
-    records = []
-    for t in (256,) if dry else (2048, 8192, 16384, 32768):
+    for t in (64,) if dry else (2048, 8192, 16384, 32768):
         q, k, v, dout = random_inputs(t)
-        if dry:  # no GPU: the kernels lowered for CUDA, forward and backward
-            from jaxrl.kernels.pallas_gpu import pallas_attention
-
-            def loss(q, k, v):
-                out, _ = pallas_attention(q, k, v, causal=True, scale=0.125)
-                return jnp.sum(out.astype(jnp.float32))
-
-            for fn in (loss, jax.grad(loss, (0, 1, 2))):
-                jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",))
-            records.append({"t": t, "lowered_for_cuda": True})
+        if dry:
+            _lower_for_cuda(q, k, v)
+        best = None
+        for bq, bk in ((64, 64), (128, 64)):
+            figures = pallas_figures(q, k, v, dout, bq, bk, interpret=dry)
+            out = figures.pop("out")
+            yield {"t": t, "impl": "pallas", **figures, **_of_peak(figures, peak)}
+            if best is None or figures["fwd_bwd_tflops"] > best["fwd_bwd_tflops"]:
+                best = figures
+        if dry:
             continue
-        runs = [pallas_figures(q, k, v, dout, bq, bk) for bq, bk in ((64, 64), (128, 64))]
-        outs = [run.pop("out") for run in runs]
-        best = max(runs, key=lambda r: r["fwd_bwd_tflops"])
-        cudnn = cudnn_figures(q, k, v, dout, pallas_out=outs[0])
-        record = {"t": t, **best, **cudnn}
-        if peak:
-            record["pallas_fwd_bwd_of_peak"] = best["fwd_bwd_tflops"] * 1e12 / peak
+        cudnn = cudnn_figures(q, k, v, dout, pallas_out=out)
         if "cudnn_fwd_bwd_tflops" in cudnn:
-            record["pallas_of_cudnn_fwd_bwd"] = (
+            cudnn["pallas_of_cudnn_fwd_bwd"] = (
                 best["fwd_bwd_tflops"] / cudnn["cudnn_fwd_bwd_tflops"]
             )
-        records.append(record)
-        print(record, flush=True)
-    return records
+        yield {"t": t, "impl": "cudnn", **cudnn, **_of_peak(cudnn, peak, "cudnn_")}
 
 
-def _decode(dry: bool, size: str) -> list[dict]:
-    """W1 in bf16: 16 prompts x 64 tokens, 128 sampled tokens each."""
+def _of_peak(figures: dict, peak: float | None, prefix: str = "") -> dict:
+    """`*_tflops` figures as fractions of the bf16 peak (none without a peak)."""
+    if not peak:
+        return {}
+    return {
+        f"{prefix}{kind}_of_peak": figures[f"{prefix}{kind}_tflops"] * 1e12 / peak
+        for kind in ("fwd", "fwd_bwd")
+        if f"{prefix}{kind}_tflops" in figures
+    }
+
+
+def _lower_for_cuda(q, k, v) -> None:
+    """The Pallas forward and backward lowered to CUDA (Triton) without a GPU."""
     import jax
-    from generate import bench_engine
+    import jax.numpy as jnp
+
+    from jaxrl.kernels.pallas_gpu import pallas_attention
+
+    def loss(q, k, v):
+        out, _ = pallas_attention(q, k, v, causal=True, scale=0.125)
+        return jnp.sum(out.astype(jnp.float32))
+
+    for fn in (loss, jax.grad(loss, (0, 1, 2))):
+        jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",))
+
+
+def _decode(dry: bool, size: str) -> Records:
+    """W1 in bf16: 16 prompts x 64 tokens, 128 sampled tokens each (8 dry). The peak memory
+    is read before the bandwidth probe, which allocates 4 GiB of its own."""
+    import jax
+    from generate import bench_engine, with_roof
 
     import jaxrl.models as M
 
-    bandwidth = copy_bandwidth(dry)
-    if dry or size == "1.5B":
+    if size == "1.5B":
         shape = TINY if dry else QWEN_1_5B
         config = M.DecoderConfig(model_type="qwen2", param_dtype="bfloat16", **shape)
         params = jax.jit(lambda key: M.init_params(config, key))(jax.random.key(0))
     else:
         from common import workload_checkpoint
 
-        config, params = M.from_pretrained(workload_checkpoint(size), dtype="bfloat16")
-    figures = bench_engine(config, params, "bfloat16", bandwidth, new=8 if dry else 128)
-    return [{"model": size, "bandwidth_bytes_per_s": bandwidth, **figures}]
+        folder = workload_checkpoint("S" if dry else size)
+        config, params = M.from_pretrained(folder, dtype="bfloat16")
+    figures = bench_engine(config, params, "bfloat16", None, new=8 if dry else 128)
+    peak = peak_bytes()
+    del params
+    bandwidth = copy_bandwidth(dry)
+    name = size if not dry else "tiny" if size == "1.5B" else "S"  # what actually ran
+    yield {"model": name, "peak_bytes_in_use": peak, "bandwidth_bytes_per_s": bandwidth,
+           **with_roof(figures, bandwidth)}  # fmt: skip
 
 
-def _train(dry: bool, remat: str) -> list[dict]:
+def _train(dry: bool, remat: str) -> Records:
     """W2 on the GPU: the 1.5B shape, 4 x 2048 tokens (tiny 2 x 64 dry), fp32 master weights,
-    bf16 compute, AdamW; MFU = 6 * N * tokens / step / bf16 peak."""
+    bf16 compute, the actor's update; MFU = 6 * N * tokens / step / bf16 peak (attention's
+    own FLOPs not counted: about 6% more at 2k tokens for this shape)."""
     import jax
     from train_step import bench_train_step
 
@@ -226,98 +278,119 @@ def _train(dry: bool, remat: str) -> list[dict]:
     )  # fmt: skip
     rows, length = (2, 64) if dry else (4, 2048)
     figures = bench_train_step(config, rows=rows, length=length, prompt=16 if dry else 64)
-    peak = bf16_peak(jax.devices()[0].device_kind)
-    if peak:
-        figures["mfu"] = figures["flops"] / figures["step_s"] / peak
-    return [{"model": "tiny" if dry else "1.5B", "remat": remat, **figures}]
+    yield {"model": "tiny" if dry else "1.5B", "remat": remat, **figures,
+           **mfu(figures, bf16_peak(jax.devices()[0].device_kind))}  # fmt: skip
 
 
-def step_grpo(dry: bool) -> list[dict]:
+def mfu(figures: dict, peak: float | None) -> dict:
+    """{"mfu": FLOPs per second of the step over the peak} (empty without a peak)."""
+    return {"mfu": figures["flops"] / figures["step_s"] / peak} if peak else {}
+
+
+def step_grpo(dry: bool) -> Records:
     """W3 for model L in bf16, the update split in two mini-batches so that the step runs
-    the old-log-prob pass too (a dry run: the quickstart's tiny model, 4 prompts, 8 tokens)."""
+    the old-log-prob pass too (a dry run: model S, 4 prompts, 8 tokens)."""
+    from common import workload_checkpoint
     from grpo_step import bench_jaxrl
 
-    if dry:
-        import tempfile
-
-        from jaxrl.assets import write_quickstart_model
-
-        folder = Path(tempfile.mkdtemp()) / "model"
-        write_quickstart_model(folder)
-        figures = bench_jaxrl(folder, None, dtype="bfloat16", prompts=4, new=8,
-                              mini_batches=2, steps=2)  # fmt: skip
-        return [{"model": "tiny", **figures}]
-    from common import workload_checkpoint
-
-    figures = bench_jaxrl(workload_checkpoint("L"), None, dtype="bfloat16", mini_batches=2)
-    return [{"model": "L", "mini_batches": 2, **figures}]
+    folder = workload_checkpoint("S" if dry else "L")
+    small = dict(prompts=4, new=8, steps=2) if dry else {}
+    figures = bench_jaxrl(folder, None, dtype="bfloat16", mini_batches=2, **small)
+    yield {"model": "S" if dry else "L", "mini_batches": 2, **figures}
 
 
-STEPS: dict[str, tuple[int, Callable[[bool], list[dict]]]] = {  # name: (seconds, step)
-    "env": (30, step_env),
-    "tests": (80, step_tests),
-    "attention": (60, step_attention),
-    "decode-M": (45, lambda dry: _decode(dry, "M")),
-    "decode-L": (45, lambda dry: _decode(dry, "L")),
-    "decode-1.5B": (45, lambda dry: _decode(dry, "1.5B")),
-    "train-none": (55, lambda dry: _train(dry, "none")),
-    "train-full": (55, lambda dry: _train(dry, "full")),
-    "grpo-L": (70, step_grpo),
-}  # 485 s in all
+STEPS: dict[str, tuple[int, Callable[..., Records]]] = {  # name: (seconds, step)
+    "models": (40, step_models),
+    "env": (25, step_env),
+    "tests": (70, step_tests),
+    "attention": (55, step_attention),
+    "decode-M": (35, lambda dry: _decode(dry, "M")),
+    "decode-L": (40, lambda dry: _decode(dry, "L")),
+    "decode-1.5B": (50, lambda dry: _decode(dry, "1.5B")),
+    "train-none": (50, lambda dry: _train(dry, "none")),
+    "train-full": (50, lambda dry: _train(dry, "full")),
+    "grpo-L": (60, step_grpo),
+}  # 475 s in all
+DRY_SCALE = 3  # a dry run's limits: a loaded 2-core CI machine, not an H100
 
 
 # ------------------------------------------------------------------------------- the runner
 
 
-def run_step(name: str, out_dir: Path, dry: bool) -> None:
-    """In the child: run one step and append its records to results.jsonl."""
+def run_group(command: list[str], env: dict, timeout: float, *, cwd=None, log=None) -> int:
+    """Run `command` in its own process group (output to the file `log`, else inherited);
+    on timeout the whole group is killed, so no JAX grandchild keeps the GPU. Returns the
+    exit code, 124 on timeout."""
+    sys.stdout.flush()
+    proc = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdout=log,
+                            stderr=subprocess.STDOUT if log else None)  # fmt: skip
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 124
+
+
+def run_step(name: str, out_dir: Path, dry: bool, limit: float) -> None:
+    """In the child: run one step, appending each record to results.jsonl as it comes."""
+    step = STEPS[name][1]
     start = time.perf_counter()
-    records = STEPS[name][1](dry)
-    peak = peak_bytes()
-    with open(out_dir / "results.jsonl", "a") as f:
-        for record in records:
-            line = {"step": name, "dry_run": dry, "peak_bytes_in_use": peak, **record}
-            line["seconds"] = time.perf_counter() - start
+    records = step(dry, limit) if name == "tests" else step(dry)
+    for record in records:
+        line = {"run": os.environ.get("JAXRL_SUITE_RUN"), "step": name, "dry_run": dry}
+        line.update({"peak_bytes_in_use": peak_bytes(), **record})
+        line["step_elapsed_s"] = time.perf_counter() - start
+        with open(out_dir / "results.jsonl", "a") as f:
             f.write(json.dumps(line, sort_keys=True, default=str) + "\n")
+        print(line, flush=True)
 
 
-def run_child(name: str, out_dir: Path, dry: bool, limit: int) -> dict[str, Any]:
+def run_child(name: str, out_dir: Path, dry: bool, limit: float, env: dict) -> dict[str, Any]:
     """One step in a child process under its time limit; what became of it."""
-    command = [sys.executable, __file__, str(out_dir), "--step", name]
-    command += ["--dry-run"] if dry else []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if dry:  # one CPU device, whatever the caller's flags (a test session asks for 8)
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    start = time.perf_counter()
+    command = [sys.executable, __file__, str(out_dir), "--step", name, "--limit",
+               f"{name}={limit}"] + (["--dry-run"] if dry else [])  # fmt: skip
     log = out_dir / f"{name}.log"
+    start = time.perf_counter()
     with open(log, "w") as f:
-        try:
-            code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                  timeout=limit).returncode  # fmt: skip
-            status = "ok" if code == 0 else f"failed (exit {code}, see {log.name})"
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {limit} s (see {log.name})"
+        code = run_group(command, env, timeout=limit, log=f)
+    if code == 0:
+        status = "ok"
+    elif code == 124:
+        status = f"timed out after {limit:g} s (see {log.name})"
+    else:
+        status = f"failed (exit {code}, see {log.name})"
     return {"step": name, "status": status, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def summary(out_dir: Path, outcomes: list[dict]) -> str:
-    """A table of every step's outcome and its headline figures."""
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The lines of results.jsonl that parse (a child killed mid-write leaves half a line)."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def summary(out_dir: Path, outcomes: list[dict], run: str | None = None) -> str:
+    """A table of every step's outcome and its headline figures (this run's records)."""
     records: dict[str, list[dict]] = {}
-    results = out_dir / "results.jsonl"
-    if results.exists():
-        for line in results.read_text().splitlines():
-            r = json.loads(line)
+    for r in read_records(out_dir / "results.jsonl"):
+        if run is None or r.get("run") == run:
             records.setdefault(r["step"], []).append(r)
     keys = (
         "tokens_per_s", "fraction_of_roofline", "mfu", "step_s", "generation_s",
-        "log_prob_s", "update_s", "fwd_bwd_tflops", "pallas_of_cudnn_fwd_bwd",
-        "copy_bytes_per_s", "bf16_matmul_flops", "summary",
+        "log_prob_s", "update_s", "fwd_bwd_tflops", "fwd_bwd_of_peak", "cudnn_fwd_bwd_tflops",
+        "pallas_of_cudnn_fwd_bwd", "copy_bytes_per_s", "bf16_matmul_flops", "tests",
+        "failures", "errors",
     )  # fmt: skip
     lines = [f"{'step':<12} {'status':<34} {'s':>6}  figures"]
     for o in outcomes:
         for r in records.get(o["step"], [{}]):
             shown = {k: r[k] for k in keys if r.get(k) is not None}
-            tag = r.get("t") or r.get("model") or ""
+            tag = " ".join(str(r[k]) for k in ("t", "impl", "model", "remat") if k in r)
             if r.get("peak_bytes_in_use"):
                 shown["peak_GiB"] = r["peak_bytes_in_use"] / 2**30
             figures = ", ".join(
@@ -333,23 +406,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--only", help="comma-separated step names (default: all)")
+    parser.add_argument(
+        "--limit", action="append", default=[], metavar="STEP=SECONDS",
+        help="another time limit for a step (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--step", help=argparse.SUPPRESS)  # the child's entry
     args = parser.parse_args(argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = args.out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(HERE), str(ROOT)]
+    limits = {name: float(seconds) * (DRY_SCALE if args.dry_run else 1)
+              for name, (seconds, _) in STEPS.items()}  # fmt: skip
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        if name not in STEPS or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--limit {item}: expected STEP=SECONDS with a step of {list(STEPS)}")
+        limits[name] = float(seconds)
     if args.step:
-        run_step(args.step, args.out_dir, args.dry_run)
+        run_step(args.step, out_dir, args.dry_run, limits[args.step])
         return 0
     names = args.only.split(",") if args.only else list(STEPS)
     unknown = [n for n in names if n not in STEPS]
     if unknown:
         parser.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
+    run = time.strftime("%Y%m%dT%H%M%S")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAXRL_SUITE_RUN": run,
+           "JAX_COMPILATION_CACHE_DIR": str(out_dir / "jax_cache")}  # fmt: skip
+    if args.dry_run:  # one CPU device, whatever the caller's flags (a test session asks for 8)
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
     outcomes = []
     for name in names:
-        outcomes.append(run_child(name, args.out_dir, args.dry_run, STEPS[name][0]))
+        outcomes.append(run_child(name, out_dir, args.dry_run, limits[name], env))
         print(f"{name}: {outcomes[-1]['status']} in {outcomes[-1]['seconds']} s", flush=True)
-    table = summary(args.out_dir, outcomes)
-    (args.out_dir / "summary.txt").write_text(table + "\n")
+    table = summary(out_dir, outcomes, run)
+    (out_dir / "summary.txt").write_text(table + "\n")
     print("\n" + table)
     return 0 if all(o["status"] == "ok" for o in outcomes) else 1
 

@@ -10,6 +10,7 @@ set -euo pipefail
 dest="${1:-.whl}"
 py="${PYTHON:-python3}"
 mkdir -p "$dest"
+rm -f "$dest"/*.whl  # one version of each: two would stop the install there
 # Pure-Python wheels, pinned to what pyproject.toml accepts.
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_17_x86_64 --platform any -d "$dest" \

@@ -2,13 +2,13 @@
 
     python benchmarks/train_step.py [--sizes S,M,L]
 
-Batch 8 sequences x 512 tokens. The loss reads the response log-probs as the actor's loss does
-(`jaxrl.trainer.sequences.response_log_probs`: positions 64..511 predict the next token), times a
-per-sequence advantage, token-mean over the response; AdamW (lr 1e-6, weight decay 0.01) with
-the gradient clipped to norm 1. Median of 3 steps after 1 warm-up. Figures: step seconds,
-tokens/s = 8 * 512 / step, and MFU = 6 * N * 4096 / step / peak (N all parameters, a tied
-embedding once; the float32 matmul peak measured in the same run). `gpu_suite.py` runs the same
-step for the 1.5B shape in bf16 compute.
+Batch 8 sequences x 512 tokens. The actor's own update (`Learner.update` with its loss, verl's
+default actor config): positions 64..511 predict the next token, the policy-gradient loss of a
+per-sequence advantage (on-policy, so PPO's ratio is 1), token-mean over the response; AdamW
+(lr 1e-6, weight decay 0.01), the gradient clipped to norm 1. Median of 3 steps after 1
+warm-up. Figures: step seconds, tokens/s = 8 * 512 / step, and MFU = 6 * N * 4096 / step / peak
+(N all parameters, a tied embedding once; the float32 matmul peak measured in the same run).
+`gpu_suite.py` runs the same step for the 1.5B shape in bf16 compute.
 """
 
 from __future__ import annotations
@@ -22,29 +22,31 @@ ROWS, LENGTH, PROMPT = 8, 512, 64
 
 
 def bench_train_step(config, *, rows: int, length: int, prompt: int, params=None) -> dict:
-    """Time the step of `config` (random parameters in `config.param_dtype` unless given) on
-    `rows` sequences of `length` tokens, the first `prompt` of them the prompt."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
+    """Time the actor's update of `config` (random parameters in `config.param_dtype` unless
+    given) on `rows` sequences of `length` tokens, the first `prompt` of them the prompt: the
+    run's own path (`Learner.update` with the actor's loss, on-policy: one mini-batch, one
+    micro-batch, one optimizer step; verl's default actor config, lr 1e-6, weight decay 0.01)."""
+    import functools
 
+    import jax
+    import numpy as np
+
+    from jaxrl.config import Config
     from jaxrl.models import init_params
-    from jaxrl.trainer.sequences import response_log_probs
-    from jaxrl.trainer.update import init_state, make_update_step
+    from jaxrl.trainer import losses
+    from jaxrl.trainer.learner import Learner
+    from jaxrl.trainer.optim import make_optimizer
+    from jaxrl.trainer.update import init_state
 
     if params is None:
         params = jax.jit(lambda key: init_params(config, key))(jax.random.key(0))
-    optimizer = optax.adamw(1e-6, weight_decay=0.01)
-    state = init_state(params, optimizer, None, None)
-
-    def loss_fn(params, batch):
-        log_probs, _ = response_log_probs(config, params, batch, temperature=1.0, chunk_size=2048)
-        mask = batch["response_mask"].astype(jnp.float32)
-        weighted = log_probs * batch["advantages"][:, None] * mask
-        return -jnp.sum(weighted) / jnp.sum(mask), {}
-
-    step = make_update_step(loss_fn, optimizer, grad_clip=1.0)
+    actor_cfg = Config().actor_rollout_ref.actor
+    optimizer = make_optimizer(actor_cfg.optim, total_steps=100)
+    loss = functools.partial(losses.actor_loss, config=config, actor_cfg=actor_cfg, temperature=1.0)
+    learner = Learner(
+        config, init_state(params, optimizer, None, None), optimizer, loss,
+        layout=None, grad_clip=actor_cfg.grad_clip,
+    )  # fmt: skip
     rng = np.random.RandomState(0)
     ids = rng.randint(3, config.vocab_size, (rows, length)).astype(np.int32)
     batch = {
@@ -52,14 +54,12 @@ def bench_train_step(config, *, rows: int, length: int, prompt: int, params=None
         "prompt_mask": np.ones((rows, prompt), np.int32),
         "responses": ids[:, prompt:],
         "response_mask": np.ones((rows, length - prompt), np.int32),
-        "advantages": rng.randn(rows).astype(np.float32),
+        "advantages": np.repeat(rng.randn(rows, 1), length - prompt, 1).astype(np.float32),
     }
-    batch = jax.device_put(batch)
-    holder = [state]
 
-    def run():
-        holder[0], metrics = step(holder[0], batch)
-        jax.block_until_ready(metrics)
+    def run():  # returns after reading the metrics back: the step has finished
+        learner.update(batch, mini_batch_rows=rows, epochs=1, shuffle=False, seed=0,
+                       micro_rows=None, token_budget=None, fields=("advantages",))  # fmt: skip
 
     start = time.perf_counter()
     run()
