@@ -76,7 +76,8 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
     import jax
     import numpy as np
 
-    from jaxrl.rollout import SamplingParams, bucket, generate
+    from jaxrl.data import bucket
+    from jaxrl.rollout import SamplingParams, generate
     from jaxrl.rollout.engine import cache_geometry
 
     config = config.replace(dtype=dtype)

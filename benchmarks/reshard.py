@@ -64,9 +64,9 @@ def bench(size: str) -> dict:
     config = decoder_config(size)
     train = Layout.create(train_mesh({"fsdp": 8}), TRAIN_RULES)
     rollout = Layout.create(rollout_mesh(2), ROLLOUT_RULES)
-    init = jax.jit(M.init_params, static_argnums=0, out_shardings=train.params(config))
+    init = jax.jit(M.init_params, static_argnums=0, out_shardings=M.param_shardings(config, train))
     params = jax.block_until_ready(init(config, jax.random.key(0)))
-    to_rollout, to_train = rollout.params(config), train.params(config)
+    to_rollout, to_train = M.param_shardings(config, rollout), M.param_shardings(config, train)
     result = {"params": sum(x.size for x in jax.tree.leaves(params))}
     for name, bucket in (("per_tensor", None), ("one_program", 1 << 62)):
         report = reshard_report(params, to_rollout, dtype="bfloat16", bucket_bytes=bucket)

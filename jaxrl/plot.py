@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxrl.trainer.loggers import read_metrics
+
 PANELS = (
     ("score", ("critic/score/mean",)),
     ("validation score", ("val-core/",)),
@@ -48,8 +50,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from jaxrl.trainer.loggers import read_metrics
 
     rows = read_metrics(run_dir)
     if not rows:

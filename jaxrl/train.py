@@ -26,6 +26,7 @@ from jaxrl import distributed
 from jaxrl.config import Config, ConfigError, load_config, save_config
 from jaxrl.config.checks import check_model_context, critic_enabled
 from jaxrl.config.reference import attribute_docs
+from jaxrl.plot import plot_run
 
 log = logging.getLogger("jaxrl.train")
 
@@ -205,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         distributed.mark_failed(f"run stopped: {e}", exit_code=1)
         return 1
+    if distributed.is_main_process():
+        plot_run(cfg.trainer.default_local_dir)  # the run directory's curves.png
     core = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
     print(f"done: {cfg.trainer.default_local_dir} ({core or 'no validation'})")
     return 0

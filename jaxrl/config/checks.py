@@ -16,9 +16,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxrl.config.errors import ConfigError
+from jaxrl.config.mesh import (
+    AXES,
+    ROLLOUT_MESH_AXES,
+    TRAIN_MESH_AXES,
+    resolve_axis_sizes,
+    rule_problems,
+)
 from jaxrl.config.schema import Config
-from jaxrl.sharding.mesh import AXES, resolve_axis_sizes
-from jaxrl.sharding.rules import ROLLOUT_MESH_AXES, TRAIN_MESH_AXES, rule_problems
 
 # `jaxrl.kernels.attention` implementations a model may be configured with; `cudnn` is left
 # out: it has no segment ids, and every training batch carries padding or packing segments.

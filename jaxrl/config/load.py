@@ -26,6 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from jaxrl.config import verl_compat
+from jaxrl.config.checks import check, normalize
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.schema import Config, is_group
 
@@ -340,8 +341,6 @@ def load_config(
     Raises:
         ConfigError: listing every problem found, each naming the key and what to change.
     """
-    from jaxrl.config.checks import check, normalize
-
     pairs = (read_yaml(path) if path is not None else []) + parse_overrides(overrides)
     try:
         cfg = normalize(merge(pairs))

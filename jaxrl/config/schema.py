@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import II, MISSING
 
-from jaxrl.sharding.rules import ROLLOUT_RULES, TRAIN_RULES
+from jaxrl.config.mesh import ROLLOUT_RULES, TRAIN_RULES
 
 # ----------------------------------------------------------------------------------------- data
 

@@ -20,7 +20,7 @@ from jaxrl.data.balance import (
     karmarkar_karp,
     seqlen_balance_metrics,
 )
-from jaxrl.data.batch import PromptBatch, group_ids_from_uids, repeated_group_ids
+from jaxrl.data.batch import PromptBatch, bucket, group_ids_from_uids, repeated_group_ids
 from jaxrl.data.dataset import RLDataset
 from jaxrl.data.dynamic import dynamic_micro_batches, restore_order
 from jaxrl.data.iterator import PromptIterator
@@ -38,6 +38,7 @@ __all__ = [
     "ReadReport",
     "Row",
     "balance_batch",
+    "bucket",
     "calculate_workload",
     "dynamic_micro_batches",
     "encode_prompts",

@@ -97,3 +97,14 @@ def repeated_group_ids(num_prompts: int, n: int, offset: int = 0) -> np.ndarray:
     """int32 [num_prompts * n] group ids of `n` interleaved responses per prompt:
     `offset + [0]*n + [1]*n + ...`."""
     return np.repeat(np.arange(offset, offset + num_prompts, dtype=np.int32), n)
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """The smallest size >= n among minimum * {1, 1.5, 2, 3, 4, 6, ...} (at most 1.5x padding,
+    a handful of distinct sizes, so a handful of compiled programs)."""
+    size = minimum
+    while size < n:
+        if size * 3 // 2 >= n and size * 3 // 2 > size:
+            return size * 3 // 2
+        size *= 2
+    return size

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxrl.data.braces import balanced_from
 from jaxrl.data.rows import BadRow, DataError, read_table, write_parquet
-from jaxrl.rewards.scorers.braces import balanced_from
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

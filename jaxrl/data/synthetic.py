@@ -6,22 +6,15 @@ Each prompt is one user message `"<task>: d d ..."` and the answer is a digit st
     copy     "copy: 3 1 4 1"   -> "3 1 4 1"    the digits as given
     reverse  "reverse: 3 1 4"  -> "4 1 3"      the digits reversed
 
-`data_source` is `"jaxrl/synthetic_<task>"`, `reward_model.ground_truth` the answer. The score
-(`compute_score`) gives partial credit, so even a random policy sees reward differences within
-a GRPO group: the digits of the response are compared position by position with the answer's,
-
-    score = #{i : response_digit[i] == answer_digit[i]} / max(len(answer digits), len(response
-            digits))
-
-which is 1.0 exactly when the response's digits are the answer (other tokens are ignored), and
-0.0 without digits. `write_tokenizer` writes a matching word-level HF tokenizer (ChatML template,
-about 25 tokens), so a tiny model's random policy emits digits often.
+`data_source` is `"jaxrl/synthetic_<task>"`, `reward_model.ground_truth` the answer; the
+scorer, with partial credit, is `jaxrl.rewards.scorers.synthetic`. `write_tokenizer` writes a
+matching word-level HF tokenizer (ChatML template, about 25 tokens), so a tiny model's random
+policy emits digits often.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +35,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_DIGITS = re.compile(r"\d")
-
-
-def is_synthetic(data_source: str) -> bool:
-    """Whether `data_source` names a task of this module."""
-    return data_source in DATA_SOURCES
-
 
 def answer(task: str, digits: list[int], length: int) -> str:
     """The ground truth of a prompt on `digits` (see the module doc)."""
@@ -59,17 +45,6 @@ def answer(task: str, digits: list[int], length: int) -> str:
     if task == "reverse":
         return " ".join(map(str, digits[::-1]))
     raise ValueError(f"unknown synthetic task {task!r}; use one of {', '.join(TASKS)}")
-
-
-def compute_score(solution_str: str, ground_truth: str, **_: Any) -> float:
-    """Partial-credit digit match in [0, 1] (see the module doc); 1.0 iff the response's digits
-    are exactly the answer's."""
-    want = _DIGITS.findall(str(ground_truth))
-    got = _DIGITS.findall(solution_str)
-    if not got or not want:
-        return float(got == want)
-    hits = sum(a == b for a, b in zip(got, want, strict=False))
-    return hits / max(len(want), len(got))
 
 
 def make_records(

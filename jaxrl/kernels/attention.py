@@ -24,9 +24,9 @@ Implementations (`implementation=`):
   GPU it is refused unless `JAXRL_PALLAS_INTERPRET=1` (Pallas' interpret mode; tests only).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; no segment ids, offsets or
   traced windows (refused rather than attending across segments).
-- `ring`: sequence parallelism over the active layout's `sp` axis (`jaxrl.kernels.ring`); the
+- `ring`: sequence parallelism over the `layout` argument's `sp` axis (`jaxrl.kernels.ring`); the
   tokens must be in zigzag order (`jaxrl.kernels.ring.zigzag`), as `hidden_states` lays them.
-- `auto`: `ring` when the active layout has `sp > 1`; on a GPU `pallas_gpu` (head dim up to
+- `auto`: `ring` when `layout` has `sp > 1`; on a GPU `pallas_gpu` (head dim up to
   256); elsewhere `blockwise` from `BLOCKWISE_MIN_LENGTH` keys on, else `reference`. Logged
   once per choice.
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,7 @@ def attention(
     q_offset: int | Int[Array, ""] = 0,
     kv_offset: int | Int[Array, ""] = 0,
     implementation: str = "auto",
+    layout: Any = None,
 ) -> Float[Array, "b t n h"]:
     """Softmax attention with grouped-query heads, causal, segment and sliding-window masks.
 
@@ -81,6 +83,9 @@ def attention(
         q_offset: Position of the first query row.
         kv_offset: Position of the first key row.
         implementation: One of `IMPLEMENTATIONS` or `auto`.
+        layout: The sharding layout the arrays are laid out in (a `jaxrl.sharding.Layout`,
+            passed by the model: this module imports no sharding): `ring` runs over its `sp`
+            axis, and `auto` picks `ring` when that axis is > 1. None: one sequence shard.
 
     Returns:
         [B, T, N, H] in the dtype of `q`.
@@ -98,7 +103,7 @@ def attention(
         raise ValueError(f"k {k.shape} and v {v.shape} do not match q {q.shape}")
     scale = h**-0.5 if softmax_scale is None else float(softmax_scale)
     if implementation == "auto":
-        implementation = _choose(k.shape[1], h)
+        implementation = _choose(k.shape[1], h, layout)
     if segment_ids is not None and not isinstance(segment_ids, tuple):
         if q.shape[1] != k.shape[1]:
             raise ValueError(
@@ -112,7 +117,9 @@ def attention(
             q, k, v, causal, (seg_q, seg_kv), sliding_window, scale, q_offset, kv_offset
         )
     if implementation == "ring":
-        return _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset)
+        return _ring(
+            q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset, layout
+        )
     if implementation == "cudnn":
         return _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset)
     kw = dict(
@@ -131,11 +138,9 @@ def attention(
     return blockwise_attention(q, k, v, **kw)[0]
 
 
-def _choose(s: int, h: int = 64) -> str:
-    """The `auto` implementation for `s` keys of head dim `h` here (logged once per choice)."""
-    from jaxrl.sharding.layouts import active_layout
-
-    layout = active_layout()
+def _choose(s: int, h: int = 64, layout: Any = None) -> str:
+    """The `auto` implementation for `s` keys of head dim `h` in `layout` here (logged once
+    per choice)."""
     if layout is not None and layout.mesh.shape.get("sp", 1) > 1:
         choice, why = "ring", f"the layout has sp={layout.mesh.shape['sp']}"
     elif jax.default_backend() == "gpu" and h <= _pallas_max_head_dim():
@@ -200,15 +205,13 @@ def cudnn_window(sliding_window, causal: bool, s: int) -> tuple[int, int] | None
     return int(sliding_window) - 1, 0 if causal else s
 
 
-def _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset):
-    """Ring attention over the active layout's `sp` axis (tokens in zigzag order)."""
+def _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset, layout):
+    """Ring attention over `layout`'s `sp` axis (tokens in zigzag order)."""
     from jaxrl.kernels.ring import ring_attention
-    from jaxrl.sharding.layouts import active_layout
 
-    layout = active_layout()
     if layout is None or layout.mesh.shape.get("sp", 1) < 2:
         raise ValueError(
-            "implementation='ring' needs an active layout with an `sp` axis > 1 "
+            "implementation='ring' needs a layout with an `sp` axis > 1 "
             "(mesh.sp in the config); use 'blockwise' on one sequence shard"
         )
     if seg_q is not seg_kv or not (_static_zero(q_offset) and _static_zero(kv_offset)):

@@ -25,7 +25,13 @@ from jaxrl.models.outputs import (
     token_log_probs,
     values,
 )
-from jaxrl.models.params import abstract_params, init_params, logical_axes, param_shapes
+from jaxrl.models.params import (
+    abstract_params,
+    init_params,
+    logical_axes,
+    param_shapes,
+    param_shardings,
+)
 from jaxrl.models.transformer import (
     forward,
     hidden_states,
@@ -53,6 +59,7 @@ __all__ = [
     "log_probs_from_logits",
     "logical_axes",
     "param_shapes",
+    "param_shardings",
     "positions_from_mask",
     "positions_from_segments",
     "save_pretrained",

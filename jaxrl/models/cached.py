@@ -36,7 +36,7 @@ from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import apply_rope, rope_cos_sin
 from jaxrl.models.transformer import _block, rms_norm
-from jaxrl.sharding.layouts import shard
+from jaxrl.sharding.layouts import active_layout, shard
 
 # Logical axes of one layer's key and value buffers (KV cache over batch and kv heads).
 K_CACHE_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
@@ -145,6 +145,7 @@ def prefill(
                 segment_ids=segments,
                 sliding_window=window if windowed else None,
                 implementation=config.attention_impl,
+                layout=active_layout(),
             )
 
         x_btd = _block(config, cos, sin, attend, x_btd, p, window)

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxrl.models.config import DecoderConfig, from_hf_config
 from jaxrl.models.hf_names import IGNORABLE_SUFFIXES, Entry, entries, hf_names
 from jaxrl.models.params import Params, param_shapes
+from jaxrl.sharding.layouts import Layout
 from jaxrl.sharding.logical import Rules, sharding_for
 
 SINGLE_FILE = "model.safetensors"
@@ -151,8 +152,6 @@ def from_pretrained(
             of logical axis names to mesh axes.
         **options: Further `DecoderConfig` fields (`remat`, `head`, `override_config`, ...).
     """
-    from jaxrl.sharding.layouts import Layout
-
     if isinstance(layout, Layout):
         mesh, layout = mesh or layout.mesh, layout.rule_map
     folder = Path(path).expanduser()

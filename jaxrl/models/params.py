@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.config import DecoderConfig
+from jaxrl.sharding.layouts import Layout
 
 Params = dict[str, Any]
 
@@ -95,6 +96,12 @@ def abstract_params(config: DecoderConfig) -> dict[str, Any]:
     return jax.tree.map(
         lambda spec: jax.ShapeDtypeStruct(spec[0], dtype), param_shapes(config), is_leaf=_is_spec
     )
+
+
+def param_shardings(config: DecoderConfig, layout: Layout) -> dict[str, Any]:
+    """The `NamedSharding` tree of the parameters of `config` in `layout`: each array's
+    logical axes mapped by the layout's rules onto its mesh."""
+    return layout.tree(abstract_params(config), logical_axes(config))
 
 
 def init_params(config: DecoderConfig, key: jax.Array, std: float = 0.02) -> Params:

@@ -143,6 +143,7 @@ def hidden_states(
             segment_ids=segments,
             sliding_window=window if windowed else None,
             implementation=config.attention_impl,
+            layout=active_layout(),
         )
 
     def body(x, layer):

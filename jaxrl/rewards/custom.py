@@ -26,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from jaxrl.rewards.scorers import default_compute_score
+
 PKG_PREFIX = "pkg://"
 FILE_PREFIX = "file://"
 
@@ -143,8 +145,6 @@ def load_custom_reward_fn(
 def compute_score_from_config(custom_reward_function: Any) -> Callable[..., Any]:
     """The scoring function a `CustomRewardFunctionConfig` selects: the user's function, or
     `default_compute_score` when its path is null."""
-    from jaxrl.rewards.scorers import default_compute_score
-
     cfg = custom_reward_function
     fn = load_custom_reward_fn(
         getattr(cfg, "path", None),

@@ -14,7 +14,8 @@ row is re-templated as verl 0.9.1's reward loop does it:
     text     = rm_tokenizer.apply_chat_template(chat, tokenize=False), leading bos text removed
     ids      = rm_tokenizer(text, add_special_tokens=True)   (truncated to max_length)
 
-and the rows are right-padded to a length bucket, so one compiled scorer serves many batches.
+and the rows are right-padded to a length bucket (`jaxrl.data.batch.bucket`), so one compiled
+scorer serves many batches.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int
 
+from jaxrl.data.batch import bucket
 from jaxrl.models import DecoderConfig, from_pretrained, sequence_scores
-from jaxrl.models.params import Params
+from jaxrl.models.params import Params, param_shardings
 from jaxrl.rewards.inputs import place_scores
 from jaxrl.sharding.layouts import Layout, use_layout
 
@@ -48,7 +50,7 @@ def same_tokenizer(a: Any, b: Any) -> bool:
     )
 
 
-def _bucket(n: int, multiple: int) -> int:
+def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
@@ -65,7 +67,9 @@ class RewardModel:
         max_length: Longest re-tokenised sequence; longer ones are cut on the `truncation` side.
         truncation: `right` (keep the start, verl's default), `left` (keep the end) or `error`.
         micro_batch_size: Rows per compiled call; None: the whole batch.
-        length_multiple: Re-tokenised rows are padded to a multiple of this (fewer compiles).
+        length_multiple: Re-tokenised rows are padded to at least this many tokens, and beyond
+            to the length buckets of `jaxrl.data.batch.bucket` (at most 1.5x padding, a few
+            compiled programs).
         retokenize: Force (True) or skip (False) re-templating; None: when the tokenizers differ.
     """
 
@@ -178,7 +182,7 @@ class RewardModel:
         if self.layout is None:
             return jax.jit(score)
         layout = self.layout
-        params_sharding = layout.params(config)
+        params_sharding = param_shardings(config, layout)
         compiled: dict[tuple[int, ...], Any] = {}  # one jitted function per token shape
 
         def run(params, input_ids, attention_mask):
@@ -201,7 +205,7 @@ class RewardModel:
         ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
         b = ids.shape[0]
         step = self.micro_batch_size or b
-        step = _bucket(step, self._batch_divisor())
+        step = _round_up(step, self._batch_divisor())
         out = []
         for start in range(0, b, step):
             chunk_ids, chunk_mask = ids[start : start + step], mask[start : start + step]
@@ -250,7 +254,7 @@ class RewardModel:
                     else ids[-self.max_length :]
                 )
             rows.append(ids)
-        t = _bucket(max(len(r) for r in rows), self.length_multiple)
+        t = bucket(max(len(r) for r in rows), minimum=self.length_multiple)
         pad_id = self.tokenizer.pad_token_id or 0
         out_ids = np.full((len(rows), t), pad_id, np.int32)
         out_mask = np.zeros((len(rows), t), np.int32)

@@ -6,7 +6,6 @@ out = jaxrl.rollout.generate(model_config, params, input_ids, attention_mask,
 
 from jaxrl.rollout.engine import (
     GenerationOutput,
-    bucket,
     compile_generate,
     generate,
     idle_fraction,
@@ -16,7 +15,6 @@ from jaxrl.rollout.sampling import SamplingParams, processed_logits, sample
 __all__ = [
     "GenerationOutput",
     "SamplingParams",
-    "bucket",
     "compile_generate",
     "generate",
     "idle_fraction",

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxrl.data.batch import bucket
 from jaxrl.kernels import cpu_decode
 from jaxrl.models.cached import (
     DecodeWeights,
@@ -47,6 +48,7 @@ from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import lm_logits, positions_from_mask
 from jaxrl.rollout.sampling import SamplingParams, sample
 from jaxrl.sharding.layouts import Layout, use_layout
+from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
 
 log = logging.getLogger("jaxrl.rollout")
 
@@ -99,17 +101,6 @@ class _LoopState:
     cache: KVCache
     key: jax.Array
     decode_steps: Int[Array, ""]
-
-
-def bucket(n: int, minimum: int = 8) -> int:
-    """The smallest size >= n among minimum * {1, 1.5, 2, 3, 4, 6, ...} (at most 1.5x padding,
-    a handful of distinct sizes, so a handful of compiled programs)."""
-    size = minimum
-    while size < n:
-        if size * 3 // 2 >= n and size * 3 // 2 > size:
-            return size * 3 // 2
-        size *= 2
-    return size
 
 
 def cache_geometry(
@@ -475,8 +466,6 @@ def _generate_processes(
     outputs come back replicated. The rng must be the same on every process (it is one
     program).
     """
-    from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
-
     processes = jax.process_count()
     b, p = input_ids.shape
     shapes = allgather_objects((b, p))

@@ -1,5 +1,6 @@
 """The named device mesh, logical-axis layouts (train, rollout), reshard and offload."""
 
+from jaxrl.config.mesh import AXES, ROLLOUT_RULES, TRAIN_RULES, resolve_axis_sizes
 from jaxrl.sharding.layouts import (
     KV_CACHE_AXES,
     Layout,
@@ -11,10 +12,9 @@ from jaxrl.sharding.layouts import (
     use_layout,
 )
 from jaxrl.sharding.logical import Rules, partition_spec, sharding_for, tree_shardings
-from jaxrl.sharding.mesh import AXES, make_mesh, resolve_axis_sizes
+from jaxrl.sharding.mesh import make_mesh
 from jaxrl.sharding.offload import offload, reload, supports_host_offload
 from jaxrl.sharding.reshard import free, reshard, reshard_report
-from jaxrl.sharding.rules import ROLLOUT_RULES, TRAIN_RULES
 
 __all__ = [
     "AXES",

@@ -1,7 +1,7 @@
 """A layout is a mesh plus logical-axis rules; it names the sharding of every array jaxrl makes.
 
     train, rollout = layouts_from_config(cfg)
-    param_shardings = train.params(model_config)           # NamedSharding tree
+    param_shardings = jaxrl.models.param_shardings(model_config, train)   # NamedSharding tree
     with use_layout(train):
         loss = jax.jit(loss_fn, in_shardings=...)(params, batch)   # shard() constraints apply
 
@@ -20,9 +20,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.config.mesh import AXES, ROLLOUT_RULES, TRAIN_RULES, resolve_axis_sizes
 from jaxrl.sharding.logical import partition_spec, tree_shardings
-from jaxrl.sharding.mesh import AXES, make_mesh, resolve_axis_sizes
-from jaxrl.sharding.rules import ROLLOUT_RULES, TRAIN_RULES
+from jaxrl.sharding.mesh import make_mesh
 
 # The KV cache [L, B, S, K, H] and the token batch [B, T].
 KV_CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
@@ -66,12 +66,6 @@ class Layout:
     def tree(self, abstract: Any, logical: Any) -> Any:
         """Shardings for a tree of arrays / ShapeDtypeStructs and its logical-name tree."""
         return tree_shardings(abstract, logical, self.mesh, self.rule_map)
-
-    def params(self, config) -> Any:
-        """Shardings of a decoder's parameter tree (`jaxrl.models`)."""
-        from jaxrl.models.params import abstract_params, logical_axes
-
-        return self.tree(abstract_params(config), logical_axes(config))
 
     def tokens(self, shape: Sequence[int]) -> NamedSharding:
         """Sharding of a [B, T] token / mask batch (batch and sequence axes)."""

@@ -66,7 +66,8 @@ def reshard(tree: Any, target_shardings: Any, dtype: Any = None, bucket_bytes: i
 
     Args:
         tree: Arrays (e.g. parameters in the train layout). Not modified or donated.
-        target_shardings: A matching tree of `NamedSharding`s (e.g. `rollout.params(config)`).
+        target_shardings: A matching tree of `NamedSharding`s (e.g.
+            `jaxrl.models.param_shardings(config, rollout)`).
         dtype: Floating-point leaves are cast to this dtype (the rollout dtype); None keeps.
         bucket_bytes: Re-layout this many source bytes per program; None: one tensor each.
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxrl.models import DecoderConfig
+
 _COMMON = dict(
     vocab_size=97,
     hidden_size=48,
@@ -133,8 +135,6 @@ def save_tiny(
 def tiny_decoder(**changes: Any):
     """A minimal `jaxrl.models.DecoderConfig` (llama, 1 layer, GQA 2/1) for shape and error
     tests that need no HF checkpoint; `changes` replace fields."""
-    from jaxrl.models import DecoderConfig
-
     fields = dict(
         model_type="llama",
         vocab_size=16,

@@ -313,10 +313,6 @@ def fit(cfg, devices=None) -> dict[str, float]:
             ckpts.close()
         finally:
             tracking.close()
-    if jax.process_index() == 0:
-        from jaxrl.plot import plot_run
-
-        plot_run(run_dir)
     return metrics
 
 

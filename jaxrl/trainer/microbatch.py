@@ -22,7 +22,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl.rollout.engine import bucket
+from jaxrl.data.balance import calculate_workload, get_seqlen_balanced_partitions
+from jaxrl.data.batch import bucket
+from jaxrl.data.dynamic import dynamic_micro_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +85,6 @@ def plan_micro_batches(
     rows = _pad_rows(np.asarray(rows), shards)
     lengths = np.where(rows >= 0, (prompt_lengths + response_lengths)[rows], 0)
     if balance and shards > 1:
-        from jaxrl.data.balance import calculate_workload, get_seqlen_balanced_partitions
-
         parts = get_seqlen_balanced_partitions(
             calculate_workload(lengths).tolist(), shards, equal_size=True
         )
@@ -109,8 +109,6 @@ def plan_micro_batches(
 
 
 def _by_budget(blocks, seq_lengths, budget) -> list[np.ndarray]:
-    from jaxrl.data.dynamic import dynamic_micro_batches
-
     blocks = [b[b >= 0] for b in blocks]
     filled = [b for b in blocks if len(b)]
     parts = iter(dynamic_micro_batches([seq_lengths[b] for b in filled], budget))

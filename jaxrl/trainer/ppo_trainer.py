@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
+from jaxrl.models.params import param_shardings
 from jaxrl.rollout import SamplingParams, compile_generate, generate
 from jaxrl.sharding.layouts import layouts_from_config
 from jaxrl.sharding.processes import allgather_objects, gather_rows
@@ -213,7 +214,7 @@ class PPOTrainer:
             if arr.model.attention_impl == "ring"
             else arr.model.attention_impl,
         )
-        self._rollout_shardings = self.rollout_layout.params(self.rollout_config)
+        self._rollout_shardings = param_shardings(self.rollout_config, self.rollout_layout)
         self.sampling = SamplingParams.from_config(rollout_cfg)
         self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.hf_io import from_pretrained, load_config
-from jaxrl.models.params import abstract_params
+from jaxrl.models.params import abstract_params, param_shardings
 from jaxrl.sharding.layouts import Layout, use_layout
 from jaxrl.trainer.sequences import response_log_probs, response_values
 
@@ -76,7 +76,7 @@ def abstract_model(
     config = load_config(
         path, param_dtype=param_dtype, remat=remat, override_config=override_config or None
     )
-    shardings = layout.params(config) if layout is not None else None
+    shardings = param_shardings(config, layout) if layout is not None else None
     params = abstract_params(config)
     if shardings is not None:
         params = jax.tree.map(
@@ -109,7 +109,7 @@ def critic_from_policy(
     abstract = is_abstract(params)
     params = {k: v for k, v in params.items() if k != "lm_head_dv"}
     dtype = jnp.dtype(config.param_dtype)
-    shardings = layout.params(critic)["score"] if layout is not None else None
+    shardings = param_shardings(critic, layout)["score"] if layout is not None else None
     if abstract:
         score = abstract_params(critic)["score"]
         if shardings is not None:

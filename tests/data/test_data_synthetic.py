@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer, synthetic
+from jaxrl.rewards.scorers.synthetic import compute_score, is_synthetic
 
 
 def test_scorer_partial_credit():
-    score = synthetic.compute_score
+    score = compute_score
     assert score("7 7 7 7", "7 7 7 7") == 1.0
     assert score("<|im_start|> 7 7 7 7", "7 7 7 7") == 1.0  # non-digits ignored
     assert score("7 7 1 1", "7 7 7 7") == 0.5
@@ -32,10 +33,10 @@ def test_records_are_seeded_and_splits_differ():
     assert a == synthetic.make_records(50, task="copy", seed=1)
     assert a != synthetic.make_records(50, task="copy", seed=1, split="test")
     r = a[0]
-    assert r["data_source"] == "jaxrl/synthetic_copy" and synthetic.is_synthetic(r["data_source"])
+    assert r["data_source"] == "jaxrl/synthetic_copy" and is_synthetic(r["data_source"])
     digits = r["prompt"][0]["content"].split(": ")[1]
     assert r["reward_model"]["ground_truth"] == digits
-    assert synthetic.compute_score(digits, r["reward_model"]["ground_truth"]) == 1.0
+    assert compute_score(digits, r["reward_model"]["ground_truth"]) == 1.0
     with pytest.raises(ValueError, match="unknown synthetic task"):
         synthetic.make_records(1, task="sort")
 
@@ -53,4 +54,4 @@ def test_end_to_end_data_path(tmp_path, tokenizer_dir):
     truth = batch.ground_truth[0]
     response_ids = tok(truth, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     text = tok.decode(response_ids, skip_special_tokens=True)
-    assert synthetic.compute_score(text, truth) == 1.0
+    assert compute_score(text, truth) == 1.0

@@ -117,7 +117,7 @@ def processes() -> None:
         shape_error = str(e)
     config = tiny_decoder()
     params = M.init_params(config, jax.random.key(0), std=0.5)
-    params = jax.device_put(params, layout.params(config))
+    params = jax.device_put(params, M.param_shardings(config, layout))
     rng = np.random.RandomState(pid)
     ids = rng.randint(2, config.vocab_size, (4, 5))
     greedy = SamplingParams(max_tokens=4, n=2, do_sample=False, temperature=0.0)

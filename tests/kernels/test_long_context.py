@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxrl.models as M
+from jaxrl.models.params import param_shardings
 from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh, use_layout
 from jaxrl.sharding.layouts import TOKEN_AXES
 
@@ -52,7 +53,7 @@ def loss_and_grads(impl, params, data, layout=None, expect_permutes=False):
     config = CONFIG.replace(attention_impl=impl)
     fn = jax.jit(jax.value_and_grad(functools.partial(pg_loss, config)))
     if layout is not None:
-        params = jax.device_put(params, layout.params(CONFIG))
+        params = jax.device_put(params, param_shardings(CONFIG, layout))
         data = [jax.device_put(x, layout.sharding(x.shape, TOKEN_AXES[: x.ndim])) for x in data]
     with use_layout(layout):
         compiled = fn.lower(params, *data).compile()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import jaxrl.models as M
+from jaxrl.models.params import param_shardings
 from jaxrl.sharding import make_mesh
 from jaxrl.testing.hf_reference import assert_close_to_scale, hf_run, left_padded, random_batch
 from jaxrl.testing.tiny import save_tiny
@@ -63,7 +64,7 @@ def test_load_with_a_layout_object(qwen2):
 
     layout = Layout.create(make_mesh({"fsdp": 4, "tp": 2}), TRAIN_RULES)
     config, params = M.from_pretrained(qwen2, layout=layout)
-    expected = layout.params(config)
+    expected = param_shardings(config, layout)
     jax.tree.map(
         lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(s)), params, expected
     )

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from jaxrl.config.mesh import TRAIN_RULES
 from jaxrl.config.schema import RewardModelConfig, RewardModelPathConfig
 from jaxrl.rewards.reward_model import RewardModel
 from jaxrl.sharding.layouts import Layout, train_mesh
-from jaxrl.sharding.rules import TRAIN_RULES
 from jaxrl.testing.hf_reference import assert_close_to_scale, hf_model
 from jaxrl.testing.tiny import save_tiny
 

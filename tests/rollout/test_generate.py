@@ -11,8 +11,10 @@ import torch
 from scipy import stats
 
 import jaxrl.models as M
+from jaxrl.data import bucket
 from jaxrl.kernels import attention, decode_attention
-from jaxrl.rollout import SamplingParams, bucket, generate, idle_fraction, sample
+from jaxrl.models.params import param_shardings
+from jaxrl.rollout import SamplingParams, generate, idle_fraction, sample
 from jaxrl.rollout.engine import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.tiny import save_tiny, tiny_decoder
@@ -203,7 +205,7 @@ def test_sharded_generation_equals_single_device(tiny):
     sp = SamplingParams(max_tokens=8, n=2, **GREEDY)
     ref = generate(config, params, ids, mask, sp)
     layout = Layout.create(rollout_mesh(2), ROLLOUT_RULES)
-    sharded_params = jax.device_put(params, layout.params(config))
+    sharded_params = jax.device_put(params, param_shardings(config, layout))
     out = generate(config, sharded_params, ids, mask, sp, layout=layout)
     np.testing.assert_array_equal(out.responses, ref.responses)
     np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
@@ -324,7 +326,7 @@ def test_continuous_batching_sampled_and_sharded(one_model):
     np.testing.assert_allclose(np.asarray(out.log_probs)[valid], expected[valid], atol=1e-4)
     layout = Layout.create(rollout_mesh(2), ROLLOUT_RULES)
     greedy = SamplingParams(max_tokens=6, n=3, eos_token_ids=(5, 7, 11), **GREEDY)
-    sharded_params = jax.device_put(params, layout.params(config))
+    sharded_params = jax.device_put(params, param_shardings(config, layout))
     sharded = generate(config, sharded_params, ids, mask, greedy, layout=layout, max_num_seqs=4)
     single = generate(config, params, ids, mask, greedy)
     np.testing.assert_array_equal(sharded.responses, single.responses)

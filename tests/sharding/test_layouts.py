@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxrl.models as M
 from jaxrl.config import load_config
+from jaxrl.models.params import param_shardings
 from jaxrl.sharding import (
     ROLLOUT_RULES,
     TRAIN_RULES,
@@ -76,7 +77,7 @@ def pg_loss(params, batch):
 
 def place(layout, params, batch):
     return (
-        jax.device_put(params, layout.params(CONFIG)),
+        jax.device_put(params, param_shardings(CONFIG, layout)),
         {
             k: jax.device_put(v, layout.sharding(v.shape, ("batch", "seq")[: v.ndim]))
             for k, v in batch.items()
@@ -91,8 +92,8 @@ def assert_rel(a, b, rtol=1e-5):
 
 
 def test_parameter_shardings_follow_the_layouts():
-    train = train_layout(1, 4, 2, 1).params(CONFIG)
-    rollout = rollout_layout(2).params(CONFIG)
+    train = param_shardings(CONFIG, train_layout(1, 4, 2, 1))
+    rollout = param_shardings(CONFIG, rollout_layout(2))
     assert train["layers"]["attn"]["w_q_dnh"].spec == P(None, "fsdp", "tp", None)
     assert train["layers"]["mlp"]["w_down_fd"].spec == P(None, "tp", "fsdp")
     assert train["embed"]["tokens_vd"].spec == P("tp", "fsdp")
@@ -115,7 +116,7 @@ def test_forward_loss_and_grads_match_one_device(shape, params, batch):
         # Gradients produced directly in the parameters' layout (ZeRO-3: a shard per device).
         grad_fn = jax.jit(
             jax.value_and_grad(lambda p, b: pg_loss(p, b)[0]),
-            out_shardings=(layout.replicated(), layout.params(CONFIG)),
+            out_shardings=(layout.replicated(), param_shardings(CONFIG, layout)),
         )
         loss, grads = grad_fn(p, b)
     assert_rel(logits, ref_logits)
@@ -140,7 +141,7 @@ def test_optimizer_steps_match_one_device(shape, params, batch):
     def run(layout):
         p, b = (params, batch) if layout is None else place(layout, params, batch)
         p = jax.tree.map(jnp.copy, p)  # the state is donated
-        shardings = None if layout is None else layout.params(CONFIG)
+        shardings = None if layout is None else param_shardings(CONFIG, layout)
         state = init_state(p, optimizer, layout, shardings)
         step_shardings = (
             None if layout is None else state_shardings(state, optimizer, layout, shardings)
@@ -188,11 +189,11 @@ REFACTORINGS = [
 @pytest.mark.parametrize("bucket_bytes", [None, 1 << 40])
 def test_reshard_round_trip_same_devices(train_shape, tp, bucket_bytes, params):
     train, rollout = train_layout(*train_shape), rollout_layout(tp)
-    p = jax.device_put(params, train.params(CONFIG))
-    targets = rollout.params(CONFIG)
+    p = jax.device_put(params, param_shardings(CONFIG, train))
+    targets = param_shardings(CONFIG, rollout)
     with jax.transfer_guard("disallow"):
         rolled = reshard(p, targets, bucket_bytes=bucket_bytes)
-        back = reshard(rolled, train.params(CONFIG), bucket_bytes=bucket_bytes)
+        back = reshard(rolled, param_shardings(CONFIG, train), bucket_bytes=bucket_bytes)
     jax.tree.map(
         lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(s)), rolled, targets
     )
@@ -204,9 +205,9 @@ def test_reshard_round_trip_same_devices(train_shape, tp, bucket_bytes, params):
 
 def test_reshard_to_bfloat16_rollout(params):
     train, rollout = train_layout(1, 8, 1, 1), rollout_layout(2)
-    p = jax.device_put(params, train.params(CONFIG))
+    p = jax.device_put(params, param_shardings(CONFIG, train))
     with jax.transfer_guard("disallow"):
-        rolled = reshard(p, rollout.params(CONFIG), dtype="bfloat16")
+        rolled = reshard(p, param_shardings(CONFIG, rollout), dtype="bfloat16")
     jax.tree.map(
         lambda r, x: np.testing.assert_array_equal(r, x.astype(jnp.bfloat16)), rolled, params
     )
@@ -218,13 +219,13 @@ def test_reshard_to_disjoint_devices(params):
     devices = jax.devices()
     train = train_layout(1, 4, 1, 1, devices[:4])
     rollout = rollout_layout(2, devices[4:])
-    p = jax.device_put(params, train.params(CONFIG))
+    p = jax.device_put(params, param_shardings(CONFIG, train))
     with (
         jax.transfer_guard_host_to_device("disallow"),
         jax.transfer_guard_device_to_host("disallow"),
     ):
-        rolled = reshard(p, rollout.params(CONFIG), dtype="bfloat16")
-        back = reshard(rolled, train.params(CONFIG), dtype="float32")
+        rolled = reshard(p, param_shardings(CONFIG, rollout), dtype="bfloat16")
+        back = reshard(rolled, param_shardings(CONFIG, train), dtype="float32")
     assert {d.id for d in rolled["layers"]["attn"]["w_q_dnh"].sharding.device_set} == {4, 5, 6, 7}
     jax.tree.map(
         lambda r, x: np.testing.assert_array_equal(r, x.astype(jnp.bfloat16).astype(jnp.float32)),
@@ -235,8 +236,8 @@ def test_reshard_to_disjoint_devices(params):
 
 def test_reshard_report_bounds_peak_by_bucket(params):
     train, rollout = train_layout(1, 8, 1, 1), rollout_layout(2)
-    p = jax.device_put(params, train.params(CONFIG))
-    targets = rollout.params(CONFIG)
+    p = jax.device_put(params, param_shardings(CONFIG, train))
+    targets = param_shardings(CONFIG, rollout)
     per_tensor = reshard_report(p, targets, dtype="bfloat16")
     one_program = reshard_report(p, targets, dtype="bfloat16", bucket_bytes=1 << 40)
     total = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -252,7 +253,7 @@ def test_reshard_report_bounds_peak_by_bucket(params):
 
 def test_offload_and_reload(params):
     layout = train_layout(1, 8, 1, 1)
-    p = jax.device_put(params, layout.params(CONFIG))
+    p = jax.device_put(params, param_shardings(CONFIG, layout))
     parked = offload(p)
     assert parked["final_norm_d"].sharding.memory_kind == "pinned_host"
     back = reload(parked)
@@ -276,7 +277,7 @@ def test_layouts_from_config():
     train, rollout = layouts_from_config(cfg)
     assert dict(train.mesh.shape) == {"dp": 1, "fsdp": 4, "tp": 2, "sp": 1}
     assert dict(rollout.mesh.shape) == {"dp": 2, "tp": 4}
-    assert train.params(CONFIG)["embed"]["tokens_vd"].spec == P(None, "fsdp")
+    assert param_shardings(CONFIG, train)["embed"]["tokens_vd"].spec == P(None, "fsdp")
     assert rollout.kv_cache((2, 8, 32, 4, 8)).spec == P(None, "dp", None, "tp", None)
 
 

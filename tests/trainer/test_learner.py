@@ -10,6 +10,7 @@ import pytest
 
 import jaxrl.models as M
 from jaxrl.config import load_config
+from jaxrl.models.params import param_shardings
 from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh
 from jaxrl.testing.tiny import save_tiny
 from jaxrl.trainer import losses
@@ -56,7 +57,7 @@ def updated_params(model, layout, mode, balance=False, **split):
     ).actor_rollout_ref.actor
     params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its state
     if layout is not None:
-        params = jax.device_put(params, layout.params(config))
+        params = jax.device_put(params, param_shardings(config, layout))
     optimizer = optax.sgd(1.0)  # the parameter change is the gradient itself
     shardings = jax.tree.map(lambda x: x.sharding, params)
     state = init_state(params, optimizer, layout, shardings)

@@ -7,7 +7,7 @@
 | `HuggingFaceH4/MATH-500`                                      |                        |
 | `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`           | `math_dapo` (dict)     |
 | `searchR1_nq`, `searchR1_triviaqa`, ... (7 sources)           | `qa_em`                |
-| `jaxrl/synthetic_{repeat,copy,reverse}` (jaxrl's own task)    | `jaxrl.data.synthetic` |
+| `jaxrl/synthetic_{repeat,copy,reverse}` (jaxrl's own task)    | `synthetic`            |
 
 verl's remaining sources (`numina_*` via prime_math, code contests via a sandbox or prime_code,
 `hiyouga/geometry3k` via mathruler) are not ported: they raise `NotImplementedError` that says
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxrl.rewards.scorers import gsm8k, math_dapo, math_reward, qa_em
+from jaxrl.rewards.scorers import gsm8k, math_dapo, math_reward, qa_em, synthetic
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -27,7 +27,7 @@ SEARCH_R1_SOURCES = tuple(
     "searchR1_" + s
     for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 )
-SYNTHETIC_PREFIX = "jaxrl/synthetic_"
+SYNTHETIC_PREFIX = synthetic.DATA_SOURCE_PREFIX
 NOT_PORTED = {
     **dict.fromkeys(
         (
@@ -54,11 +54,8 @@ def _select(data_source: str):
         return math_dapo.compute_score
     if data_source in SEARCH_R1_SOURCES:
         return qa_em.compute_score
-    if data_source.startswith(SYNTHETIC_PREFIX):
-        from jaxrl.data import synthetic  # lazily: scoring workers stay light
-
-        if synthetic.is_synthetic(data_source):
-            return synthetic.compute_score
+    if synthetic.is_synthetic(data_source):
+        return synthetic.compute_score
     if data_source in NOT_PORTED:
         raise NotImplementedError(
             f"data_source {data_source!r} uses verl's {NOT_PORTED[data_source]} scorer, which "

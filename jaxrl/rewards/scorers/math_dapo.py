@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from jaxrl.rewards.scorers.braces import balanced_from
+from jaxrl.data.braces import balanced_from
 
 CLIP_CHARS = 300
 STRICT_BOX_CHARS = 100

@@ -14,7 +14,7 @@ quirks are kept on purpose: scores must equal verl's.
 
 from __future__ import annotations
 
-from jaxrl.rewards.scorers.braces import balanced_from
+from jaxrl.data.braces import balanced_from
 
 _BOXED = "\\boxed"
 _BOXED_SPACE = "\\boxed "

@@ -1,15 +1,20 @@
-"""The logical axis vocabulary and the default layouts (logical name -> mesh axes), as data.
+"""The `mesh` config group's vocabulary, as data: mesh axes, logical axes and the default
+layouts (logical name -> mesh axes), with the checks of sizes and rules. `jaxrl.sharding`
+builds meshes and shardings from them.
 
     train   (mesh dp, fsdp, tp, sp): weights ZeRO-3 over `fsdp` and tensor-parallel over `tp`,
             replicated over `dp`; batch over (dp, fsdp); sequence over `sp`.
     rollout (mesh dp, tp): weights tensor-parallel over `tp` only, replicated over `dp`; every
             `dp` slice is a generation replica; KV cache over batch (dp) and kv heads (tp).
 
-The config group `mesh` holds these as `train_rules` / `rollout_rules`, so a run can change
-them (`mesh.train_rules.vocab=null`). A name a layout leaves out is replicated.
+The config group `mesh` holds the layouts as `train_rules` / `rollout_rules`, so a run can
+change them (`mesh.train_rules.vocab=null`). A name a layout leaves out is replicated.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 # Parameter axes (jaxrl.models.params) and activation / cache axes.
 LOGICAL_AXES = (
@@ -70,3 +75,42 @@ def rule_problems(rules: dict, mesh_axes: tuple[str, ...], key: str) -> list[str
         if len(set(axes)) != len(axes):
             problems.append(f"{key}.{name}: a mesh axis appears twice in {axes}")
     return problems
+
+
+AXES: tuple[str, ...] = TRAIN_MESH_AXES  # the global mesh: the train layout's axes
+
+
+def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Replace a single -1 by "the rest" and check that the sizes cover `num_devices` exactly.
+
+    Args:
+        sizes: Axis name -> size (>= 1, or -1 for at most one axis).
+        num_devices: Devices the mesh must span.
+
+    Returns:
+        Axis name -> size, in the order given, with product `num_devices`.
+
+    Raises:
+        ValueError: naming the axes and the device count when they do not fit.
+    """
+    bad = [f"{a}={s}" for a, s in sizes.items() if s != -1 and s < 1]
+    if bad:
+        raise ValueError(f"mesh sizes must be >= 1 or -1 (the rest); got {', '.join(bad)}")
+    rest = [a for a, s in sizes.items() if s == -1]
+    if len(rest) > 1:
+        raise ValueError(f"only one mesh axis may be -1 (the rest); got {', '.join(rest)}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    shown = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    if rest:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh {shown}: {num_devices} devices cannot be split by the fixed axes "
+                f"(product {fixed}); choose sizes whose product divides {num_devices}"
+            )
+        return {a: (num_devices // fixed if s == -1 else s) for a, s in sizes.items()}
+    if fixed != num_devices:
+        raise ValueError(
+            f"mesh {shown} spans {fixed} devices but {num_devices} are available; make the "
+            f"product {num_devices}, or set one axis to -1 to take the rest"
+        )
+    return dict(sizes)
