@@ -2,7 +2,6 @@
 
 from jaxrl.config.mesh import AXES, ROLLOUT_RULES, TRAIN_RULES, resolve_axis_sizes
 from jaxrl.sharding.layouts import (
-    KV_CACHE_AXES,
     Layout,
     active_layout,
     layouts_from_config,
@@ -18,7 +17,6 @@ from jaxrl.sharding.reshard import free, reshard, reshard_report
 
 __all__ = [
     "AXES",
-    "KV_CACHE_AXES",
     "ROLLOUT_RULES",
     "TRAIN_RULES",
     "Layout",

@@ -25,7 +25,6 @@ from jaxrl.sharding.logical import partition_spec, tree_shardings
 from jaxrl.sharding.mesh import make_mesh
 
 # The KV cache [L, B, S, K, H] and the token batch [B, T].
-KV_CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 TOKEN_AXES = ("batch", "seq")
 
 
@@ -70,10 +69,6 @@ class Layout:
     def tokens(self, shape: Sequence[int]) -> NamedSharding:
         """Sharding of a [B, T] token / mask batch (batch and sequence axes)."""
         return self.sharding(shape, TOKEN_AXES[: len(shape)])
-
-    def kv_cache(self, shape: Sequence[int]) -> NamedSharding:
-        """Sharding of a [L, B, S, K, H] KV cache."""
-        return self.sharding(shape, KV_CACHE_AXES)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

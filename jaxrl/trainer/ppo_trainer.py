@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.config.checks import critic_enabled
 from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
 from jaxrl.models.params import param_shardings
@@ -68,11 +69,6 @@ def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
-
-
-def uses_critic(cfg) -> bool:
-    enable = cfg.critic.enable
-    return cfg.algorithm.adv_estimator == AdvantageEstimator.GAE if enable is None else enable
 
 
 def uses_reference(cfg) -> bool:
@@ -180,7 +176,7 @@ class PPOTrainer:
                 self._ref_config, self.train_layout, temperature=self.temperature, chunk_size=chunk
             )
         self.critic = None
-        if uses_critic(cfg):
+        if critic_enabled(cfg):
             c = cfg.critic
             config, params = load(
                 c.model.path,
