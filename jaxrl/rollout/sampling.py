@@ -37,7 +37,8 @@ class SamplingParams:
         do_sample: Sample (true) or take the argmax (false).
         ignore_eos: Keep generating after EOS; EOS tokens then stay unmasked.
         eos_token_ids: Tokens that end a response (empty: the model config's).
-        seed: Base seed when the caller passes no rng (`generate` folds the call count in).
+        seed: The key `generate` uses when the caller passes no rng (the same samples each
+            call: pass a fresh rng per call, as the trainer does).
     """
 
     temperature: float = 1.0

@@ -101,18 +101,7 @@ def compute_advantage(
                 k: jnp.asarray(np.asarray(extra[k], np.float32)) for k in keys
             }
             kwargs["batch"] = {"attention_mask": jnp.asarray(attention)}
-        if name in (
-            AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
-            AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
-        ):
-            if "sum_pi_squared" not in batch:
-                raise ValueError(
-                    f"adv_estimator={name} needs sum_pi_squared from the actor: set "
-                    "actor_rollout_ref.actor.calculate_sum_pi_squared=true"
-                )
-            kwargs["sum_pi_squared"] = jnp.asarray(batch["sum_pi_squared"])
-            kwargs["old_log_probs"] = jnp.asarray(batch["old_log_probs"])
-            if "rollout_is_weights" in batch:
-                kwargs["rollout_is_weights"] = jnp.asarray(batch["rollout_is_weights"])
+        # (optimal_token_baseline needs the actor's sum_pi_squared, which the trainer does not
+        # compute: PPOTrainer refuses that estimator, so it never reaches here.)
         adv, ret = fn(**kwargs)
     return np.asarray(adv, np.float32), np.asarray(ret, np.float32)

@@ -3,7 +3,7 @@ micro-batches, and per-token inference passes (old log-probs, values).
 
     learner = Learner(model_config, state, optimizer, loss_fn, layout=train, grad_clip=1.0)
     metrics = learner.update(batch, mini_batch_rows=..., epochs=..., micro_rows=...)
-    old_lp  = learner.infer(log_prob_fn, batch, micro_rows=...)
+    old_lp  = infer(log_prob_fn, learner.params, batch, layout=train, micro_rows=...)
 
 `batch` is a dict of host arrays: `prompts` [N, P], `prompt_mask`, `responses` [N, R],
 `response_mask` and further [N, R] (or [N]) arrays. One optimizer step per mini-batch: the

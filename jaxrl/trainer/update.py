@@ -1,18 +1,16 @@
-"""One optimizer step on the mesh: gradients, torch-style clipping, a skipped non-finite step.
+"""The optimizer state of a trained role and one optimizer step on it.
 
-    step = make_update_step(loss_fn, optimizer, grad_clip=1.0, layout=train, param_shardings=...)
-    state, metrics = step(state, batch)
+    state = init_state(params, optimizer, layout, param_shardings)   # moments like the params
+    state, metrics = apply_gradients(state, grads, optimizer, grad_clip=1.0)
 
-`loss_fn(params, batch) -> (loss, aux_metrics)`. Parameters and optimizer state stay in the
-train layout (in and out shardings pinned, state donated); the batch is sharded by the caller.
-The gradient is clipped as `torch.nn.utils.clip_grad_norm_` does (scale by
+`Learner` (trainer/learner.py) jits these with the state donated and its shardings pinned
+(`state_shardings`). The gradient is clipped as `torch.nn.utils.clip_grad_norm_` does (scale by
 max_norm / (norm + 1e-6) when below 1); a non-finite gradient norm leaves parameters and
 optimizer state unchanged and is reported as `skipped = 1`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -20,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl.sharding.layouts import Layout, use_layout
+from jaxrl.sharding.layouts import Layout
 
 
 @flax.struct.dataclass
@@ -99,31 +97,4 @@ def state_shardings(state: UpdateState, optimizer, layout: Layout, param_shardin
         params=param_shardings,
         opt_state=layout.optimizer_state(optimizer, abstract, param_shardings),
         step=layout.replicated(),
-    )
-
-
-def make_update_step(
-    loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]],
-    optimizer: optax.GradientTransformation,
-    *,
-    grad_clip: float | None = 1.0,
-    layout: Layout | None = None,
-    shardings: UpdateState | None = None,
-) -> Callable[[UpdateState, Any], tuple[UpdateState, dict]]:
-    """A jitted `(state, batch) -> (state, metrics)` with the state donated.
-
-    With a layout, `shard()` constraints inside `loss_fn` apply and the state keeps
-    `shardings` (see `state_shardings`) on the way in and out.
-    """
-
-    def step(state: UpdateState, batch: Any):
-        with use_layout(layout):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-        new_state, metrics = apply_gradients(state, grads, optimizer, grad_clip)
-        return new_state, {"loss": loss, **aux, **metrics}
-
-    if shardings is None:
-        return jax.jit(step, donate_argnums=0)
-    return jax.jit(
-        step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
     )

@@ -27,7 +27,7 @@ from jaxrl.sharding import (
     use_layout,
 )
 from jaxrl.trainer import make_optimizer
-from jaxrl.trainer.update import init_state, make_update_step, state_shardings
+from jaxrl.trainer.update import UpdateState, apply_gradients, init_state, state_shardings
 
 MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1), (1, 4, 2, 1), (2, 1, 2, 2)]
 CONFIG = M.DecoderConfig(
@@ -89,6 +89,24 @@ def assert_rel(a, b, rtol=1e-5):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = max(np.abs(b).max(), 1e-12)
     assert np.abs(a - b).max() <= rtol * scale, (np.abs(a - b).max(), scale)
+
+
+def make_update_step(loss_fn, optimizer, *, grad_clip=1.0, layout=None, shardings=None):
+    """A jitted `(state, batch) -> (state, metrics)` over the package's `apply_gradients`
+    (state donated; with a layout, `shard()` constraints apply and the state keeps
+    `shardings`): the optimizer step without the Learner's micro-batching."""
+
+    def step(state: UpdateState, batch):
+        with use_layout(layout):
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        new_state, metrics = apply_gradients(state, grads, optimizer, grad_clip)
+        return new_state, {"loss": loss, **aux, **metrics}
+
+    if shardings is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(
+        step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
+    )
 
 
 def test_parameter_shardings_follow_the_layouts():
@@ -290,3 +308,19 @@ def test_shard_is_a_no_op_without_layout():
         y = jax.jit(functools.partial(shard, logical=("batch", None)))(x)
     assert y.sharding.is_equivalent_to(layout.sharding((8, 4), ("batch", None)), 2)
     assert {s.data.shape for s in y.addressable_shards} == {(1, 4)}
+
+
+def test_an_indivisible_parameter_dimension_is_replicated_and_named(caplog):
+    from jaxrl.sharding import tree_shardings
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    abstract = {"w": jax.ShapeDtypeStruct((12, 16), jnp.float32)}
+    with caplog.at_level("WARNING", logger="jaxrl.sharding"):
+        shardings = tree_shardings(abstract, {"w": ("embed", "mlp")}, mesh, {"embed": "fsdp"})
+        tree_shardings(abstract, {"w": ("embed", "mlp")}, mesh, {"embed": "fsdp"})
+    assert shardings["w"].spec == P(None, None)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "['w']: dimension 0 (embed, size 12) does not divide over mesh axes fsdp (8 shards): "
+        "replicated on them"
+    ]  # once
