@@ -218,8 +218,8 @@ def check_checkpoints(cfg: Config, steps: int | None, report: Report) -> None:
 
 def plan_lines(cfg: Config, loader: PromptIterator | None, steps: int | None) -> list[str]:
     """The schedule and the batch sizes of one step."""
-    arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
-    n = arr.rollout.n
+    actor_rollout_ref, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    n = actor_rollout_ref.rollout.n
     rows = data.train_batch_size * n
     lines = []
     if steps is not None and loader is not None:
@@ -232,7 +232,9 @@ def plan_lines(cfg: Config, loader: PromptIterator | None, steps: int | None) ->
         f"per step: {data.train_batch_size} prompts x n={n} = {rows} responses of up to "
         f"{data.max_response_length} tokens after prompts of up to {data.max_prompt_length}"
     )
-    roles = [("actor", arr.actor)] + ([("critic", cfg.critic)] if critic_enabled(cfg) else [])
+    roles = [("actor", actor_rollout_ref.actor)] + (
+        [("critic", cfg.critic)] if critic_enabled(cfg) else []
+    )
     for name, role in roles:
         mini = role.ppo_mini_batch_size * n
         updates = -(-rows // mini) * role.ppo_epochs

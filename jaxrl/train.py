@@ -75,18 +75,18 @@ def folder_problems(cfg: Config) -> list[str]:
     from jaxrl.data.templates import tokenizer_problems
     from jaxrl.models import checkpoint_problems
 
-    arr = cfg.actor_rollout_ref.model
-    models = [("actor_rollout_ref.model.path", arr.path)]
+    actor_model = cfg.actor_rollout_ref.model
+    models = [("actor_rollout_ref.model.path", actor_model.path)]
     if critic_enabled(cfg):
         models.append(("critic.model.path", cfg.critic.model.path))
     if cfg.reward_model.enable:
         models.append(("reward_model.model.path", cfg.reward_model.model.path))
-    tokenizer_key = "tokenizer_path" if arr.tokenizer_path else "path"
+    tokenizer_key = "tokenizer_path" if actor_model.tokenizer_path else "path"
     found = [
         f"{key}={path}: {p}" for key, path in models if path for p in checkpoint_problems(path)
     ]
     if not found:  # a missing folder is reported once, as a model folder
-        tokenizer = arr.tokenizer_path or arr.path
+        tokenizer = actor_model.tokenizer_path or actor_model.path
         found += [
             f"actor_rollout_ref.model.{tokenizer_key}={tokenizer}: {p}"
             for p in tokenizer_problems(tokenizer)
@@ -118,8 +118,9 @@ def _files(files) -> str:
 def run_summary(cfg: Config, overrides: Sequence[str]) -> str:
     """A few lines for the console: the run, the overrides, models, data and the schedule (the
     whole resolved config goes to the run directory)."""
-    arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
-    models = [f"actor {arr.model.path}"]
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    data, t = cfg.data, cfg.trainer
+    models = [f"actor {cfg.actor_rollout_ref.model.path}"]
     if critic_enabled(cfg):
         models.append(f"critic {cfg.critic.model.path}")
     if cfg.reward_model.enable:
@@ -135,9 +136,9 @@ def run_summary(cfg: Config, overrides: Sequence[str]) -> str:
             f"overrides: {' '.join(overrides) or '(none)'}",
             f"models: {', '.join(models)}",
             f"data: train {_files(data.train_files)}, val {_files(data.val_files)}",
-            f"schedule: {steps} of {data.train_batch_size} prompts x {arr.rollout.n} "
-            f"responses; {cfg.algorithm.adv_estimator}, loss {arr.actor.policy_loss.loss_mode}, "
-            f"mini-batch {arr.actor.ppo_mini_batch_size} prompts x {arr.actor.ppo_epochs} epochs",
+            f"schedule: {steps} of {data.train_batch_size} prompts x {rollout.n} "
+            f"responses; {cfg.algorithm.adv_estimator}, loss {actor.policy_loss.loss_mode}, "
+            f"mini-batch {actor.ppo_mini_batch_size} prompts x {actor.ppo_epochs} epochs",
         ]
     )
 

@@ -102,8 +102,8 @@ class PPOTrainer:
         self.cfg, self.reward_fn = cfg, reward_fn
         load = abstract_model if abstract else load_model
         self.val_reward_fn = val_reward_fn or reward_fn
-        arr = cfg.actor_rollout_ref
-        actor_cfg, rollout_cfg = arr.actor, arr.rollout
+        actor_rollout_ref = cfg.actor_rollout_ref
+        actor_cfg, rollout_cfg = actor_rollout_ref.actor, actor_rollout_ref.rollout
         if cfg.algorithm.adv_estimator in (
             AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
             AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
@@ -114,15 +114,19 @@ class PPOTrainer:
             )
         self.train_layout, self.rollout_layout = layouts_from_config(cfg, devices)
         self.devices = self.train_layout.mesh.devices.size
-        remat = arr.model.remat_policy if arr.model.enable_gradient_checkpointing else "none"
+        remat = (
+            actor_rollout_ref.model.remat_policy
+            if actor_rollout_ref.model.enable_gradient_checkpointing
+            else "none"
+        )
         self.actor_config, params = load(
-            arr.model.path,
+            actor_rollout_ref.model.path,
             param_dtype=dtype_name(actor_cfg.model_dtype, "actor.model_dtype"),
             compute_dtype=dtype_name(actor_cfg.dtype, "actor.dtype"),
             layout=self.train_layout,
             remat=remat,
-            override_config=dict(arr.model.override_config),
-            attention_impl=arr.model.attention_impl,
+            override_config=dict(actor_rollout_ref.model.override_config),
+            attention_impl=actor_rollout_ref.model.attention_impl,
         )
         self._actor_size = sum(x.size for x in jax.tree.leaves(params))
         policy_cfg = actor_cfg
@@ -165,12 +169,12 @@ class PPOTrainer:
         self.ref_params = self._ref_config = None
         if uses_reference(cfg):
             self._ref_config, self.ref_params = load(
-                arr.model.path,
-                param_dtype=dtype_name(arr.ref.model_dtype, "ref.model_dtype"),
-                compute_dtype=dtype_name(arr.ref.dtype, "ref.dtype"),
+                actor_rollout_ref.model.path,
+                param_dtype=dtype_name(actor_rollout_ref.ref.model_dtype, "ref.model_dtype"),
+                compute_dtype=dtype_name(actor_rollout_ref.ref.dtype, "ref.dtype"),
                 layout=self.train_layout,
-                override_config=dict(arr.model.override_config),
-                attention_impl=arr.model.attention_impl,
+                override_config=dict(actor_rollout_ref.model.override_config),
+                attention_impl=actor_rollout_ref.model.attention_impl,
             )
             self._ref_log_prob = log_prob_fn(
                 self._ref_config, self.train_layout, temperature=self.temperature, chunk_size=chunk
@@ -207,8 +211,8 @@ class PPOTrainer:
             dtype=dtype_name(rollout_cfg.dtype, "rollout.dtype"),
             remat="none",
             attention_impl="auto"
-            if arr.model.attention_impl == "ring"
-            else arr.model.attention_impl,
+            if actor_rollout_ref.model.attention_impl == "ring"
+            else actor_rollout_ref.model.attention_impl,
         )
         self._rollout_shardings = param_shardings(self.rollout_config, self.rollout_layout)
         self.sampling = SamplingParams.from_config(rollout_cfg)
@@ -253,11 +257,11 @@ class PPOTrainer:
     def step(self, prompts: PromptBatch, global_step: int) -> dict[str, float]:
         """One RL step on `prompts` (this process's rows); returns the step's metrics (the
         same on every process: from the reward on, every process holds the global batch)."""
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        actor_cfg, n = arr.actor, self.sampling.n
+        cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
+        actor_cfg, n = actor_rollout_ref.actor, self.sampling.n
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        rng = jax.random.fold_in(jax.random.key(arr.rollout.seed), global_step)
+        rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
         with timer("step", timing):
             with timer("gen", timing):
                 batch = self.generate(prompts, self.sampling, rng)
@@ -396,7 +400,7 @@ class PPOTrainer:
         one response token, which the micro-batch planner packs into its widest micro-batch
         (its rows padded to the full row; with `use_dynamic_bsz` that is as many rows as
         the token budget admits of the short ones, many more than of full rows)."""
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         prompts, n = cfg.data.train_batch_size, self.sampling.n
         p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
         programs = {"generate": self._compile_generate(prompts, self.sampling)}
@@ -428,7 +432,9 @@ class PPOTrainer:
             update = self.critic.compile_update(batch, **args)
             programs.update({f"critic {k}": v for k, v in update.items()})
         actor_fields = self._actor_fields(batch, on_policy)
-        update = self.actor.compile_update(batch, **self._update_args(arr.actor, 1, actor_fields))
+        update = self.actor.compile_update(
+            batch, **self._update_args(actor_rollout_ref.actor, 1, actor_fields)
+        )
         programs.update({f"actor {k}": v for k, v in update.items()})
         return programs
 
