@@ -135,3 +135,16 @@ def shard(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if layout is None:
         return x
     return jax.lax.with_sharding_constraint(x, layout.sharding(x.shape, logical))
+
+
+def placed_abstract(tree: Any, shardings: Any, dtype: Any = None) -> Any:
+    """`tree` (arrays or `jax.ShapeDtypeStruct`s) as `ShapeDtypeStruct`s placed by the matching
+    tree `shardings`, in `dtype` when given: what `jit(...).lower` takes to compile for arrays
+    that are not allocated."""
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(
+            x.shape, x.dtype if dtype is None else dtype, sharding=sharding
+        ),
+        tree,
+        shardings,
+    )

@@ -24,7 +24,7 @@ import optax
 
 from jaxrl.core_algos.aggregation import global_batch_info
 from jaxrl.models.config import DecoderConfig
-from jaxrl.sharding.layouts import Layout, use_layout
+from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.microbatch import MicroBatch, plan_micro_batches, take
 from jaxrl.trainer.update import UpdateState, apply_gradients, state_shardings
@@ -206,11 +206,7 @@ class Learner:
         plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)
         mb = to_device(take(arrays, _largest(plans)), self.layout)
         grads = jax.eval_shape(self._zeros, self.state.params)
-        grads = jax.tree.map(
-            lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=p.sharding),
-            grads,
-            self.state.params,
-        )
+        grads = placed_abstract(grads, shardings_of(self.state.params))
         info = _mini_batch_info(batch, rows)
         return {
             "micro-batch": self._accumulate.lower(self.state.params, grads, mb, info).compile(),

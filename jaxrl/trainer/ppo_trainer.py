@@ -34,7 +34,7 @@ from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
 from jaxrl.models.params import param_shardings
 from jaxrl.rollout import SamplingParams, compile_generate, generate
-from jaxrl.sharding.layouts import layouts_from_config
+from jaxrl.sharding.layouts import layouts_from_config, placed_abstract
 from jaxrl.sharding.processes import allgather_objects, gather_rows
 from jaxrl.sharding.reshard import free, reshard
 from jaxrl.trainer import losses
@@ -49,7 +49,6 @@ from jaxrl.trainer.metrics import (
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
 from jaxrl.trainer.roles import (
-    abstract_model,
     critic_from_policy,
     dtype_name,
     load_model,
@@ -100,7 +99,7 @@ class PPOTrainer:
         abstract: bool = False,
     ):
         self.cfg, self.reward_fn = cfg, reward_fn
-        load = abstract_model if abstract else load_model
+        load = functools.partial(load_model, abstract=abstract)
         self.val_reward_fn = val_reward_fn or reward_fn
         actor_rollout_ref = cfg.actor_rollout_ref
         actor_cfg, rollout_cfg = actor_rollout_ref.actor, actor_rollout_ref.rollout
@@ -442,12 +441,8 @@ class PPOTrainer:
         """`generate`'s program for `prompts` full-length prompts, on the rollout copy of the
         actor's weights (abstract: `generate` makes that copy, `reshard`, for each call)."""
         p = self.cfg.data.max_prompt_length
-        rollout_params = jax.tree.map(
-            lambda x, sharding: jax.ShapeDtypeStruct(
-                x.shape, self.rollout_config.param_dtype, sharding=sharding
-            ),
-            self.actor.params,
-            self._rollout_shardings,
+        rollout_params = placed_abstract(
+            self.actor.params, self._rollout_shardings, self.rollout_config.param_dtype
         )
         return compile_generate(
             self.rollout_config,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.hf_io import from_pretrained, load_config
 from jaxrl.models.params import abstract_params, param_shardings
-from jaxrl.sharding.layouts import Layout, use_layout
+from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.trainer.sequences import response_log_probs, response_values
 
 DTYPES = {
@@ -47,43 +47,21 @@ def load_model(
     remat: str = "none",
     override_config: dict | None = None,
     attention_impl: str = "auto",
+    abstract: bool = False,
 ) -> tuple[DecoderConfig, Any]:
     """An HF causal LM as (config, params) in `layout`, with separate parameter and compute
-    dtypes and the attention implementation the forward passes use."""
-    config, params = from_pretrained(
-        path,
-        dtype=param_dtype,
-        layout=layout,
-        remat=remat,
-        override_config=override_config or None,
-    )
-    return config.replace(dtype=compute_dtype, attention_impl=attention_impl), params
-
-
-def abstract_model(
-    path: str,
-    *,
-    param_dtype: str,
-    compute_dtype: str,
-    layout: Layout | None,
-    remat: str = "none",
-    override_config: dict | None = None,
-    attention_impl: str = "auto",
-) -> tuple[DecoderConfig, Any]:
-    """`load_model`'s (config, params) with the parameters as `jax.ShapeDtypeStruct`s in
-    their shardings: only `config.json` is read, no weight is loaded or allocated (for
-    compiling programs without running them, `PPOTrainer(abstract=True)`)."""
-    config = load_config(
-        path, param_dtype=param_dtype, remat=remat, override_config=override_config or None
-    )
-    shardings = param_shardings(config, layout) if layout is not None else None
-    params = abstract_params(config)
-    if shardings is not None:
-        params = jax.tree.map(
-            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            params,
-            shardings,
-        )
+    dtypes and the attention implementation the forward passes use. `abstract`: only
+    `config.json` is read and the parameters are `jax.ShapeDtypeStruct`s in their shardings,
+    nothing loaded or allocated (for compiling programs without running them,
+    `PPOTrainer(abstract=True)`)."""
+    options = dict(remat=remat, override_config=override_config or None)
+    if not abstract:
+        config, params = from_pretrained(path, dtype=param_dtype, layout=layout, **options)
+    else:
+        config = load_config(path, param_dtype=param_dtype, **options)
+        params = abstract_params(config)
+        if layout is not None:
+            params = placed_abstract(params, param_shardings(config, layout))
     return config.replace(dtype=compute_dtype, attention_impl=attention_impl), params
 
 
@@ -113,9 +91,7 @@ def critic_from_policy(
     if abstract:
         score = abstract_params(critic)["score"]
         if shardings is not None:
-            score = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), score, shardings
-            )
+            score = placed_abstract(score, shardings)
         return critic, {**params, "score": score}
     w = std * jax.random.normal(jax.random.key(seed), (config.hidden_size, 1), jnp.float32)
     score = {"w_dc": w.astype(dtype), "b_c": jnp.zeros((1,), dtype)}

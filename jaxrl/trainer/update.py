@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl.sharding.layouts import Layout
+from jaxrl.sharding.layouts import Layout, placed_abstract
 
 
 @flax.struct.dataclass
@@ -83,11 +83,7 @@ def _abstract_state(params, optimizer, layout: Layout | None, param_shardings) -
     if layout is None:
         return state
     shardings = state_shardings(state, optimizer, layout, param_shardings)
-    return jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        state,
-        shardings,
-    )
+    return placed_abstract(state, shardings)
 
 
 def state_shardings(state: UpdateState, optimizer, layout: Layout, param_shardings) -> UpdateState:
