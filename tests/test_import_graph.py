@@ -76,8 +76,9 @@ def test_leaves_import_no_other_package():
     assert not edges, f"leaf packages import others: {edges}"
 
 
-def test_the_reader_sees_imports_inside_functions(tmp_path):
-    assert "jaxrl.models" in import_graph()["jaxrl.rollout"]  # a module-level import
+def test_the_reader_sees_imports_inside_functions():
+    # train.py imports the trainer only inside main() (after joining the processes)
+    assert "jaxrl.trainer" in import_graph()["jaxrl.train"]
     assert cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}}) == [
         ["a", "b", "c", "a"], ["b", "c", "a", "b"], ["c", "a", "b", "c"],
     ]  # fmt: skip

@@ -17,8 +17,9 @@ import pytest
 from jaxrl.kernels.attention import attention
 from jaxrl.kernels.blockwise import blockwise_attention
 from jaxrl.kernels.pallas_gpu import pallas_attention
-from jaxrl.models import DecoderConfig, forward, init_params
+from jaxrl.models import forward, init_params
 from jaxrl.rollout import SamplingParams, generate
+from jaxrl.testing.tiny import tiny_decoder
 
 pytestmark = pytest.mark.gpu
 
@@ -95,16 +96,10 @@ def test_cudnn_path_vs_blockwise():
 def test_decode_on_gpu_equals_teacher_forced_argmax():
     """Greedy KV-cache decode (prefill, then one token per step, XLA's GPU kernels) picks the
     argmax of a full forward pass over the same tokens at every position."""
-    config = DecoderConfig(
-        model_type="qwen2",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-    )
+    config = tiny_decoder(
+        model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+    )  # fmt: skip
     params = init_params(config, jax.random.key(0), std=0.2)
     rng = np.random.RandomState(0)
     ids = rng.randint(3, config.vocab_size, (4, 12)).astype(np.int32)
