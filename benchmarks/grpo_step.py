@@ -90,8 +90,8 @@ def bench_jaxrl(
     def reward(prompts, responses, mask):
         return rule_reward(responses, mask), {}, {}
 
-    trainer = PPOTrainer(cfg, reward, total_steps=10)
-    ids = prompt_ids(trainer.actor_config.vocab_size)[:prompts]
+    trainer = PPOTrainer.create(cfg, reward, total_steps=10)
+    ids = prompt_ids(trainer.cluster.actor.config.vocab_size)[:prompts]
     b = prompts
     batch = PromptBatch(
         input_ids=ids,

@@ -185,7 +185,7 @@ def test_memory_estimate_follows_the_config(tmp_path):
         "generate", "ref log-probs", "critic values", "critic micro-batch",
         "critic optimizer", "actor micro-batch", "actor optimizer",
     }  # fmt: skip
-    assert bytes_per_device(loaded_trainer.actor.state) == sharded.resident["actor"]
+    assert bytes_per_device(loaded_trainer.cluster.actor.state) == sharded.resident["actor"]
     _, replicated = plan("mesh.fsdp=1", "mesh.dp=8", f"{micro}=2")
     assert replicated.resident["actor"] > 6 * sharded.resident["actor"]
     _, larger = plan("mesh.fsdp=8", f"{micro}=8")

@@ -18,8 +18,10 @@ from typing import Any
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.mesh import (
     AXES,
+    PLACED_ROLES,
     ROLLOUT_MESH_AXES,
     TRAIN_MESH_AXES,
+    device_groups,
     resolve_axis_sizes,
     rule_problems,
 )
@@ -139,6 +141,11 @@ def critic_enabled(cfg: Config) -> bool:
     """verl's rule: `critic.enable`, or when null, whether the estimator is GAE."""
     enable = cfg.critic.enable
     return cfg.algorithm.adv_estimator == "gae" if enable is None else enable
+
+
+def reference_enabled(cfg: Config) -> bool:
+    """verl's rule for loading the reference policy: a KL loss or KL in the reward."""
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
 def _check_choices(cfg: Config, p: _Problems) -> None:
@@ -293,14 +300,34 @@ def _divisors_near(n: int, target: int, k: int = 3) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))[:k]
 
 
-def resolved_mesh(cfg: Config, num_devices: int) -> dict[str, int]:
-    """The training mesh sizes with -1 resolved; ValueError if they do not fit."""
-    return resolve_axis_sizes({a: getattr(cfg.mesh, a) for a in AXES}, num_devices)
+def placed_devices(cfg: Config) -> dict[str, int]:
+    """Devices of each role placed on its own group (`mesh.placement.<role>.devices`; the
+    reward model's also from verl's `reward_model.enable_resource_pool`: `nnodes` x
+    `n_gpus_per_node`); 0: colocated with the trainer."""
+    counts = {role: getattr(cfg.mesh.placement, role).devices for role in PLACED_ROLES}
+    rm = cfg.reward_model
+    if rm.enable_resource_pool and not counts["reward"]:
+        counts["reward"] = max(rm.nnodes, 1) * rm.n_gpus_per_node
+    return counts
 
 
-def data_parallel_size(cfg: Config, num_devices: int) -> int:
-    """Batch shards of the training mesh: dp x fsdp (the batch is split over both)."""
-    sizes = resolved_mesh(cfg, num_devices)
+def role_devices(cfg: Config, num_devices: int) -> dict[str, range]:
+    """Device index ranges of the trainer (`train`) and of each placed role (see
+    `jaxrl.config.mesh.device_groups`); ValueError if they do not fit `num_devices`."""
+    return device_groups(placed_devices(cfg), num_devices)
+
+
+def resolved_mesh(cfg: Config, num_devices: int, role: str = "train") -> dict[str, int]:
+    """The mesh sizes of the trainer (`mesh.*`, over all devices but the placed roles') or
+    of a placed role (`mesh.placement.<role>.*`), -1 resolved; ValueError if they do not fit."""
+    count = len(role_devices(cfg, num_devices)[role])
+    group = cfg.mesh if role == "train" else getattr(cfg.mesh.placement, role)
+    return resolve_axis_sizes({a: getattr(group, a) for a in AXES}, count)
+
+
+def data_parallel_size(cfg: Config, num_devices: int, role: str = "train") -> int:
+    """Batch shards of a training-style mesh: dp x fsdp (the batch is split over both)."""
+    sizes = resolved_mesh(cfg, num_devices, role)
     return sizes["dp"] * sizes["fsdp"]
 
 
@@ -317,8 +344,8 @@ def _check_mini_batch(cfg: Config, p: _Problems, role: str, mini: int, shards: i
     if shards is not None and (mini * n) % shards:
         p.append(
             f"{role}.ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} sequences "
-            f"cannot be split evenly over the {shards} data-parallel shards (mesh.dp x "
-            f"mesh.fsdp); make it a multiple of {shards} or change the mesh"
+            f"cannot be split evenly over the {shards} data-parallel shards (dp x fsdp of "
+            f"its mesh); make it a multiple of {shards} or change the mesh"
         )
         return False
     return True
@@ -345,48 +372,110 @@ def _check_micro_batch(cfg: Config, p: _Problems, role: str, rc: Any, shards: in
         )
 
 
-def _check_batches(cfg: Config, p: _Problems, shards: int | None) -> None:
+def _check_batches(cfg: Config, p: _Problems, shards: dict[str, int] | None) -> None:
+    """Mini- and micro-batch splits over the data-parallel shards of the actor's mesh
+    (`shards["train"]`) and the critic's (`shards["critic"]`: its own when placed)."""
+    shards = shards or {}
     actor_key, actor = "actor_rollout_ref.actor", cfg.actor_rollout_ref.actor
-    actor_ok = _check_mini_batch(cfg, p, actor_key, actor.ppo_mini_batch_size, shards)
+    actor_shards = shards.get("train")
+    actor_ok = _check_mini_batch(cfg, p, actor_key, actor.ppo_mini_batch_size, actor_shards)
     if actor_ok:
-        _check_micro_batch(cfg, p, actor_key, actor, shards)
+        _check_micro_batch(cfg, p, actor_key, actor, actor_shards)
     if not critic_enabled(cfg):
         return
-    critic = cfg.critic
+    critic, critic_shards = cfg.critic, shards.get("critic", actor_shards)
     # A critic mini-batch that follows the actor's was checked with it: one message, not two.
-    if critic.ppo_mini_batch_size == actor.ppo_mini_batch_size:
+    if critic.ppo_mini_batch_size == actor.ppo_mini_batch_size and critic_shards == actor_shards:
         critic_ok = actor_ok
     else:
-        critic_ok = _check_mini_batch(cfg, p, "critic", critic.ppo_mini_batch_size, shards)
+        critic_ok = _check_mini_batch(cfg, p, "critic", critic.ppo_mini_batch_size, critic_shards)
     if critic_ok:
-        _check_micro_batch(cfg, p, "critic", critic, shards)
+        _check_micro_batch(cfg, p, "critic", critic, critic_shards)
 
 
-def _check_devices(cfg: Config, p: _Problems, num_devices: int) -> int | None:
-    """Mesh and host checks; returns the data-parallel shard count when the mesh is valid."""
-    shards = None
+def _role_in_use(cfg: Config, role: str) -> bool:
+    return {
+        "rollout": True,
+        "ref": reference_enabled(cfg),
+        "critic": critic_enabled(cfg),
+        "reward": cfg.reward_model.enable,
+    }[role]
+
+
+def _check_placement(cfg: Config, p: _Problems, num_devices: int) -> dict[str, int] | None:
+    """Device groups of placed roles; returns the data-parallel shards of the trainer's
+    mesh (`train`) and of a placed critic (`critic`) when the meshes are valid."""
+    counts = placed_devices(cfg)
+    rm = cfg.reward_model
+    pool = max(rm.nnodes, 1) * rm.n_gpus_per_node
+    if rm.enable_resource_pool and (pool < 1 or counts["reward"] != pool):
+        p.append(
+            f"reward_model.enable_resource_pool needs reward_model.n_gpus_per_node >= 1 (x "
+            f"nnodes) devices, the same as mesh.placement.reward.devices; got {pool} and "
+            f"{counts['reward']}"
+        )
+    for role, count in counts.items():
+        if count and not _role_in_use(cfg, role):
+            p.append(
+                f"mesh.placement.{role}.devices={count}, but this run has no {role} role; "
+                "set it to 0"
+            )
+    rollout = cfg.mesh.placement.rollout
+    if (rollout.dp, rollout.fsdp, rollout.tp, rollout.sp) != (1, -1, 1, 1):
+        p.append(
+            "mesh.placement.rollout takes only `devices`: the rollout mesh is dp (the rest) x "
+            "actor_rollout_ref.rollout.tensor_model_parallel_size"
+        )
     try:
-        shards = data_parallel_size(cfg, num_devices)
-        sp = resolved_mesh(cfg, num_devices)["sp"]
-        for role in ("actor_rollout_ref", "critic"):
-            if get(cfg, f"{role}.model.attention_impl") == "ring" and sp < 2:
-                p.append(
-                    f"{role}.model.attention_impl=ring needs a sequence-parallel mesh: set "
-                    "mesh.sp to 2 or more, or use attention_impl=auto"
-                )
+        groups = role_devices(cfg, num_devices)
     except ValueError as e:
-        p.append(f"mesh.dp, mesh.fsdp, mesh.tp, mesh.sp: {e}")
+        p.append(f"mesh.placement: {e}")
+        return None
+    shards: dict[str, int] = {}
+    for role in ("train", "ref", "critic", "reward"):
+        if role not in groups:
+            continue
+        key = "mesh.dp, mesh.fsdp, mesh.tp, mesh.sp" if role == "train" else ""
+        key = key or f"mesh.placement.{role}"
+        try:
+            shards[role] = data_parallel_size(cfg, num_devices, role)
+        except ValueError as e:
+            p.append(f"{key}: {e}")
+    rollout_devices = len(groups.get("rollout", groups["train"]))
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    if tp >= 1 and num_devices % tp:
+    if tp >= 1 and rollout_devices % tp:
         p.append(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the "
-            f"{num_devices} devices (the rollout mesh is dp={num_devices}/tp x tp)"
+            f"rollout's {rollout_devices} devices (the rollout mesh is dp={rollout_devices}/tp "
+            "x tp)"
         )
+    return shards if "train" in shards else None
+
+
+def _check_devices(cfg: Config, p: _Problems, num_devices: int) -> dict[str, int] | None:
+    """Mesh, placement and host checks; returns the data-parallel shard counts (see
+    `_check_placement`) when the meshes are valid."""
+    shards = _check_placement(cfg, p, num_devices)
+    if shards is not None:
+        sp = resolved_mesh(cfg, num_devices)["sp"]
+        critic_sp = sp
+        if "critic" in shards:
+            critic_sp = resolved_mesh(cfg, num_devices, "critic")["sp"]
+        for role, role_sp in (("actor_rollout_ref", sp), ("critic", critic_sp)):
+            if get(cfg, f"{role}.model.attention_impl") == "ring" and role_sp < 2:
+                p.append(
+                    f"{role}.model.attention_impl=ring needs a sequence-parallel mesh: set "
+                    "mesh.sp (or a placed critic's mesh.placement.critic.sp) to 2 or more, or "
+                    "use attention_impl=auto"
+                )
     nodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
-    if per_node is not None and (nodes or 1) * per_node != num_devices:
+    reward_pool = placed_devices(cfg)["reward"] if cfg.reward_model.enable_resource_pool else 0
+    if per_node is not None and (nodes or 1) * per_node + reward_pool != num_devices:
+        pool = f" + the reward model's pool of {reward_pool}" if reward_pool else ""
         p.append(
-            f"trainer.nnodes x trainer.n_gpus_per_node = {nodes or 1} x {per_node} but JAX sees "
-            f"{num_devices} devices; fix them or leave both null (jaxrl uses every device)"
+            f"trainer.nnodes x trainer.n_gpus_per_node = {nodes or 1} x {per_node}{pool} but "
+            f"JAX sees {num_devices} devices; fix them or leave both null (jaxrl uses every "
+            "device)"
         )
     return shards
 

@@ -114,3 +114,33 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, 
             f"product {num_devices}, or set one axis to -1 to take the rest"
         )
     return dict(sizes)
+
+
+# Roles that may live on device groups of their own (`mesh.placement`), in the order they
+# take their devices from the end of the device list; the trainer (actor) keeps the rest.
+PLACED_ROLES = ("rollout", "ref", "critic", "reward")
+
+
+def device_groups(placed: Mapping[str, int], num_devices: int) -> dict[str, range]:
+    """Device index ranges: `train` (the actor and every colocated role) first, then each
+    role with a nonzero count in `PLACED_ROLES` order.
+
+    Raises:
+        ValueError: for a negative count, or placed roles that leave the trainer no device.
+    """
+    bad = [f"{r}={n}" for r, n in placed.items() if n < 0]
+    if bad:
+        raise ValueError(f"device counts must be >= 0 (0: colocated); got {', '.join(bad)}")
+    counts = {r: placed.get(r, 0) for r in PLACED_ROLES if placed.get(r, 0) > 0}
+    train = num_devices - sum(counts.values())
+    if train < 1:
+        shown = ", ".join(f"{r}={n}" for r, n in counts.items())
+        raise ValueError(
+            f"the placed roles ({shown}) take {num_devices - train} of the {num_devices} "
+            "devices and leave the trainer none; place fewer"
+        )
+    groups, start = {"train": range(train)}, train
+    for role, n in counts.items():
+        groups[role] = range(start, start + n)
+        start += n
+    return groups

@@ -502,6 +502,11 @@ class RewardModelConfig:
         reward_kwargs: Extra keyword arguments of the `batch` manager's scoring function.
         error_score: *jaxrl*. The score of a row whose scorer raised, timed out, or returned
             something that is not a finite number (counted in `reward/errors`).
+        enable_resource_pool: Put the reward model on its own devices, `nnodes` x
+            `n_gpus_per_node` of them, apart from the trainer's (`trainer.nnodes` x
+            `trainer.n_gpus_per_node`); the same as `mesh.placement.reward.devices`.
+        n_gpus_per_node: Devices per host of the reward model's pool.
+        nnodes: Hosts of the reward model's pool.
     """
 
     enable: bool = False
@@ -516,6 +521,9 @@ class RewardModelConfig:
     timeout_s: float = 300.0
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     error_score: float = 0.0
+    enable_resource_pool: bool = False
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -673,11 +681,56 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class RolePlacementConfig:
+    """`mesh.placement.<role>.*`: *jaxrl*. One role on its own group of devices.
+
+    Attributes:
+        devices: Devices of the role's group; 0: colocated (the role shares the trainer's
+            devices, as by default).
+        dp: Data-parallel size of the group's mesh (ref, critic, reward: a training-style
+            mesh with the axes of `mesh.*`; the rollout's mesh is always dp = the rest x
+            `rollout.tensor_model_parallel_size`, so only `devices` applies to it).
+        fsdp: Fully-sharded size; -1: the rest of the group.
+        tp: Tensor-parallel size.
+        sp: Sequence-parallel size.
+    """
+
+    devices: int = 0
+    dp: int = 1
+    fsdp: int = -1
+    tp: int = 1
+    sp: int = 1
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """`mesh.placement.*`: *jaxrl*. Roles on device groups of their own (verl's resource
+    pools). The placed roles take their devices from the end of the device list in the order
+    rollout, ref, critic, reward; the actor (and every colocated role) trains on the rest
+    with the mesh `mesh.dp/fsdp/tp/sp`. Weights move between groups with the jitted
+    reshard; batches are copied device to device.
+
+    Attributes:
+        rollout: Generation on its own devices (the actor's weights are copied there each step
+            and kept between steps).
+        ref: The reference policy's log-prob passes.
+        critic: The critic's value passes and updates.
+        reward: The reward model (also `reward_model.enable_resource_pool`).
+    """
+
+    rollout: RolePlacementConfig = field(default_factory=RolePlacementConfig)
+    ref: RolePlacementConfig = field(default_factory=RolePlacementConfig)
+    critic: RolePlacementConfig = field(default_factory=RolePlacementConfig)
+    reward: RolePlacementConfig = field(default_factory=RolePlacementConfig)
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """`mesh.*`: *jaxrl*. The global device mesh of training (DESIGN §3).
 
-    The product of the four sizes is the device count; one of them may be -1 ("the rest").
-    Generation re-factors the same devices as `(dp=rest, tp=rollout.tensor_model_parallel_size)`.
+    The product of the four sizes is the trainer's device count (all devices, less those of
+    roles placed on their own, `placement`); one of them may be -1 ("the rest"). Generation
+    re-factors the same devices as `(dp=rest, tp=rollout.tensor_model_parallel_size)`.
 
     Attributes:
         dp: Pure data parallelism (parameters replicated).
@@ -689,6 +742,7 @@ class MeshConfig:
             null (replicated). Names: vocab, embed, mlp, heads, kv_heads, head_dim, layers,
             labels, batch, seq, cache_seq.
         rollout_rules: Generation layout over the rollout mesh (axes dp, tp).
+        placement: Roles on device groups of their own.
     """
 
     dp: int = 1
@@ -697,6 +751,7 @@ class MeshConfig:
     sp: int = 1
     train_rules: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_RULES))
     rollout_rules: dict[str, Any] = field(default_factory=lambda: dict(ROLLOUT_RULES))
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 # ---------------------------------------------------------------------------------------- assets

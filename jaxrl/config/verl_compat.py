@@ -42,6 +42,9 @@ RENAMED: dict[str, str] = {
     "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
+    "reward.reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
+    "reward.reward_model.nnodes": "reward_model.nnodes",
 }
 
 _VLLM = "a vLLM/SGLang engine setting; jaxrl generates with its own jitted engine"
@@ -242,9 +245,6 @@ IGNORED: dict[str, Ignored] = {
             "launch_reward_fn_async",
             "use_dynamic_bsz",
             "forward_max_token_len_per_gpu",
-            "enable_resource_pool",
-            "n_gpus_per_node",
-            "nnodes",
             "reward_loop_*",
             "rollout.*",
             "model.use_remove_padding",
@@ -254,9 +254,6 @@ IGNORED: dict[str, Ignored] = {
     "reward.num_workers": Ignored(_RAY),
     "reward.reward_manager.source": Ignored("jaxrl's reward managers are built in", ("register",)),
     "reward.reward_manager.module.*": Ignored("custom reward manager classes are not supported"),
-    "reward.reward_model.enable_resource_pool": Ignored(_RAY),
-    "reward.reward_model.n_gpus_per_node": Ignored(_RAY),
-    "reward.reward_model.nnodes": Ignored(_RAY),
     "reward.reward_model.rollout.*": Ignored(_VLLM),
     "*sandbox_fusion.url": Ignored("sandboxed code execution is not available in jaxrl", (None,)),
     "*sandbox_fusion.*": Ignored("sandboxed code execution is not available in jaxrl"),

@@ -118,6 +118,7 @@ class RewardModel:
         dtype: str = "float32",
         layout: Layout | None = None,
         trust_remote_code: bool = False,
+        model: tuple[DecoderConfig, Params] | None = None,
         **kwargs: Any,
     ) -> RewardModel:
         """Load an HF checkpoint folder (weights and tokenizer) as a reward model.
@@ -128,12 +129,16 @@ class RewardModel:
             dtype: Parameter and compute dtype.
             layout: Place the parameters and run on this layout.
             trust_remote_code: Passed to `AutoTokenizer`.
+            model: The checkpoint's (config, params), already loaded in `layout` (a run's
+                cluster loads every role the same way); None: loaded here in `dtype`.
             **kwargs: Further `RewardModel` options.
         """
         from transformers import AutoTokenizer
 
-        config, params = from_pretrained(path, dtype=dtype, layout=layout)
-        config = config.replace(dtype=dtype)
+        if model is None:
+            config, params = from_pretrained(path, dtype=dtype, layout=layout)
+            model = config.replace(dtype=dtype), params
+        config, params = model
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if isinstance(input_tokenizer, str):
             input_tokenizer = AutoTokenizer.from_pretrained(
@@ -143,10 +148,15 @@ class RewardModel:
 
     @classmethod
     def from_config(
-        cls, reward_model: Any, input_tokenizer: Any = None, layout: Layout | None = None
+        cls,
+        reward_model: Any,
+        input_tokenizer: Any = None,
+        layout: Layout | None = None,
+        model: tuple[DecoderConfig, Params] | None = None,
     ) -> RewardModel:
         """From a `RewardModelConfig` (`reward_model.*`); `input_tokenizer` is the actor's
-        tokenizer (or `reward_model.model.input_tokenizer` names one)."""
+        tokenizer (or `reward_model.model.input_tokenizer` names one); `model` as in
+        `from_pretrained`."""
         if not reward_model.model.path:
             raise ValueError(
                 "reward_model.enable needs reward_model.model.path (an HF sequence-"
@@ -159,6 +169,7 @@ class RewardModel:
             dtype=reward_model.dtype,
             layout=layout,
             trust_remote_code=reward_model.model.trust_remote_code,
+            model=model,
             max_length=reward_model.max_length,
             micro_batch_size=reward_model.micro_batch_size_per_gpu
             and reward_model.micro_batch_size_per_gpu * (layout.mesh.size if layout else 1),

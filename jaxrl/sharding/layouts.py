@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.config.checks import role_devices
 from jaxrl.config.mesh import AXES, ROLLOUT_RULES, TRAIN_RULES, resolve_axis_sizes
 from jaxrl.sharding.logical import partition_spec, tree_shardings
 from jaxrl.sharding.mesh import make_mesh
@@ -100,14 +101,34 @@ def rollout_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return make_mesh(resolve_axis_sizes({"dp": -1, "tp": tp}, len(devices)), devices)
 
 
-def layouts_from_config(cfg, devices: Sequence[jax.Device] | None = None) -> tuple[Layout, Layout]:
-    """The (train, rollout) layouts of a `jaxrl.config.Config` over the same devices."""
+def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, Layout]:
+    """The layouts of a `jaxrl.config.Config`'s device groups (`mesh.placement`): `train`
+    (mesh `mesh.dp/fsdp/tp/sp` over the trainer's devices), `rollout` (dp = the rest x
+    `rollout.tensor_model_parallel_size`, over its own group when placed, else the trainer's
+    devices), and each other placed role (`ref`, `critic`, `reward`: a mesh of its
+    `mesh.placement.<role>` sizes with the train rules)."""
     devices = list(jax.devices() if devices is None else devices)
+    groups = role_devices(cfg, len(devices))
+    on = {role: [devices[i] for i in group] for role, group in groups.items()}
+    train_rules = cfg.mesh.train_rules or TRAIN_RULES
     sizes = {a: getattr(cfg.mesh, a) for a in AXES}
-    train = Layout.create(make_mesh(sizes, devices), cfg.mesh.train_rules or TRAIN_RULES)
+    layouts = {"train": Layout.create(make_mesh(sizes, on["train"]), train_rules)}
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    rollout = Layout.create(rollout_mesh(tp, devices), cfg.mesh.rollout_rules or ROLLOUT_RULES)
-    return train, rollout
+    rollout_devices = on.get("rollout", on["train"])
+    rollout_rules = cfg.mesh.rollout_rules or ROLLOUT_RULES
+    layouts["rollout"] = Layout.create(rollout_mesh(tp, rollout_devices), rollout_rules)
+    for role in ("ref", "critic", "reward"):
+        if role in on:
+            group = getattr(cfg.mesh.placement, role)
+            sizes = {a: getattr(group, a) for a in AXES}
+            layouts[role] = Layout.create(make_mesh(sizes, on[role]), train_rules)
+    return layouts
+
+
+def layouts_from_config(cfg, devices: Sequence[jax.Device] | None = None) -> tuple[Layout, Layout]:
+    """The (train, rollout) layouts of a `jaxrl.config.Config` (see `role_layouts`)."""
+    layouts = role_layouts(cfg, devices)
+    return layouts["train"], layouts["rollout"]
 
 
 # ------------------------------------------------------------------ activation constraints

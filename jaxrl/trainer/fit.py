@@ -1,13 +1,16 @@
 """The run: data, rewards, roles, the step loop, validation, checkpoints and logs
-(`RayPPOTrainer.fit`). `python -m jaxrl.train` calls `fit(cfg)`.
+(`RayPPOTrainer.fit`). `python -m jaxrl.train` calls `fit(cfg)`: `build_run` loads the cluster
+and makes the PPO trainer, and `train_run` drives any trainer through the `Trainer` protocol
+(`jaxrl.trainer.protocol`).
 
 Steps are numbered from 1 as in verl. Step s validates when `test_freq > 0` and s is a multiple
 of it or the last step (and, with `val_before_train`, before the first step of this process,
 logged at the step it resumes from), and checkpoints when
 `save_freq > 0` and s is a multiple of it or the last step. A resumed run (`resume_mode: auto`
-finds the newest checkpoint of the run directory) restores the actor and critic parameters and
-optimizer states, the data iterator, the KL coefficient and the step, so every later step
-computes what an uninterrupted run computes: the sampler's key is derived from the step.
+finds the newest checkpoint of the run directory) restores the trainer's state (PPO: the actor
+and critic parameters and optimizer states, the KL coefficient), the data iterator and the
+step, so every later step computes what an uninterrupted run computes: the sampler's key is
+derived from the step.
 """
 
 from __future__ import annotations
@@ -17,21 +20,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
-from jaxrl.rewards.reward_model import RewardModel
-from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
-from jaxrl.trainer.fingerprint import step_fingerprints
+from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.loggers import Tracking, read_metrics
-from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn
-from jaxrl.trainer.update import UpdateState
-from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
+from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn, ppo_training
+from jaxrl.trainer.protocol import Trainer
 
 log = logging.getLogger("jaxrl.train")
 
@@ -143,67 +142,25 @@ def fresh_start_problem(cfg, directory: Path) -> str | None:
     return None
 
 
-def _state_items(trainer: PPOTrainer) -> dict[str, Any]:
-    items = {"actor_params": trainer.actor.state.params, "actor_opt": trainer.actor.state.opt_state}
-    if trainer.critic is not None:
-        items["critic_params"] = trainer.critic.state.params
-        items["critic_opt"] = trainer.critic.state.opt_state
-    return items
-
-
-def _param_trees(trainer: PPOTrainer) -> dict[str, Any]:
-    trees = {"actor": trainer.actor.state.params}
-    if trainer.critic is not None:
-        trees["critic"] = trainer.critic.state.params
-    return trees
-
-
-def _meta(cfg, trainer: PPOTrainer, loader: PromptIterator, step: int) -> dict[str, Any]:
-    return {
-        "global_step": step,
-        "data": loader.state_dict(),
-        "kl_coef": None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value),
-        "actor_steps": int(to_host(trainer.actor.state.step)),
-        "critic_steps": None if trainer.critic is None else int(to_host(trainer.critic.state.step)),
-        "model_path": str(Path(cfg.actor_rollout_ref.model.path).expanduser().absolute()),
-        "param_dtype": trainer.actor_config.param_dtype,
-        "override_config": dict(cfg.actor_rollout_ref.model.override_config),
-    }
-
-
-def _restore(trainer: PPOTrainer, loader: PromptIterator, ckpts: Checkpoints, step: int) -> int:
-    items, meta = ckpts.restore(step, abstract(_state_items(trainer)))
-    trainer.actor.state = UpdateState(
-        items["actor_params"],
-        items["actor_opt"],
-        _scalar_like(trainer.actor.state.step, meta["actor_steps"]),
-    )
-    if trainer.critic is not None:
-        trainer.critic.state = UpdateState(
-            items["critic_params"],
-            items["critic_opt"],
-            _scalar_like(trainer.critic.state.step, meta["critic_steps"]),
-        )
-    if trainer.kl_ctrl is not None and meta.get("kl_coef") is not None:
-        trainer.kl_ctrl.value = meta["kl_coef"]
+def _restore(trainer: Trainer, loader: PromptIterator, ckpts: Checkpoints, step: int) -> int:
+    """Restore step `step` into the trainer and the data iterator; returns the step."""
+    items, meta = ckpts.restore(step, abstract(trainer.state_items()[0]))
+    trainer.restore(items, meta)
     loader.load_state_dict(meta["data"])
     return int(meta["global_step"])
-
-
-def _scalar_like(like: jax.Array, value: int) -> jax.Array:
-    return global_array(np.asarray(value, like.dtype), like.sharding)
 
 
 @dataclasses.dataclass
 class Run:
     """What `build_run` makes of a config: the tokenizer, the data loaders, the number of
-    steps and the trainer (models loaded on the mesh, nothing trained yet)."""
+    steps and the trainer (models loaded on the mesh, nothing trained yet). Another trainer
+    (DPO, SFT) makes its own `Run` and trains it with `train_run`."""
 
     tokenizer: Any
     train_loader: PromptIterator
     val_loader: PromptIterator | None
     steps: int
-    trainer: PPOTrainer
+    trainer: Trainer
 
 
 def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
@@ -227,27 +184,34 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
             RLDataset.from_config(cfg.data, tokenizer, "val"), cfg.data.val_batch_size
         )
     steps = total_steps(cfg, train_loader)
-    reward_model = None
-    if cfg.reward_model.enable and not abstract:
-        reward_model = RewardModel.from_config(cfg.reward_model, tokenizer)
+    cluster = Cluster.load(
+        cfg, ppo_training(cfg, steps), tokenizer=tokenizer, devices=devices, abstract=abstract
+    )
     manager = make_reward_manager(cfg, tokenizer)
     val_manager = make_reward_manager(cfg, tokenizer, num_examine=1)
     trainer = PPOTrainer(
         cfg,
-        reward_fn_from(manager, reward_model),
-        val_reward_fn=reward_fn_from(val_manager, reward_model),
+        cluster,
+        reward_fn_from(manager, cluster.reward_model),
         total_steps=steps,
-        devices=devices,
-        abstract=abstract,
+        val_reward_fn=reward_fn_from(val_manager, cluster.reward_model),
+        tokenizer=tokenizer,
     )
-    trainer.tokenizer = tokenizer
     return Run(tokenizer, train_loader, val_loader, steps, trainer)
 
 
 def fit(cfg, devices=None) -> dict[str, float]:
     """Run `cfg` to its last step; returns the last step's metrics."""
+    return train_run(cfg, build_run(cfg, devices))
+
+
+def train_run(cfg, run: Run) -> dict[str, float]:
+    """Train `run` (its trainer through the `Trainer` protocol only) to its last step, with
+    `cfg.trainer`'s validation, checkpoints, logs and resume; returns the last step's
+    metrics."""
+    if not isinstance(run.trainer, Trainer):
+        raise TypeError(f"{type(run.trainer).__name__} does not implement the Trainer protocol")
     run_dir = Path(cfg.trainer.default_local_dir).expanduser()
-    run = build_run(cfg, devices)
     trainer, train_loader, val_loader, steps = (
         run.trainer,
         run.train_loader,
@@ -288,24 +252,23 @@ def fit(cfg, devices=None) -> dict[str, float]:
     guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
     try:
         if val_loader is not None and cfg.trainer.val_before_train:  # on resume too, as verl
-            val = validate(trainer, val_loader, start, cfg.trainer.validation_data_dir)
+            val = trainer.validate(val_loader, start)
             tracking.log(val, start)
             if cfg.trainer.val_only:
                 return val
         progress = tqdm(range(start + 1, steps + 1), initial=start, total=steps, disable=None)
         for step in progress:
             metrics = trainer.step(next(train_loader), step)
-            metrics.update(step_fingerprints(trainer.last_batch, _param_trees(trainer)))
             ckpts.raise_if_failed()  # a checkpoint write that failed in the background
             last = step == steps
             freq = cfg.trainer.test_freq
             if val_loader is not None and freq > 0 and (step % freq == 0 or last):
-                metrics.update(validate(trainer, val_loader, step, cfg.trainer.validation_data_dir))
-            if cfg.trainer.rollout_data_dir:
-                _dump_rollout(trainer, step, cfg.trainer.rollout_data_dir)
+                metrics.update(trainer.validate(val_loader, step))
             save = cfg.trainer.save_freq
             if save > 0 and (step % save == 0 or last):
-                ckpts.save(step, _state_items(trainer), _meta(cfg, trainer, train_loader, step))
+                items, meta = trainer.state_items()
+                meta.update(global_step=step, data=train_loader.state_dict())
+                ckpts.save(step, items, meta)
             tracking.log(metrics, step)
             guard.check(step, metrics)
     finally:
@@ -314,12 +277,3 @@ def fit(cfg, devices=None) -> dict[str, float]:
         finally:
             tracking.close()
     return metrics
-
-
-def _dump_rollout(trainer: PPOTrainer, step: int, folder: str) -> None:
-    if jax.process_index() != 0:  # every process holds the whole batch; process 0 writes
-        return
-    batch = trainer.last_batch
-    scores = batch["token_level_scores"].sum(-1)
-    rows = generation_rows(trainer.tokenizer, batch, scores, step)
-    write_jsonl(rows, Path(folder).expanduser() / f"{step}.jsonl")

@@ -1,7 +1,8 @@
-"""One RL step with verl's semantics (`RayPPOTrainer.fit`'s body), on the mesh.
+"""PPO and its relatives over a cluster: one RL step with verl's semantics
+(`RayPPOTrainer.fit`'s body), validation, and the checkpointable state.
 
     step(prompts) :
-      reshard actor -> rollout layout (rollout dtype); generate n responses per prompt; free
+      sync_weights  actor -> rollout (jitted reshard); generate n responses per prompt; free
       reward        scores on the last valid response token (host)
       old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward)
       ref           reference log-probs (KL loss / KL in reward)
@@ -24,6 +25,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,14 +34,14 @@ import numpy as np
 from jaxrl.config.checks import critic_enabled
 from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
-from jaxrl.models.params import param_shardings
-from jaxrl.rollout import SamplingParams, compile_generate, generate
-from jaxrl.sharding.layouts import layouts_from_config, placed_abstract
+from jaxrl.data.iterator import PromptIterator
+from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.processes import allgather_objects, gather_rows
-from jaxrl.sharding.reshard import free, reshard
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
-from jaxrl.trainer.learner import Learner, compile_infer, infer, shardings_of
+from jaxrl.trainer.cluster import Cluster, Training
+from jaxrl.trainer.fingerprint import step_fingerprints
+from jaxrl.trainer.learner import compile_infer, infer
 from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
 from jaxrl.trainer.metrics import (
     data_metrics,
@@ -48,14 +50,8 @@ from jaxrl.trainer.metrics import (
     timing_metrics,
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
-from jaxrl.trainer.roles import (
-    critic_from_policy,
-    dtype_name,
-    load_model,
-    log_prob_fn,
-    values_fn,
-)
-from jaxrl.trainer.update import init_state
+from jaxrl.trainer.roles import log_prob_fn, values_fn
+from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 CRITIC_FIELDS = ("values", "returns")
 
@@ -70,39 +66,77 @@ def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
-def uses_reference(cfg) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+def _policy_cfg(cfg):
+    """The actor's config as the policy loss reads it (bypass mode swaps the loss)."""
+    actor_cfg = cfg.actor_rollout_ref.actor
+    if not cfg.algorithm.rollout_correction.bypass_mode:
+        return actor_cfg
+    loss = dict(loss_mode="bypass_mode", rollout_correction=cfg.algorithm.rollout_correction)
+    return losses.ConfigView(actor_cfg, policy_loss=loss)
+
+
+def _temperature(cfg) -> float:
+    rollout = cfg.actor_rollout_ref.rollout
+    return rollout.temperature if rollout.do_sample else 1.0
+
+
+def ppo_training(cfg, total_steps: int) -> dict[str, Training]:
+    """What PPO trains: the actor with the policy loss and, with a critic, the critic with
+    the value loss; each optimizer's schedule counts its updates per step (mini-batches x
+    epochs) over `total_steps` steps."""
+    actor_cfg, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    rows = cfg.data.train_batch_size * n
+
+    def updates(role) -> int:
+        return -(-rows // (role.ppo_mini_batch_size * n)) * role.ppo_epochs
+
+    policy_cfg, temperature = _policy_cfg(cfg), _temperature(cfg)
+    training = {
+        "actor": Training(
+            lambda config: functools.partial(
+                losses.actor_loss, config=config, actor_cfg=policy_cfg, temperature=temperature
+            ),
+            make_optimizer(actor_cfg.optim, total_steps, updates_per_step=updates(actor_cfg)),
+            actor_cfg.grad_clip,
+        )
+    }
+    if critic_enabled(cfg):
+        c = cfg.critic
+        training["critic"] = Training(
+            lambda config: functools.partial(losses.critic_loss, config=config, critic_cfg=c),
+            make_optimizer(c.optim, total_steps, updates_per_step=updates(c)),
+            c.grad_clip,
+        )
+    return training
 
 
 class PPOTrainer:
-    """The roles of a run on the mesh and its step (`step`) and validation pass (`validate`).
+    """PPO / GRPO (and verl's other estimators) over a cluster: the step (`step`), validation
+    (`validate`) and the checkpointable state (`state_items`, `restore`): the `Trainer`
+    protocol that `fit` drives.
 
     Args:
         cfg: The run's `jaxrl.config.Config`.
+        cluster: The run's roles (`Cluster.load(cfg, ppo_training(cfg, total_steps))`).
         reward_fn: Scores training responses (see `RewardFn`).
+        total_steps: Steps of the run (the learning-rate schedule's length).
         val_reward_fn: Scores validation responses; default `reward_fn`.
-        total_steps: Optimizer-schedule length (steps of the run).
-        devices: The mesh's devices; default all.
-        abstract: Read only the models' `config.json`: parameters and optimizer states are
-            `jax.ShapeDtypeStruct`s in their shardings, nothing is loaded or allocated; such
-            a trainer only compiles (`compile_step`, `memory_plan`), it cannot step.
+        tokenizer: Decodes the rollout and validation dumps (`rollout_data_dir`,
+            `validation_data_dir`); None: no dumps.
+
+    A cluster loaded with `abstract=True` only compiles (`compile_step`, `memory_plan`).
     """
 
     def __init__(
         self,
         cfg,
+        cluster: Cluster,
         reward_fn: RewardFn,
         *,
-        val_reward_fn: RewardFn | None = None,
         total_steps: int,
-        devices=None,
-        abstract: bool = False,
+        val_reward_fn: RewardFn | None = None,
+        tokenizer: Any = None,
     ):
-        self.cfg, self.reward_fn = cfg, reward_fn
-        load = functools.partial(load_model, abstract=abstract)
-        self.val_reward_fn = val_reward_fn or reward_fn
-        actor_rollout_ref = cfg.actor_rollout_ref
-        actor_cfg, rollout_cfg = actor_rollout_ref.actor, actor_rollout_ref.rollout
         if cfg.algorithm.adv_estimator in (
             AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
             AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
@@ -111,111 +145,69 @@ class PPOTrainer:
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the trainer does not "
                 "compute sum_pi_squared yet; the estimator itself is in jaxrl.core_algos"
             )
-        self.train_layout, self.rollout_layout = layouts_from_config(cfg, devices)
-        self.devices = self.train_layout.mesh.devices.size
-        remat = (
-            actor_rollout_ref.model.remat_policy
-            if actor_rollout_ref.model.enable_gradient_checkpointing
-            else "none"
-        )
-        self.actor_config, params = load(
-            actor_rollout_ref.model.path,
-            param_dtype=dtype_name(actor_cfg.model_dtype, "actor.model_dtype"),
-            compute_dtype=dtype_name(actor_cfg.dtype, "actor.dtype"),
-            layout=self.train_layout,
-            remat=remat,
-            override_config=dict(actor_rollout_ref.model.override_config),
-            attention_impl=actor_rollout_ref.model.attention_impl,
-        )
-        self._actor_size = sum(x.size for x in jax.tree.leaves(params))
-        policy_cfg = actor_cfg
+        self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
+        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn or reward_fn
+        actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        self.devices = cluster.num_devices
+        self._actor_size = sum(x.size for x in jax.tree.leaves(cluster.actor.params))
         self.bypass = bool(cfg.algorithm.rollout_correction.bypass_mode)
-        if self.bypass:
-            correction = cfg.algorithm.rollout_correction
-            loss = dict(loss_mode="bypass_mode", rollout_correction=correction)
-            policy_cfg = losses.ConfigView(actor_cfg, policy_loss=loss)
-        rows = cfg.data.train_batch_size * rollout_cfg.n
-        updates = -(-rows // (actor_cfg.ppo_mini_batch_size * rollout_cfg.n)) * actor_cfg.ppo_epochs
-        optimizer = make_optimizer(actor_cfg.optim, total_steps, updates_per_step=updates)
         self._actor_lr = learning_rate_schedule(actor_cfg.optim, total_steps)
-        state = init_state(params, optimizer, self.train_layout, shardings_of(params))
-        self.temperature = rollout_cfg.temperature if rollout_cfg.do_sample else 1.0
-        self.actor = Learner(
-            self.actor_config,
-            state,
-            optimizer,
-            functools.partial(
-                losses.actor_loss,
-                config=self.actor_config,
-                actor_cfg=policy_cfg,
-                temperature=self.temperature,
-            ),
-            layout=self.train_layout,
-            grad_clip=actor_cfg.grad_clip,
-        )
+        self.temperature = _temperature(cfg)
         chunk = (
             actor_cfg.entropy_from_logits_chunk_size
             if actor_cfg.entropy_from_logits_with_chunking
             else None
         )
         self._log_prob = log_prob_fn(
-            self.actor_config,
-            self.train_layout,
+            cluster.actor.config,
+            cluster.actor.layout,
             temperature=self.temperature,
             chunk_size=chunk,
             with_entropy=True,
         )
-        self.ref_params = self._ref_config = None
-        if uses_reference(cfg):
-            self._ref_config, self.ref_params = load(
-                actor_rollout_ref.model.path,
-                param_dtype=dtype_name(actor_rollout_ref.ref.model_dtype, "ref.model_dtype"),
-                compute_dtype=dtype_name(actor_rollout_ref.ref.dtype, "ref.dtype"),
-                layout=self.train_layout,
-                override_config=dict(actor_rollout_ref.model.override_config),
-                attention_impl=actor_rollout_ref.model.attention_impl,
-            )
+        if cluster.ref is not None:
             self._ref_log_prob = log_prob_fn(
-                self._ref_config, self.train_layout, temperature=self.temperature, chunk_size=chunk
+                cluster.ref.config,
+                cluster.ref.layout,
+                temperature=self.temperature,
+                chunk_size=chunk,
             )
-        self.critic = None
-        if critic_enabled(cfg):
-            c = cfg.critic
-            config, params = load(
-                c.model.path,
-                param_dtype=dtype_name(c.model_dtype, "critic.model_dtype"),
-                compute_dtype=dtype_name(c.dtype, "critic.dtype"),
-                layout=self.train_layout,
-                remat=c.model.remat_policy if c.model.enable_gradient_checkpointing else "none",
-                override_config=dict(c.model.override_config),
-                attention_impl=c.model.attention_impl,
-            )
-            config, params = critic_from_policy(c.model.path, config, params, self.train_layout)
-            c_updates = -(-rows // (c.ppo_mini_batch_size * rollout_cfg.n)) * c.ppo_epochs
-            optimizer = make_optimizer(c.optim, total_steps, updates_per_step=c_updates)
-            state = init_state(params, optimizer, self.train_layout, shardings_of(params))
-            self.critic = Learner(
-                config,
-                state,
-                optimizer,
-                functools.partial(losses.critic_loss, config=config, critic_cfg=c),
-                layout=self.train_layout,
-                grad_clip=c.grad_clip,
-            )
-            self._values = values_fn(config, self.train_layout)
+        if cluster.critic is not None:
+            self._values = values_fn(cluster.critic.config, cluster.critic.layout)
         self.kl_ctrl = (
             get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         )
-        self.rollout_config = self.actor_config.replace(  # the rollout mesh has no `sp`
-            dtype=dtype_name(rollout_cfg.dtype, "rollout.dtype"),
-            remat="none",
-            attention_impl="auto"
-            if actor_rollout_ref.model.attention_impl == "ring"
-            else actor_rollout_ref.model.attention_impl,
-        )
-        self._rollout_shardings = param_shardings(self.rollout_config, self.rollout_layout)
         self.sampling = SamplingParams.from_config(rollout_cfg)
         self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
+
+    @classmethod
+    def create(
+        cls,
+        cfg,
+        reward_fn: RewardFn,
+        *,
+        total_steps: int,
+        val_reward_fn: RewardFn | None = None,
+        tokenizer: Any = None,
+        devices=None,
+        abstract: bool = False,
+    ) -> PPOTrainer:
+        """A trainer over a freshly loaded cluster (`Cluster.load`; see its `abstract`)."""
+        cluster = Cluster.load(
+            cfg,
+            ppo_training(cfg, total_steps),
+            tokenizer=tokenizer,
+            devices=devices,
+            abstract=abstract,
+        )
+        return cls(
+            cfg,
+            cluster,
+            reward_fn,
+            total_steps=total_steps,
+            val_reward_fn=val_reward_fn,
+            tokenizer=tokenizer,
+        )
 
     # ----------------------------------------------------------------------------- rollout
 
@@ -224,25 +216,18 @@ class PPOTrainer:
     ) -> dict[str, np.ndarray]:
         """Rows of the generated batch (prompts repeated n times, interleaved): with several
         processes, the rows of this process's `prompts` (every process calls this with its
-        own prompts and the same rng: generation is one program over all of them)."""
-        rollout_params = reshard(
-            self.actor.params, self._rollout_shardings, dtype=self.rollout_config.param_dtype
-        )
+        own prompts and the same rng: generation is one program over all of them). The
+        rollout gets the actor's weights first; colocated, it frees them after (the step's
+        passes need that memory), on its own devices it keeps them."""
+        rollout = self.cluster.rollout
+        self.cluster.sync_weights()
         try:
-            out = generate(
-                self.rollout_config,
-                rollout_params,
-                prompts.input_ids,
-                prompts.attention_mask,
-                sampling,
-                rng,
-                layout=self.rollout_layout,
-                max_prompt_length=self.cfg.data.max_prompt_length,
-                max_num_seqs=self.cfg.actor_rollout_ref.rollout.max_num_seqs,
+            out = jax.device_get(
+                rollout.generate(prompts.input_ids, prompts.attention_mask, sampling, rng)
             )
-            out = jax.device_get(out)
         finally:
-            free(rollout_params)
+            if self.cluster.rollout_colocated:
+                rollout.release()
         return {
             "prompts": np.repeat(prompts.input_ids, sampling.n, axis=0),
             "prompt_mask": np.repeat(prompts.attention_mask, sampling.n, axis=0),
@@ -255,9 +240,11 @@ class PPOTrainer:
 
     def step(self, prompts: PromptBatch, global_step: int) -> dict[str, float]:
         """One RL step on `prompts` (this process's rows); returns the step's metrics (the
-        same on every process: from the reward on, every process holds the global batch)."""
+        same on every process: from the reward on, every process holds the global batch),
+        with the step's fingerprints (`jaxrl.trainer.fingerprint`)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg, n = actor_rollout_ref.actor, self.sampling.n
+        actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
@@ -292,11 +279,7 @@ class PPOTrainer:
             elif not on_policy:
                 with timer("old_log_prob", timing):
                     old, entropy = infer(
-                        self._log_prob,
-                        self.actor.params,
-                        batch,
-                        layout=self.train_layout,
-                        **micro,
+                        self._log_prob, actor.params, batch, layout=actor.layout, **micro
                     )
                     batch["old_log_probs"] = old
                     metrics["actor/entropy"] = float(
@@ -307,22 +290,18 @@ class PPOTrainer:
                             loss_scale_factor=actor_cfg.loss_scale_factor,
                         )
                     )
-            if self.ref_params is not None:
+            if ref is not None:
                 with timer("ref", timing):
                     batch["ref_log_probs"] = infer(
-                        self._ref_log_prob,
-                        self.ref_params,
-                        batch,
-                        layout=self.train_layout,
-                        **micro,
+                        self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
                     )
-            if self.critic is not None:
+            if critic is not None:
                 with timer("values", timing):
                     batch["values"] = infer(
                         self._values,
-                        self.critic.params,
+                        critic.params,
                         batch,
-                        layout=self.train_layout,
+                        layout=critic.layout,
                         **self._values_micro(),
                     )
             with timer("adv", timing):
@@ -336,16 +315,16 @@ class PPOTrainer:
                     batch["token_level_rewards"] = batch["token_level_scores"]
                 adv, ret = compute_advantage(batch, group_ids, cfg.algorithm, extra)
                 batch["advantages"], batch["returns"] = adv, ret
-            if self.critic is not None:
+            if critic is not None:
                 with timer("update_critic", timing):
-                    critic_metrics = self.critic.update(
+                    critic_metrics = critic.update(
                         batch, **self._update_args(cfg.critic, global_step, CRITIC_FIELDS)
                     )
                     metrics.update(_prefixed(critic_metrics, "critic"))
             if global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timing):
                     fields = self._actor_fields(batch, on_policy)
-                    actor_metrics = self.actor.update(
+                    actor_metrics = actor.update(
                         batch, **self._update_args(actor_cfg, global_step, fields)
                     )
                     metrics.update(_prefixed(actor_metrics, "actor"))
@@ -354,15 +333,44 @@ class PPOTrainer:
                     if actor_cfg.use_kl_loss:
                         metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
                     metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
-        metrics.update(data_metrics(batch, use_critic=self.critic is not None))
+        metrics.update(data_metrics(batch, use_critic=critic is not None))
         metrics.update(timing_metrics(batch, timing))
         metrics.update(throughput_metrics(batch, timing["step"], self.devices))
         metrics.update(
             mfu_metrics(batch, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
         )
         metrics["training/global_step"] = global_step
-        self.last_batch = batch
+        metrics.update(step_fingerprints(batch, self.cluster.param_trees()))
+        if cfg.trainer.rollout_data_dir:
+            self._dump_rollout(batch, global_step, cfg.trainer.rollout_data_dir)
         return metrics
+
+    def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
+        """One pass over the validation set: verl's `val-core/*`, `val-aux/*` metrics (and
+        the generations dumped to `validation_data_dir`)."""
+        return validate(self, loader, global_step, self.cfg.trainer.validation_data_dir)
+
+    # ----------------------------------------------------------------------- checkpoint state
+
+    def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The cluster's checkpoint arrays and JSON, with the KL controller's coefficient."""
+        items, meta = self.cluster.state_items()
+        meta["kl_coef"] = None if self.kl_ctrl is None else float(self.kl_ctrl.value)
+        return items, meta
+
+    def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
+        self.cluster.restore(items, meta)
+        if self.kl_ctrl is not None and meta.get("kl_coef") is not None:
+            self.kl_ctrl.value = meta["kl_coef"]
+
+    def _dump_rollout(self, batch: dict[str, np.ndarray], step: int, folder: str) -> None:
+        """verl's `rollout_data_dir`: the step's generations as JSON lines (process 0: every
+        process holds the whole batch)."""
+        if self.tokenizer is None or jax.process_index() != 0:
+            return
+        scores = batch["token_level_scores"].sum(-1)
+        rows = generation_rows(self.tokenizer, batch, scores, step)
+        write_jsonl(rows, Path(folder).expanduser() / f"{step}.jsonl")
 
     def _on_policy(self, rows: int) -> bool:
         """Whether the actor's old log-probs are the current policy's, so the step skips
@@ -400,75 +408,59 @@ class PPOTrainer:
         (its rows padded to the full row; with `use_dynamic_bsz` that is as many rows as
         the token budget admits of the short ones, many more than of full rows)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
+        actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
         prompts, n = cfg.data.train_batch_size, self.sampling.n
         p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
-        programs = {"generate": self._compile_generate(prompts, self.sampling)}
+        rollout = self.cluster.rollout
+        programs = {"generate": rollout.compile(actor.params, prompts, p, self.sampling)}
         if val_prompts:
-            programs["validate generate"] = self._compile_generate(val_prompts, self.val_sampling)
+            programs["validate generate"] = rollout.compile(
+                actor.params, val_prompts, p, self.val_sampling
+            )
         on_policy = self._on_policy(prompts * n)
         fields = ("advantages", "old_log_probs")
-        fields += ("ref_log_probs",) if self.ref_params is not None else ()
-        fields += CRITIC_FIELDS if self.critic is not None else ()
+        fields += ("ref_log_probs",) if ref is not None else ()
+        fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)
-        infer_args = dict(layout=self.train_layout, **self._log_prob_micro())
+        micro = self._log_prob_micro()
         if not on_policy and not self.bypass:
             programs["actor log-probs"] = compile_infer(
-                self._log_prob, self.actor.params, batch, **infer_args
+                self._log_prob, actor.params, batch, layout=actor.layout, **micro
             )
-        if self.ref_params is not None:
+        if ref is not None:
             programs["ref log-probs"] = compile_infer(
-                self._ref_log_prob, self.ref_params, batch, **infer_args
+                self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
             )
-        if self.critic is not None:
+        if critic is not None:
             programs["critic values"] = compile_infer(
-                self._values,
-                self.critic.params,
-                batch,
-                layout=self.train_layout,
-                **self._values_micro(),
+                self._values, critic.params, batch, layout=critic.layout, **self._values_micro()
             )
             args = self._update_args(cfg.critic, 1, CRITIC_FIELDS)
-            update = self.critic.compile_update(batch, **args)
+            update = critic.compile_update(batch, **args)
             programs.update({f"critic {k}": v for k, v in update.items()})
         actor_fields = self._actor_fields(batch, on_policy)
-        update = self.actor.compile_update(
+        update = actor.compile_update(
             batch, **self._update_args(actor_rollout_ref.actor, 1, actor_fields)
         )
         programs.update({f"actor {k}": v for k, v in update.items()})
         return programs
 
-    def _compile_generate(self, prompts: int, sampling: SamplingParams) -> jax.stages.Compiled:
-        """`generate`'s program for `prompts` full-length prompts, on the rollout copy of the
-        actor's weights (abstract: `generate` makes that copy, `reshard`, for each call)."""
-        p = self.cfg.data.max_prompt_length
-        rollout_params = placed_abstract(
-            self.actor.params, self._rollout_shardings, self.rollout_config.param_dtype
-        )
-        return compile_generate(
-            self.rollout_config,
-            rollout_params,
-            np.zeros((prompts, p), np.int32),
-            np.ones((prompts, p), np.int32),
-            sampling,
-            layout=self.rollout_layout,
-            max_num_seqs=self.cfg.actor_rollout_ref.rollout.max_num_seqs,
-        )
-
     def memory_plan(self, val_prompts: int | None = None) -> MemoryPlan:
         """The step's device memory estimate from `compile_step`'s programs (see
         `jaxrl.trainer.memory`)."""
-        resident: dict[str, Any] = {"actor": self.actor.state}
+        actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
+        resident: dict[str, Any] = {"actor": actor.state}
         arguments = {
-            "actor log-probs": self.actor.params,
-            "actor micro-batch": self.actor.params,
-            "actor optimizer": self.actor.state,
+            "actor log-probs": actor.params,
+            "actor micro-batch": actor.params,
+            "actor optimizer": actor.state,
         }
-        if self.ref_params is not None:
-            resident["ref"] = arguments["ref log-probs"] = self.ref_params
-        if self.critic is not None:
-            resident["critic"] = self.critic.state
-            arguments["critic values"] = arguments["critic micro-batch"] = self.critic.params
-            arguments["critic optimizer"] = self.critic.state
+        if ref is not None:
+            resident["ref"] = arguments["ref log-probs"] = ref.params
+        if critic is not None:
+            resident["critic"] = critic.state
+            arguments["critic values"] = arguments["critic micro-batch"] = critic.params
+            arguments["critic optimizer"] = critic.state
         return memory_plan(self.compile_step(val_prompts), resident, arguments)
 
     def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:

@@ -1,21 +1,28 @@
-"""The models of an RL run on the mesh: actor, reference, critic, each in its dtypes.
+"""The models of an RL run (verl's roles), each a `RoleSpec` read from the config by
+`role_specs` and loaded by `load_role`:
 
 - actor: the policy, `model_dtype` master weights (fp32) and `dtype` compute (bf16), trained;
-- reference: a frozen copy of the initial policy in its own dtypes (KL loss / KL in reward);
+- rollout: the actor's weights in `rollout.dtype` and the rollout layout (not loaded: copied
+  from the actor, `Cluster.sync_weights`);
+- ref: a frozen copy of the initial policy in its own dtypes (KL loss / KL in reward);
 - critic: the policy's checkpoint (or `critic.model.path`) with a 1-label token-classification
   head in place of the LM head, as verl builds it (`AutoModelForTokenClassification` from a
-  causal LM: a fresh head, normal(0, initializer_range)).
+  causal LM: a fresh head, normal(0, initializer_range));
+- reward: a frozen sequence-classification reward model (`reward_model.enable`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl.config.checks import critic_enabled, reference_enabled
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.hf_io import from_pretrained, load_config
 from jaxrl.models.params import abstract_params, param_shardings
@@ -36,6 +43,128 @@ def dtype_name(value: str, key: str) -> str:
     if value not in DTYPES:
         raise ValueError(f"{key}={value!r}: use one of {sorted(DTYPES)}")
     return DTYPES[value]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """One model of the run: where its weights come from and how it computes.
+
+    Attributes:
+        name: verl's role name (`actor`, `rollout`, `ref`, `critic`, `reward`).
+        path: The HF checkpoint folder.
+        param_dtype: Dtype the parameters are held in.
+        compute_dtype: Dtype the forward pass computes in.
+        remat: Rematerialisation policy of the trained forward pass (`none` when frozen).
+        override_config: HF config fields replaced at load (verl's `override_config`).
+        attention_impl: The attention implementation of its forward passes.
+        trainable: Whether the run updates it (it then has an optimizer state).
+        head: `causal_lm`, `value` (the critic: the LM head replaced by a fresh 1-label token
+            head) or `reward` (a sequence-classification checkpoint, used as it is).
+    """
+
+    name: str
+    path: str
+    param_dtype: str
+    compute_dtype: str
+    remat: str = "none"
+    override_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    attention_impl: str = "auto"
+    trainable: bool = False
+    head: str = "causal_lm"
+
+
+def _remat(model) -> str:
+    return model.remat_policy if model.enable_gradient_checkpointing else "none"
+
+
+def _without_ring(attention_impl: str) -> str:
+    return "auto" if attention_impl == "ring" else attention_impl
+
+
+def role_specs(cfg) -> dict[str, RoleSpec]:
+    """The roles `cfg` uses, in verl's order: actor and rollout always, ref with a KL loss or
+    KL in the reward, critic by `critic_enabled`, reward with `reward_model.enable`."""
+    actor_rollout_ref = cfg.actor_rollout_ref
+    model, actor, rollout = (
+        actor_rollout_ref.model,
+        actor_rollout_ref.actor,
+        actor_rollout_ref.rollout,
+    )
+    policy = dict(
+        path=model.path,
+        override_config=dict(model.override_config),
+        attention_impl=model.attention_impl,
+    )
+    master = dtype_name(actor.model_dtype, "actor.model_dtype")
+    specs = {
+        "actor": RoleSpec(
+            "actor",
+            param_dtype=master,
+            compute_dtype=dtype_name(actor.dtype, "actor.dtype"),
+            remat=_remat(model),
+            trainable=True,
+            **policy,
+        ),
+        # The actor's weights as they are (its dtype), computing in the rollout dtype; the
+        # rollout mesh has no `sp`, so ring attention becomes `auto`.
+        "rollout": RoleSpec(
+            "rollout",
+            param_dtype=master,
+            compute_dtype=dtype_name(rollout.dtype, "rollout.dtype"),
+            **{**policy, "attention_impl": _without_ring(model.attention_impl)},
+        ),
+    }
+    if reference_enabled(cfg):
+        ref = actor_rollout_ref.ref
+        specs["ref"] = RoleSpec(
+            "ref",
+            param_dtype=dtype_name(ref.model_dtype, "ref.model_dtype"),
+            compute_dtype=dtype_name(ref.dtype, "ref.dtype"),
+            **policy,
+        )
+    if critic_enabled(cfg):
+        c = cfg.critic
+        specs["critic"] = RoleSpec(
+            "critic",
+            c.model.path,
+            param_dtype=dtype_name(c.model_dtype, "critic.model_dtype"),
+            compute_dtype=dtype_name(c.dtype, "critic.dtype"),
+            remat=_remat(c.model),
+            override_config=dict(c.model.override_config),
+            attention_impl=c.model.attention_impl,
+            trainable=True,
+            head="value",
+        )
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        if not rm.model.path:
+            raise ValueError(
+                "reward_model.enable needs reward_model.model.path (an HF sequence-"
+                "classification checkpoint folder)"
+            )
+        dtype = dtype_name(rm.dtype, "reward_model.dtype")
+        specs["reward"] = RoleSpec("reward", rm.model.path, dtype, dtype, head="reward")
+    return specs
+
+
+def load_role(
+    spec: RoleSpec, layout: Layout | None, *, abstract: bool = False
+) -> tuple[DecoderConfig, Any]:
+    """The role's (config, params) in `layout` (see `load_model`; the critic gets its value
+    head by `critic_from_policy`)."""
+    config, params = load_model(
+        spec.path,
+        param_dtype=spec.param_dtype,
+        compute_dtype=spec.compute_dtype,
+        layout=layout,
+        remat=spec.remat,
+        override_config=dict(spec.override_config),
+        attention_impl=spec.attention_impl,
+        abstract=abstract,
+    )
+    if spec.head == "value":
+        config, params = critic_from_policy(spec.path, config, params, layout)
+    return config, params
 
 
 def load_model(

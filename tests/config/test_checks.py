@@ -136,7 +136,7 @@ def test_mesh_sizes_positive():
 
 def test_rollout_tp_must_divide_devices():
     msg = problem("actor_rollout_ref.rollout.tensor_model_parallel_size=3", num_devices=8)
-    assert "tensor_model_parallel_size (3) must divide the 8 devices" in msg
+    assert "tensor_model_parallel_size (3) must divide the rollout's 8 devices" in msg
 
 
 def test_nodes_times_gpus_must_match_devices():

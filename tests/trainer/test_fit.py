@@ -11,8 +11,8 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from _quickstart import asset_paths
 
-from jaxrl.assets import prepare
 from jaxrl.config import load_config
 from jaxrl.data import load_tokenizer
 from jaxrl.plot import plot_run
@@ -22,23 +22,9 @@ from jaxrl.trainer.loggers import read_metrics
 MESH_2221 = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "mesh.sp=1"]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """The quickstart's tiny model and synthetic parquet, written once for the module."""
-    root = tmp_path_factory.mktemp("assets")
-    overrides = base_overrides(root, root / "run")
-    prepare(load_config("configs/quickstart.yaml", overrides))
-    return root
-
-
 def base_overrides(assets_dir, run_dir) -> list[str]:
     return [
-        f"actor_rollout_ref.model.path={assets_dir}/model",
-        f"assets.dir={assets_dir}",
-        f"data.train_files={assets_dir}/train.parquet",
-        f"data.val_files={assets_dir}/test.parquet",
-        f"trainer.default_local_dir={run_dir}",
-        "assets.val_size=8",
+        *asset_paths(assets_dir, run_dir),
         "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.rollout.n=2",

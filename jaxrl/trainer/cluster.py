@@ -1,0 +1,219 @@
+"""The run's roles on the mesh: what each model is, where it lives, and the state a checkpoint
+holds. An algorithm (`PPOTrainer`; a DPO or SFT trainer alike) works over a cluster and loads
+nothing itself.
+
+    cluster = Cluster.load(cfg, {"actor": Training(loss, optimizer, grad_clip), ...})
+    cluster.sync_weights()                      # actor -> rollout (jitted reshard)
+    out = cluster.rollout.generate(ids, mask, sampling, rng)
+    cluster.actor.update(batch, ...)            # a trainable role's Learner
+    items, meta = cluster.state_items()         # what a checkpoint holds
+    cluster.restore(items, meta)
+
+Each role of `role_specs(cfg)` is loaded by `load_role` into its layout: trainable roles
+(actor, critic) become `Learner`s with the algorithm's loss and optimizer (`Training`), frozen
+ones (ref, reward) keep their parameters, and the rollout holds a copy of the actor's weights
+that `sync_weights` refreshes. Colocated (the default) every role shares the train layout and
+the rollout the rollout layout, on all devices; the reward model, colocated, scores each
+process's rows on its first local device (layout None). `mesh.placement` puts the rollout,
+ref, critic or reward model on a device group of its own (`cluster_layouts`): weights move
+between groups with the jitted reshard, and each role's passes take the batch in its own
+layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jaxrl.models.config import DecoderConfig
+from jaxrl.rewards.reward_model import RewardModel
+from jaxrl.rollout.worker import RolloutWorker
+from jaxrl.sharding.layouts import Layout, role_layouts
+from jaxrl.sharding.processes import global_array, to_host
+from jaxrl.trainer.learner import Learner, LossFn, shardings_of
+from jaxrl.trainer.roles import RoleSpec, load_role, role_specs
+from jaxrl.trainer.update import UpdateState, init_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """How an algorithm trains one role: its loss (made from the loaded model's config), its
+    optimizer and its gradient clip."""
+
+    loss: Callable[[DecoderConfig], LossFn]
+    optimizer: optax.GradientTransformation
+    grad_clip: float | None
+
+
+@dataclasses.dataclass
+class Frozen:
+    """A role the run does not train: its model config, parameters and layout."""
+
+    config: DecoderConfig
+    params: Any
+    layout: Layout | None
+
+
+def cluster_layouts(cfg, specs: Mapping[str, RoleSpec], devices=None) -> dict[str, Layout | None]:
+    """Each role's layout: its own group's when placed (`mesh.placement`), else colocated:
+    the train layout (actor, ref, critic), the rollout layout over the trainer's devices, and
+    for the reward model None (each process scores its rows on its first local device)."""
+    groups = role_layouts(cfg, devices)
+    placed = set(groups) - {"train", "rollout"}
+    if len(groups["rollout"].mesh.devices.flat) != len(groups["train"].mesh.devices.flat):
+        placed.add("rollout")
+    if placed and jax.process_count() > 1:
+        raise ValueError(
+            f"mesh.placement ({', '.join(sorted(placed))} on devices of their own) runs in one "
+            "process for now; colocate the roles (devices=0) in a multi-process run"
+        )
+    colocated = {"reward": None}
+    return {name: groups.get(name, colocated.get(name, groups["train"])) for name in specs}
+
+
+class Cluster:
+    """The run's roles: `learners` (trainable), `frozen` (ref), `rollout`, `reward_model`.
+
+    Built by `Cluster.load`; the attributes below name the usual roles.
+
+    Attributes:
+        specs: Every role's `RoleSpec`.
+        layouts: Every role's layout.
+        learners: Trainable roles by name (`actor`, `critic`).
+        frozen: Frozen roles by name (`ref`).
+        rollout: The rollout worker (weights loaded by `sync_weights`).
+        reward_model: The reward model (`reward_model.enable`), else None.
+    """
+
+    def __init__(
+        self,
+        specs: dict[str, RoleSpec],
+        layouts: dict[str, Layout | None],
+        learners: dict[str, Learner],
+        frozen: dict[str, Frozen],
+        rollout: RolloutWorker,
+        reward_model: RewardModel | None = None,
+    ):
+        self.specs, self.layouts = specs, layouts
+        self.learners, self.frozen = learners, frozen
+        self.rollout, self.reward_model = rollout, reward_model
+
+    @classmethod
+    def load(
+        cls,
+        cfg,
+        training: Mapping[str, Training],
+        *,
+        tokenizer: Any = None,
+        devices=None,
+        abstract: bool = False,
+    ) -> Cluster:
+        """Load every role `cfg` uses. `training` gives each trainable role's loss and
+        optimizer; `tokenizer` (the actor's) is the reward model's input tokenizer.
+        `abstract`: parameters and optimizer states are `jax.ShapeDtypeStruct`s in their
+        shardings, nothing is read but `config.json` (a cluster that only compiles), and no
+        reward model is loaded."""
+        specs = role_specs(cfg)
+        layouts = cluster_layouts(cfg, specs, devices)
+        learners, frozen, reward_model = {}, {}, None
+        for name, spec in specs.items():
+            layout = layouts[name]
+            if name == "rollout" or (name == "reward" and abstract):
+                continue
+            if spec.trainable and name not in training:
+                raise ValueError(f"the {name} role is trainable but the algorithm gave no Training")
+            config, params = load_role(spec, layout, abstract=abstract)
+            if spec.trainable:
+                learners[name] = _learner(config, params, training[name], layout)
+            elif name == "reward":
+                reward_model = RewardModel.from_config(
+                    cfg.reward_model, tokenizer, layout, model=(config, params)
+                )
+            else:
+                frozen[name] = Frozen(config, params, layout)
+        spec = specs["rollout"]
+        rollout = RolloutWorker(
+            learners["actor"].config.replace(
+                dtype=spec.compute_dtype, remat="none", attention_impl=spec.attention_impl
+            ),
+            layouts["rollout"],
+            max_prompt_length=cfg.data.max_prompt_length,
+            max_num_seqs=cfg.actor_rollout_ref.rollout.max_num_seqs,
+        )
+        return cls(specs, layouts, learners, frozen, rollout, reward_model)
+
+    @property
+    def actor(self) -> Learner:
+        return self.learners["actor"]
+
+    @property
+    def critic(self) -> Learner | None:
+        return self.learners.get("critic")
+
+    @property
+    def ref(self) -> Frozen | None:
+        return self.frozen.get("ref")
+
+    @property
+    def rollout_colocated(self) -> bool:
+        """Whether the rollout shares the actor's devices (then its weights are freed after
+        each generation, for the passes that follow)."""
+        actor, rollout = self.layouts["actor"], self.layouts["rollout"]
+        return set(actor.mesh.devices.flat) == set(rollout.mesh.devices.flat)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the roles live on (all of them together)."""
+        devices = set()
+        for layout in self.layouts.values():
+            if layout is not None:
+                devices |= set(layout.mesh.devices.flat)
+        return len(devices)
+
+    def sync_weights(self) -> None:
+        """The actor's current weights into the rollout (its layout and dtype)."""
+        self.rollout.load_weights(self.actor.params)
+
+    def param_trees(self) -> dict[str, Any]:
+        """The trainable roles' parameters by name (for fingerprints)."""
+        return {name: learner.params for name, learner in self.learners.items()}
+
+    def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(arrays, meta) of a checkpoint: each trainable role's parameters and optimizer
+        state (`{role}_params`, `{role}_opt`) and, as JSON, its update count
+        (`{role}_steps`) and what `jaxrl.export` needs to write the actor as an HF model."""
+        items, meta = {}, {}
+        for name, learner in self.learners.items():
+            items[f"{name}_params"] = learner.state.params
+            items[f"{name}_opt"] = learner.state.opt_state
+            meta[f"{name}_steps"] = int(to_host(learner.state.step))
+        actor = self.specs["actor"]
+        meta["model_path"] = str(Path(actor.path).expanduser().absolute())
+        meta["param_dtype"] = actor.param_dtype
+        meta["override_config"] = dict(actor.override_config)
+        return items, meta
+
+    def restore(self, items: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """Put back what `state_items` returned (`items` restored in the roles' shardings)."""
+        for name, learner in self.learners.items():
+            step = global_array(np.asarray(meta[f"{name}_steps"], learner.state.step.dtype),
+                                learner.state.step.sharding)  # fmt: skip
+            learner.state = UpdateState(items[f"{name}_params"], items[f"{name}_opt"], step)
+
+
+def _learner(config: DecoderConfig, params: Any, training: Training, layout) -> Learner:
+    state = init_state(params, training.optimizer, layout, shardings_of(params))
+    return Learner(
+        config,
+        state,
+        training.optimizer,
+        training.loss(config),
+        layout=layout,
+        grad_clip=training.grad_clip,
+    )

@@ -1,0 +1,13 @@
+"""Overrides that point the quickstart config at the `assets` fixture's files."""
+
+
+def asset_paths(root, run_dir) -> list[str]:
+    """The model, the data (8 validation rows) and the run folder `run_dir`."""
+    return [
+        f"actor_rollout_ref.model.path={root}/model",
+        f"assets.dir={root}",
+        f"data.train_files={root}/train.parquet",
+        f"data.val_files={root}/test.parquet",
+        f"trainer.default_local_dir={run_dir}",
+        "assets.val_size=8",
+    ]
