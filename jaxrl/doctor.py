@@ -258,9 +258,15 @@ def memory_lines(plan: MemoryPlan) -> list[str]:
     lines = [
         "resident: "
         + ", ".join(f"{role} {gib(size)}" for role, size in plan.resident.items())
-        + " (parameters, optimizer states)",
-        f"{'program':<22}{'arguments':>12}{'outputs':>12}{'temporaries':>14}{'adds':>12}",
+        + " (parameters, optimizer states)"
     ]
+    if plan.host:
+        offloaded = ", ".join(f"{role} {gib(size)}" for role, size in plan.host.items())
+        lines.append(
+            f"offloaded to host memory: {offloaded} (on the devices only for the programs "
+            "that use them)"
+        )
+    lines.append(f"{'program':<22}{'arguments':>12}{'outputs':>12}{'temporaries':>14}{'adds':>12}")
     for name, stats in plan.programs.items():
         lines.append(
             f"{name:<22}{gib(stats.arguments):>12}{gib(stats.outputs):>12}"

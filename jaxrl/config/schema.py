@@ -226,6 +226,11 @@ class ActorConfig:
         model_dtype: Parameter (master-weight) dtype: `fp32`/`float32` or `bf16`/`bfloat16`
             (verl's `fsdp_config.model_dtype`).
         dtype: Compute dtype of the forward and backward pass (verl's `fsdp_config.dtype`).
+        param_offload: Keep the parameters in host memory (pinned) between the passes that
+            use them: the weight sync to the rollout, the old-log-prob pass and the update
+            (verl's `fsdp_config.param_offload`).
+        optimizer_offload: Keep the optimizer state in host memory except during the update
+            (verl's `fsdp_config.optimizer_offload`).
         optim: Optimizer and schedule.
         checkpoint: Checkpoint contents.
     """
@@ -257,6 +262,8 @@ class ActorConfig:
     entropy_from_logits_chunk_size: int = 2048
     model_dtype: str = "fp32"
     dtype: str = "bfloat16"
+    param_offload: bool = False
+    optimizer_offload: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -272,6 +279,8 @@ class RefConfig:
         log_prob_max_token_len_per_gpu: Token budget per device with dynamic batch size.
         model_dtype: Parameter dtype of the reference copy.
         dtype: Compute dtype of the reference forward pass.
+        param_offload: Keep the reference parameters in host memory (pinned) except during
+            its log-prob pass (verl's `fsdp_config.param_offload`).
     """
 
     log_prob_micro_batch_size_per_gpu: int | None = None
@@ -279,6 +288,7 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     model_dtype: str = "fp32"
     dtype: str = "bfloat16"
+    param_offload: bool = False
 
 
 # --------------------------------------------------------------------------------------- rollout
@@ -418,6 +428,10 @@ class CriticConfig:
         grad_clip: Clip the global gradient norm to this value.
         model_dtype: Parameter dtype.
         dtype: Compute dtype.
+        param_offload: Keep the parameters in host memory (pinned) except during the value
+            pass and the update (verl's `model.fsdp_config.param_offload`).
+        optimizer_offload: Keep the optimizer state in host memory except during the update
+            (verl's `model.fsdp_config.optimizer_offload`).
         checkpoint: Checkpoint contents.
     """
 
@@ -439,6 +453,8 @@ class CriticConfig:
     grad_clip: float = 1.0
     model_dtype: str = "fp32"
     dtype: str = "bfloat16"
+    param_offload: bool = False
+    optimizer_offload: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 

@@ -29,6 +29,15 @@ RENAMED: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.model_dtype": "actor_rollout_ref.ref.model_dtype",
     "actor_rollout_ref.ref.fsdp_config.dtype": "actor_rollout_ref.ref.dtype",
     "critic.model.fsdp_config.model_dtype": "critic.model_dtype",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "actor_rollout_ref.actor.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (
+        "actor_rollout_ref.actor.optimizer_offload"
+    ),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
+    "critic.model.fsdp_config.param_offload": "critic.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
+    "critic.fsdp.param_offload": "critic.param_offload",
+    "critic.fsdp.optimizer_offload": "critic.optimizer_offload",
     "critic.fsdp.model_dtype": "critic.model_dtype",
     "critic.fsdp.dtype": "critic.dtype",
     "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.grad_clip",

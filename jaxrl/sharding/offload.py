@@ -1,8 +1,9 @@
 """Parking idle state in host memory (verl's param / optimizer offload).
 
 The reference model between its log-prob passes, or the optimizer state during generation,
-can live in the host's pinned memory and come back to the devices when needed; the sharding
-(which device holds which shard) is kept, only the memory kind changes.
+lives in the host's pinned memory and comes back to the devices when needed
+(`jaxrl.trainer.cluster.Cluster.on_device`); the sharding (which device holds which shard) is
+kept, only the memory kind changes. The CPU, GPU and TPU backends have pinned host memory.
 """
 
 from __future__ import annotations

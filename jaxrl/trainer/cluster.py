@@ -17,13 +17,16 @@ the rollout the rollout layout, on all devices; the reward model, colocated, sco
 process's rows on its first local device (layout None). `mesh.placement` puts the rollout,
 ref, critic or reward model on a device group of its own (`cluster_layouts`): weights move
 between groups with the jitted reshard, and each role's passes take the batch in its own
-layout.
+layout. Offloaded state (verl's `param_offload` / `optimizer_offload`) lives in pinned host
+memory and comes to the devices only around the passes that use it (`on_device`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,13 @@ from jaxrl.models.config import DecoderConfig
 from jaxrl.rewards.reward_model import RewardModel
 from jaxrl.rollout.worker import RolloutWorker
 from jaxrl.sharding.layouts import Layout, role_layouts
+from jaxrl.sharding.offload import offload, reload, supports_host_offload
 from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.learner import Learner, LossFn, shardings_of
 from jaxrl.trainer.roles import RoleSpec, load_role, role_specs
 from jaxrl.trainer.update import UpdateState, init_state
+
+log = logging.getLogger("jaxrl.train")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +152,74 @@ class Cluster:
             max_prompt_length=cfg.data.max_prompt_length,
             max_num_seqs=cfg.actor_rollout_ref.rollout.max_num_seqs,
         )
-        return cls(specs, layouts, learners, frozen, rollout, reward_model)
+        cluster = cls(specs, layouts, learners, frozen, rollout, reward_model)
+        if not abstract:
+            cluster._offload_at_rest()
+        return cluster
+
+    def _offload_at_rest(self) -> None:
+        """Move what the specs offload to host memory (when the backend has it)."""
+        offloaded = {
+            name: (spec.param_offload, spec.optimizer_offload and name in self.learners)
+            for name, spec in self.specs.items()
+            if name in self.learners or name in self.frozen
+        }
+        offloaded = {name: flags for name, flags in offloaded.items() if any(flags)}
+        if offloaded and not supports_host_offload():
+            log.warning(
+                "%s: this backend has no pinned host memory; the offloaded state stays on "
+                "the devices",
+                ", ".join(f"{name} offload" for name in offloaded),
+            )
+            for name in offloaded:
+                self.specs[name] = dataclasses.replace(
+                    self.specs[name], param_offload=False, optimizer_offload=False
+                )
+            return
+        for name, (params, opt) in offloaded.items():
+            self._move(name, offload, params, opt)
+
+    @contextlib.contextmanager
+    def on_device(self, name: str, *, optimizer: bool = False) -> Iterator[None]:
+        """Within the block, role `name`'s offloaded parameters (and with `optimizer` its
+        offloaded optimizer state) are in device memory; after it, back in host memory
+        (verl's load/offload around each use). Nothing moves for a role not offloaded."""
+        spec = self.specs[name]
+        params, opt = spec.param_offload, optimizer and spec.optimizer_offload
+        if not (params or opt):
+            yield
+            return
+        self._move(name, reload, params, opt)
+        try:
+            yield
+        finally:
+            self._move(name, offload, params, opt)
+
+    def _move(self, name: str, move: Callable[[Any], Any], params: bool, opt: bool) -> None:
+        if name in self.learners:
+            learner = self.learners[name]
+            state = learner.state
+            learner.state = state.replace(
+                params=move(state.params) if params else state.params,
+                opt_state=move(state.opt_state) if opt else state.opt_state,
+            )
+        elif params:
+            self.frozen[name].params = move(self.frozen[name].params)
+
+    def resident(self, name: str) -> dict[str, Any]:
+        """What role `name` keeps in device memory throughout a step: its parameters unless
+        offloaded and, trainable, its update count and optimizer state unless offloaded."""
+        spec, out = self.specs[name], {}
+        if name in self.learners:
+            state = self.learners[name].state
+            out["step"] = state.step
+            if not spec.param_offload:
+                out["params"] = state.params
+            if not spec.optimizer_offload:
+                out["opt_state"] = state.opt_state
+        elif name in self.frozen and not spec.param_offload:
+            out["params"] = self.frozen[name].params
+        return out
 
     @property
     def actor(self) -> Learner:
@@ -178,7 +251,8 @@ class Cluster:
 
     def sync_weights(self) -> None:
         """The actor's current weights into the rollout (its layout and dtype)."""
-        self.rollout.load_weights(self.actor.params)
+        with self.on_device("actor"):
+            self.rollout.load_weights(self.actor.params)
 
     def param_trees(self) -> dict[str, Any]:
         """The trainable roles' parameters by name (for fingerprints)."""
@@ -200,7 +274,8 @@ class Cluster:
         return items, meta
 
     def restore(self, items: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
-        """Put back what `state_items` returned (`items` restored in the roles' shardings)."""
+        """Put back what `state_items` returned (`items` restored in the roles' shardings,
+        their memory kinds included: offloaded state comes back to host memory)."""
         for name, learner in self.learners.items():
             step = global_array(np.asarray(meta[f"{name}_steps"], learner.state.step.dtype),
                                 learner.state.step.sharding)  # fmt: skip

@@ -6,13 +6,17 @@
 Per device, a step holds its resident state (parameters, optimizer states, the reference
 model) throughout, and one program at a time adds what XLA reports for it: its inputs beyond
 the resident state (the micro-batch, the gradient accumulator, the rollout copy of the
-weights), its outputs that do not reuse a donated input, and its temporaries:
+weights, offloaded state brought back for it), its outputs that do not reuse a donated input,
+its temporaries, and offloaded state brought back for its phase that it does not take as an
+argument (the optimizer state during an update's micro-batches):
 
     peak  ~=  resident + max over programs p of (arguments_p - resident_p + outputs_p
-                                                  - aliased_p + temporaries_p)
+                                                  - aliased_p + temporaries_p + reloaded_p)
 
-where resident_p is the part of program p's arguments that is resident state. This is an
-estimate: the allocator's fragmentation, XLA's own workspace and the host runtime come on top.
+where resident_p is the part of program p's arguments that is resident state. Offloaded state
+(`param_offload`, `optimizer_offload`) is not resident: it lives in host memory (`host`) and
+counts only for the programs that need it. This is an estimate: the allocator's fragmentation,
+XLA's own workspace and the host runtime come on top.
 """
 
 from __future__ import annotations
@@ -93,14 +97,16 @@ class MemoryPlan:
     """The estimate of a step's peak device memory (see the module doc), bytes per device.
 
     Attributes:
-        resident: Resident state per role ("actor", "ref", "critic").
+        resident: Resident device state per role ("actor", "ref", "critic").
         programs: Each program's analysis.
         adds: What each program adds to the resident state while it runs.
+        host: Offloaded state per role, in host memory between the programs that use it.
     """
 
     resident: dict[str, int]
     programs: dict[str, ProgramMemory]
     adds: dict[str, int]
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -117,25 +123,34 @@ def memory_plan(
     programs: Mapping[str, jax.stages.Compiled],
     resident: Mapping[str, Any],
     resident_arguments: Mapping[str, Any],
+    reloaded: Mapping[str, Any] | None = None,
+    host: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
     """The step's memory plan.
 
     Args:
         programs: `PPOTrainer.compile_step()`'s programs.
-        resident: Role name -> its resident tree (an `UpdateState`, the reference parameters).
+        resident: Role name -> its resident device tree (an `UpdateState`, the reference
+            parameters; without what is offloaded).
         resident_arguments: Program name -> the resident tree it takes as an argument (the
-            role's parameters or whole state); absent: none (generation takes the rollout
-            copy of the weights, made for it).
+            role's parameters or whole state, without what is offloaded); absent: none
+            (generation takes the rollout copy of the weights, made for it).
+        reloaded: Program name -> offloaded trees on the devices while it runs that it does
+            not take as arguments.
+        host: Role name -> its offloaded trees (reported, not counted).
     """
+    reloaded, host = reloaded or {}, host or {}
     analysed = {name: ProgramMemory.of(c) for name, c in programs.items()}
     adds = {
         name: stats.beyond(bytes_per_device(resident_arguments.get(name)))
+        + bytes_per_device(reloaded.get(name))
         for name, stats in analysed.items()
     }
     return MemoryPlan(
         resident={role: bytes_per_device(tree) for role, tree in resident.items()},
         programs=analysed,
         adds=adds,
+        host={role: bytes_per_device(tree) for role, tree in host.items()},
     )
 
 

@@ -245,6 +245,7 @@ class PPOTrainer:
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg, n = actor_rollout_ref.actor, self.sampling.n
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
+        on_device = self.cluster.on_device
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
@@ -277,7 +278,7 @@ class PPOTrainer:
             if self.bypass:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif not on_policy:
-                with timer("old_log_prob", timing):
+                with timer("old_log_prob", timing), on_device("actor"):
                     old, entropy = infer(
                         self._log_prob, actor.params, batch, layout=actor.layout, **micro
                     )
@@ -291,12 +292,12 @@ class PPOTrainer:
                         )
                     )
             if ref is not None:
-                with timer("ref", timing):
+                with timer("ref", timing), on_device("ref"):
                     batch["ref_log_probs"] = infer(
                         self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
                     )
             if critic is not None:
-                with timer("values", timing):
+                with timer("values", timing), on_device("critic"):
                     batch["values"] = infer(
                         self._values,
                         critic.params,
@@ -316,13 +317,13 @@ class PPOTrainer:
                 adv, ret = compute_advantage(batch, group_ids, cfg.algorithm, extra)
                 batch["advantages"], batch["returns"] = adv, ret
             if critic is not None:
-                with timer("update_critic", timing):
+                with timer("update_critic", timing), on_device("critic", optimizer=True):
                     critic_metrics = critic.update(
                         batch, **self._update_args(cfg.critic, global_step, CRITIC_FIELDS)
                     )
                     metrics.update(_prefixed(critic_metrics, "critic"))
             if global_step >= cfg.trainer.critic_warmup:
-                with timer("update_actor", timing):
+                with timer("update_actor", timing), on_device("actor", optimizer=True):
                     fields = self._actor_fields(batch, on_policy)
                     actor_metrics = actor.update(
                         batch, **self._update_args(actor_cfg, global_step, fields)
@@ -340,7 +341,10 @@ class PPOTrainer:
             mfu_metrics(batch, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
         )
         metrics["training/global_step"] = global_step
-        metrics.update(step_fingerprints(batch, self.cluster.param_trees()))
+        with contextlib.ExitStack() as stack:  # hashed on the devices
+            for name in self.cluster.learners:
+                stack.enter_context(on_device(name))
+            metrics.update(step_fingerprints(batch, self.cluster.param_trees()))
         if cfg.trainer.rollout_data_dir:
             self._dump_rollout(batch, global_step, cfg.trainer.rollout_data_dir)
         return metrics
@@ -447,21 +451,28 @@ class PPOTrainer:
 
     def memory_plan(self, val_prompts: int | None = None) -> MemoryPlan:
         """The step's device memory estimate from `compile_step`'s programs (see
-        `jaxrl.trainer.memory`)."""
-        actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
-        resident: dict[str, Any] = {"actor": actor.state}
-        arguments = {
-            "actor log-probs": actor.params,
-            "actor micro-batch": actor.params,
-            "actor optimizer": actor.state,
-        }
-        if ref is not None:
-            resident["ref"] = arguments["ref log-probs"] = ref.params
-        if critic is not None:
-            resident["critic"] = critic.state
-            arguments["critic values"] = arguments["critic micro-batch"] = critic.params
-            arguments["critic optimizer"] = critic.state
-        return memory_plan(self.compile_step(val_prompts), resident, arguments)
+        `jaxrl.trainer.memory`): each role's resident state, less what it offloads, which
+        counts only for the programs that bring it back."""
+        cluster = self.cluster
+        roles = [*cluster.learners, *cluster.frozen]
+        resident = {name: cluster.resident(name) for name in roles}
+        passes = {"actor": "actor log-probs", "ref": "ref log-probs", "critic": "critic values"}
+        host, arguments, reloaded = {}, {}, {}
+        for name in roles:
+            kept = resident[name]
+            arguments[passes[name]] = kept.get("params")
+            if name in cluster.learners:
+                state = cluster.learners[name].state
+                whole = {"params": state.params, "opt_state": state.opt_state}
+                arguments[f"{name} micro-batch"] = kept.get("params")
+                arguments[f"{name} optimizer"] = kept
+                if "opt_state" not in kept:  # back on the devices for the whole update
+                    reloaded[f"{name} micro-batch"] = state.opt_state
+            else:
+                whole = {"params": cluster.frozen[name].params}
+            if offloaded := {k: v for k, v in whole.items() if k not in kept}:
+                host[name] = offloaded
+        return memory_plan(self.compile_step(val_prompts), resident, arguments, reloaded, host)
 
     def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
         optional = ("ref_log_probs", "rollout_is_weights")

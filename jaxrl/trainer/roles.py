@@ -60,6 +60,8 @@ class RoleSpec:
         trainable: Whether the run updates it (it then has an optimizer state).
         head: `causal_lm`, `value` (the critic: the LM head replaced by a fresh 1-label token
             head) or `reward` (a sequence-classification checkpoint, used as it is).
+        param_offload: Parameters live in host memory between the passes that use them.
+        optimizer_offload: The optimizer state lives in host memory outside the update.
     """
 
     name: str
@@ -71,6 +73,8 @@ class RoleSpec:
     attention_impl: str = "auto"
     trainable: bool = False
     head: str = "causal_lm"
+    param_offload: bool = False
+    optimizer_offload: bool = False
 
 
 def _remat(model) -> str:
@@ -103,6 +107,8 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             compute_dtype=dtype_name(actor.dtype, "actor.dtype"),
             remat=_remat(model),
             trainable=True,
+            param_offload=actor.param_offload,
+            optimizer_offload=actor.optimizer_offload,
             **policy,
         ),
         # The actor's weights as they are (its dtype), computing in the rollout dtype; the
@@ -120,6 +126,7 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             "ref",
             param_dtype=dtype_name(ref.model_dtype, "ref.model_dtype"),
             compute_dtype=dtype_name(ref.dtype, "ref.dtype"),
+            param_offload=ref.param_offload,
             **policy,
         )
     if critic_enabled(cfg):
@@ -134,6 +141,8 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             attention_impl=c.model.attention_impl,
             trainable=True,
             head="value",
+            param_offload=c.param_offload,
+            optimizer_offload=c.optimizer_offload,
         )
     if cfg.reward_model.enable:
         rm = cfg.reward_model

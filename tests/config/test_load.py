@@ -255,11 +255,26 @@ def test_ignored_verl_keys_warn(caplog):
         cfg = load(
             "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
-            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-            "critic.model.fsdp_config.optimizer_offload=False",
+            "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
         )
     assert cfg == load()
     assert "gpu_memory_utilization" in caplog.text and "vLLM" in caplog.text
+    assert "fsdp_config.wrap_policy" in caplog.text
+
+
+def test_verl_offload_keys_are_jaxrls():
+    """verl's FSDP offload keys set jaxrl's (the older and newer critic spellings alike)."""
+    cfg = load(
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "critic.model.fsdp_config.param_offload=True",
+        "critic.fsdp.optimizer_offload=True",
+    )
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.param_offload and actor.optimizer_offload
+    assert cfg.actor_rollout_ref.ref.param_offload
+    assert cfg.critic.param_offload and cfg.critic.optimizer_offload
 
 
 def test_ignored_verl_key_with_result_changing_value_is_an_error():
