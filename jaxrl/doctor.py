@@ -272,6 +272,14 @@ def memory_lines(plan: MemoryPlan) -> list[str]:
             f"{name:<22}{gib(stats.arguments):>12}{gib(stats.outputs):>12}"
             f"{gib(stats.temporaries):>14}{gib(plan.adds[name]):>12}"
         )
+    for name in [n for n in plan.adds if n not in plan.programs]:  # phases without a program
+        lines.append(f"{name:<22}{'-':>12}{'-':>12}{'-':>14}{gib(plan.adds[name]):>12}")
+    groups = sorted(set(plan.groups.values()) | {"train"})
+    if len(groups) > 1:
+        lines.append(
+            "device groups (mesh.placement): "
+            + ", ".join(f"{g} peak {gib(plan.group_peak(g))}" for g in groups)
+        )
     lines.append(
         f"estimated peak per device: {gib(plan.peak)} (resident + {plan.largest}; the "
         "allocator's overhead comes on top)"

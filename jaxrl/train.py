@@ -144,21 +144,22 @@ def run_summary(cfg: Config, overrides: Sequence[str]) -> str:
 
 
 def device_summary(cfg: Config) -> str:
-    """Platform, device and process counts, and the training and rollout meshes."""
+    """Platform, device and process counts, and the meshes of the trainer, the rollout and
+    each role placed on devices of its own."""
     import jax
 
-    from jaxrl.sharding import layouts_from_config
+    from jaxrl.sharding.layouts import role_layouts
 
-    train, rollout = layouts_from_config(cfg)
     kinds = sorted({d.device_kind for d in jax.devices()})
-    return "\n".join(
-        [
-            f"devices: {jax.device_count()} x {', '.join(kinds)} ({jax.default_backend()}), "
-            f"{jax.process_count()} process(es), jax {jax.__version__}",
-            f"train mesh:   {dict(train.mesh.shape)}",
-            f"rollout mesh: {dict(rollout.mesh.shape)}",
-        ]
-    )
+    lines = [
+        f"devices: {jax.device_count()} x {', '.join(kinds)} ({jax.default_backend()}), "
+        f"{jax.process_count()} process(es), jax {jax.__version__}"
+    ]
+    for role, layout in role_layouts(cfg).items():
+        ids = [d.id for d in layout.mesh.devices.flat]
+        where = f" on devices {min(ids)}-{max(ids)}" if len(ids) < jax.device_count() else ""
+        lines.append(f"{role + ' mesh:':<14}{dict(layout.mesh.shape)}{where}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -307,7 +307,7 @@ def placed_devices(cfg: Config) -> dict[str, int]:
     counts = {role: getattr(cfg.mesh.placement, role).devices for role in PLACED_ROLES}
     rm = cfg.reward_model
     if rm.enable_resource_pool and not counts["reward"]:
-        counts["reward"] = max(rm.nnodes, 1) * rm.n_gpus_per_node
+        counts["reward"] = rm.nnodes * rm.n_gpus_per_node
     return counts
 
 
@@ -407,19 +407,19 @@ def _check_placement(cfg: Config, p: _Problems, num_devices: int) -> dict[str, i
     mesh (`train`) and of a placed critic (`critic`) when the meshes are valid."""
     counts = placed_devices(cfg)
     rm = cfg.reward_model
-    pool = max(rm.nnodes, 1) * rm.n_gpus_per_node
+    pool = rm.nnodes * rm.n_gpus_per_node
     if rm.enable_resource_pool and (pool < 1 or counts["reward"] != pool):
         p.append(
-            f"reward_model.enable_resource_pool needs reward_model.n_gpus_per_node >= 1 (x "
-            f"nnodes) devices, the same as mesh.placement.reward.devices; got {pool} and "
-            f"{counts['reward']}"
+            "reward_model.enable_resource_pool needs reward_model.nnodes x n_gpus_per_node = "
+            f"{rm.nnodes} x {rm.n_gpus_per_node} >= 1 devices (and "
+            f"mesh.placement.reward.devices, if set, the same); got {counts['reward']}"
         )
     for role, count in counts.items():
         if count and not _role_in_use(cfg, role):
-            p.append(
-                f"mesh.placement.{role}.devices={count}, but this run has no {role} role; "
-                "set it to 0"
-            )
+            key = f"mesh.placement.{role}.devices={count}"
+            if role == "reward" and rm.enable_resource_pool:
+                key = "reward_model.enable_resource_pool=true"
+            p.append(f"{key}, but this run has no {role} role (reward_model.enable etc.); unset it")
     rollout = cfg.mesh.placement.rollout
     if (rollout.dp, rollout.fsdp, rollout.tp, rollout.sp) != (1, -1, 1, 1):
         p.append(
@@ -457,16 +457,18 @@ def _check_devices(cfg: Config, p: _Problems, num_devices: int) -> dict[str, int
     `_check_placement`) when the meshes are valid."""
     shards = _check_placement(cfg, p, num_devices)
     if shards is not None:
-        sp = resolved_mesh(cfg, num_devices)["sp"]
-        critic_sp = sp
-        if "critic" in shards:
-            critic_sp = resolved_mesh(cfg, num_devices, "critic")["sp"]
-        for role, role_sp in (("actor_rollout_ref", sp), ("critic", critic_sp)):
-            if get(cfg, f"{role}.model.attention_impl") == "ring" and role_sp < 2:
+        # (model group, the mesh it trains or scores on) for ring attention's sequence axis
+        critic_mesh = "critic" if "critic" in shards else "train"
+        meshes = [("actor_rollout_ref", "train"), ("critic", critic_mesh)]
+        if "ref" in shards:
+            meshes.append(("actor_rollout_ref", "ref"))
+        for role, group in meshes:
+            sp_key = "mesh.sp" if group == "train" else f"mesh.placement.{group}.sp"
+            sp = resolved_mesh(cfg, num_devices, group)["sp"]
+            if get(cfg, f"{role}.model.attention_impl") == "ring" and sp < 2:
                 p.append(
                     f"{role}.model.attention_impl=ring needs a sequence-parallel mesh: set "
-                    "mesh.sp (or a placed critic's mesh.placement.critic.sp) to 2 or more, or "
-                    "use attention_impl=auto"
+                    f"{sp_key} to 2 or more, or use attention_impl=auto"
                 )
     nodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
     reward_pool = placed_devices(cfg)["reward"] if cfg.reward_model.enable_resource_pool else 0

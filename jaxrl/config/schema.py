@@ -538,8 +538,8 @@ class RewardModelConfig:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     error_score: float = 0.0
     enable_resource_pool: bool = False
-    n_gpus_per_node: int = 0
-    nnodes: int = 0
+    n_gpus_per_node: int = 8
+    nnodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -724,7 +724,7 @@ class PlacementConfig:
     pools). The placed roles take their devices from the end of the device list in the order
     rollout, ref, critic, reward; the actor (and every colocated role) trains on the rest
     with the mesh `mesh.dp/fsdp/tp/sp`. Weights move between groups with the jitted
-    reshard; batches are copied device to device.
+    reshard; each role's passes take the batch in their own layout.
 
     Attributes:
         rollout: Generation on its own devices (the actor's weights are copied there each step

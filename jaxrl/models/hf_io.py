@@ -168,7 +168,7 @@ def from_pretrained(
                 spec = spec[key]
             shape, logical = spec
             if mesh is None:
-                sharding = SingleDeviceSharding(jax.devices()[0])
+                sharding = SingleDeviceSharding(jax.local_devices()[0])
             else:
                 sharding = sharding_for(shape, logical, mesh, layout or {})
             array = _make_array(handles, entry, shape, config, sharding)

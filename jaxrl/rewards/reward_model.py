@@ -20,7 +20,6 @@ scorer serves many batches.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -172,17 +171,13 @@ class RewardModel:
             model=model,
             max_length=reward_model.max_length,
             micro_batch_size=reward_model.micro_batch_size_per_gpu
-            and reward_model.micro_batch_size_per_gpu * (layout.mesh.size if layout else 1),
+            and reward_model.micro_batch_size_per_gpu * (layout.batch_shards() if layout else 1),
         )
 
     # ------------------------------------------------------------------------------ scoring
 
     def _batch_divisor(self) -> int:
-        if self.layout is None:
-            return 1
-        rule = self.layout.rule_map.get("batch")
-        axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        return math.prod(self.layout.mesh.shape[a] for a in axes if a in self.layout.mesh.shape)
+        return 1 if self.layout is None else self.layout.batch_shards()
 
     def _build_scorer(self):
         config = self.config

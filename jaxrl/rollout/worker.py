@@ -3,7 +3,7 @@ generation on it (verl's rollout worker; "Seams II" grows it into an engine with
 conversations and prefix sharing).
 
     worker = RolloutWorker(config, layout, max_prompt_length=512, max_num_seqs=64)
-    worker.load_weights(actor_params)     # reshard train layout -> rollout layout, cast
+    worker.load_weights(actor_params)     # reshard train layout -> rollout layout
     out = worker.generate(input_ids, attention_mask, sampling, rng)
     worker.release()                      # free the copy (colocated: the train step's memory)
 
@@ -31,7 +31,8 @@ class RolloutWorker:
     """The rollout's weights and generation.
 
     Args:
-        config: The rollout model (its `param_dtype` is the rollout dtype).
+        config: The rollout model: its weights are held in `param_dtype` (the actor's master
+            dtype, as they come from the trainer) and it computes in `dtype`.
         layout: The rollout layout (mesh `dp` x `tp`) its weights and batches live in.
         max_prompt_length: Refuse longer prompts (`data.max_prompt_length`).
         max_num_seqs: KV-cache slots (`rollout.max_num_seqs`; None: one per row).
@@ -51,8 +52,8 @@ class RolloutWorker:
         self.params: Any = None
 
     def load_weights(self, params: Any) -> None:
-        """Copy `params` (any layout, any devices) into the rollout layout and dtype,
-        replacing (and freeing) the previous copy."""
+        """Copy `params` (any layout, any devices) into the rollout layout (cast to the
+        config's `param_dtype` if they differ), replacing (and freeing) the previous copy."""
         self.release()
         self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
 
@@ -84,10 +85,15 @@ class RolloutWorker:
             max_num_seqs=self.max_num_seqs,
         )
 
+    def copy_of(self, like: Any) -> Any:
+        """What `load_weights(like)` makes, as `jax.ShapeDtypeStruct`s in the rollout's
+        shardings (nothing allocated)."""
+        return placed_abstract(like, self.shardings, self.config.param_dtype)
+
     def compile(self, like: Any, prompts: int, prompt_len: int, sampling: SamplingParams):
         """`generate`'s program for `prompts` prompts of `prompt_len` tokens on a copy of
         `like` (a parameter tree, abstract or not), compiled but not run."""
-        params = placed_abstract(like, self.shardings, self.config.param_dtype)
+        params = self.copy_of(like)
         return compile_generate(
             self.config,
             params,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +71,12 @@ class Layout:
     def tokens(self, shape: Sequence[int]) -> NamedSharding:
         """Sharding of a [B, T] token / mask batch (batch and sequence axes)."""
         return self.sharding(shape, TOKEN_AXES[: len(shape)])
+
+    def batch_shards(self) -> int:
+        """Devices the `batch` axis is split over (the product of its rule's mesh axes)."""
+        rule = self.rule_map.get("batch")
+        axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        return math.prod(self.mesh.shape[a] for a in axes if a in self.mesh.shape)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

@@ -10,11 +10,12 @@ nothing itself.
     cluster.restore(items, meta)
 
 Each role of `role_specs(cfg)` is loaded by `load_role` into its layout: trainable roles
-(actor, critic) become `Learner`s with the algorithm's loss and optimizer (`Training`), frozen
-ones (ref, reward) keep their parameters, and the rollout holds a copy of the actor's weights
-that `sync_weights` refreshes. Colocated (the default) every role shares the train layout and
-the rollout the rollout layout, on all devices; the reward model, colocated, scores each
-process's rows on its first local device (layout None). `mesh.placement` puts the rollout,
+(actor, critic) become `Learner`s with the algorithm's loss and optimizer (`Training`), the
+reference keeps its parameters (`Frozen`), the reward model is a `RewardModel`, and the rollout
+holds a copy of the actor's weights that `sync_weights` refreshes. Colocated (the default)
+every role shares the train layout and the rollout the rollout layout, on the trainer's
+devices; the reward model, colocated, scores each process's rows on its first local device
+(layout None). `mesh.placement` puts the rollout,
 ref, critic or reward model on a device group of its own (`cluster_layouts`): weights move
 between groups with the jitted reshard, and each role's passes take the batch in its own
 layout. Offloaded state (verl's `param_offload` / `optimizer_offload`) lives in pinned host
@@ -40,6 +41,7 @@ from jaxrl.rollout.worker import RolloutWorker
 from jaxrl.sharding.layouts import Layout, role_layouts
 from jaxrl.sharding.offload import offload, reload, supports_host_offload
 from jaxrl.sharding.processes import global_array, to_host
+from jaxrl.trainer.fingerprint import tree_hash
 from jaxrl.trainer.learner import Learner, LossFn, shardings_of
 from jaxrl.trainer.roles import RoleSpec, load_role, role_specs
 from jaxrl.trainer.update import UpdateState, init_state
@@ -71,9 +73,11 @@ def cluster_layouts(cfg, specs: Mapping[str, RoleSpec], devices=None) -> dict[st
     the train layout (actor, ref, critic), the rollout layout over the trainer's devices, and
     for the reward model None (each process scores its rows on its first local device)."""
     groups = role_layouts(cfg, devices)
-    placed = set(groups) - {"train", "rollout"}
-    if len(groups["rollout"].mesh.devices.flat) != len(groups["train"].mesh.devices.flat):
-        placed.add("rollout")
+    placed = {
+        name
+        for name, layout in groups.items()
+        if set(layout.mesh.devices.flat) != set(groups["train"].mesh.devices.flat)
+    }
     if placed and jax.process_count() > 1:
         raise ValueError(
             f"mesh.placement ({', '.join(sorted(placed))} on devices of their own) runs in one "
@@ -109,6 +113,7 @@ class Cluster:
         self.specs, self.layouts = specs, layouts
         self.learners, self.frozen = learners, frozen
         self.rollout, self.reward_model = rollout, reward_model
+        self._on_device: set[tuple[str, str]] = set()  # (role, "params" | "opt") brought back
 
     @classmethod
     def load(
@@ -125,7 +130,12 @@ class Cluster:
         `abstract`: parameters and optimizer states are `jax.ShapeDtypeStruct`s in their
         shardings, nothing is read but `config.json` (a cluster that only compiles), and no
         reward model is loaded."""
-        specs = role_specs(cfg)
+        specs = _offload_supported(role_specs(cfg))
+        if "reward" in specs and tokenizer is None and not abstract:
+            raise ValueError(
+                "reward_model.enable: Cluster.load needs the actor's tokenizer (tokenizer=...) "
+                "to tell whether the reward model's differs and responses must be re-templated"
+            )
         layouts = cluster_layouts(cfg, specs, devices)
         learners, frozen, reward_model = {}, {}, None
         for name, spec in specs.items():
@@ -154,30 +164,12 @@ class Cluster:
         )
         cluster = cls(specs, layouts, learners, frozen, rollout, reward_model)
         if not abstract:
-            cluster._offload_at_rest()
+            for name, spec in specs.items():
+                if name in learners or name in frozen:
+                    opt = spec.optimizer_offload and name in learners
+                    if spec.param_offload or opt:
+                        cluster._move(name, offload, spec.param_offload, opt)
         return cluster
-
-    def _offload_at_rest(self) -> None:
-        """Move what the specs offload to host memory (when the backend has it)."""
-        offloaded = {
-            name: (spec.param_offload, spec.optimizer_offload and name in self.learners)
-            for name, spec in self.specs.items()
-            if name in self.learners or name in self.frozen
-        }
-        offloaded = {name: flags for name, flags in offloaded.items() if any(flags)}
-        if offloaded and not supports_host_offload():
-            log.warning(
-                "%s: this backend has no pinned host memory; the offloaded state stays on "
-                "the devices",
-                ", ".join(f"{name} offload" for name in offloaded),
-            )
-            for name in offloaded:
-                self.specs[name] = dataclasses.replace(
-                    self.specs[name], param_offload=False, optimizer_offload=False
-                )
-            return
-        for name, (params, opt) in offloaded.items():
-            self._move(name, offload, params, opt)
 
     @contextlib.contextmanager
     def on_device(self, name: str, *, optimizer: bool = False) -> Iterator[None]:
@@ -185,15 +177,23 @@ class Cluster:
         offloaded optimizer state) are in device memory; after it, back in host memory
         (verl's load/offload around each use). Nothing moves for a role not offloaded."""
         spec = self.specs[name]
-        params, opt = spec.param_offload, optimizer and spec.optimizer_offload
-        if not (params or opt):
+        params = spec.param_offload and (name, "params") not in self._on_device
+        opt = optimizer and spec.optimizer_offload and (name, "opt") not in self._on_device
+        moved = {key for key, moves in (((name, "params"), params), ((name, "opt"), opt)) if moves}
+        if not moved:  # not offloaded, or already brought back by an enclosing block
             yield
             return
         self._move(name, reload, params, opt)
+        self._on_device |= moved
         try:
             yield
-        finally:
-            self._move(name, offload, params, opt)
+        except BaseException:
+            # Left on the devices: an update that failed may have donated (deleted) the
+            # state, and moving it would raise over the error that matters.
+            self._on_device -= moved
+            raise
+        self._on_device -= moved
+        self._move(name, offload, params, opt)
 
     def _move(self, name: str, move: Callable[[Any], Any], params: bool, opt: bool) -> None:
         if name in self.learners:
@@ -237,8 +237,15 @@ class Cluster:
     def rollout_colocated(self) -> bool:
         """Whether the rollout shares the actor's devices (then its weights are freed after
         each generation, for the passes that follow)."""
-        actor, rollout = self.layouts["actor"], self.layouts["rollout"]
-        return set(actor.mesh.devices.flat) == set(rollout.mesh.devices.flat)
+        return self.device_group("rollout") == "train"
+
+    def device_group(self, name: str) -> str:
+        """The device group role `name` lives on: "train" (the actor's devices) or, placed
+        on devices of its own, its name."""
+        layout, actor = self.layouts.get(name), self.layouts["actor"]
+        if layout is None or set(layout.mesh.devices.flat) == set(actor.mesh.devices.flat):
+            return "train"
+        return name
 
     @property
     def num_devices(self) -> int:
@@ -254,9 +261,14 @@ class Cluster:
         with self.on_device("actor"):
             self.rollout.load_weights(self.actor.params)
 
-    def param_trees(self) -> dict[str, Any]:
-        """The trainable roles' parameters by name (for fingerprints)."""
-        return {name: learner.params for name, learner in self.learners.items()}
+    def param_hashes(self) -> dict[str, jax.Array]:
+        """`fingerprint.tree_hash` of each trainable role's parameters (on the devices, one
+        role at a time when offloaded)."""
+        hashes = {}
+        for name, learner in self.learners.items():
+            with self.on_device(name):
+                hashes[name] = tree_hash(learner.params)
+        return hashes
 
     def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(arrays, meta) of a checkpoint: each trainable role's parameters and optimizer
@@ -280,6 +292,20 @@ class Cluster:
             step = global_array(np.asarray(meta[f"{name}_steps"], learner.state.step.dtype),
                                 learner.state.step.sharding)  # fmt: skip
             learner.state = UpdateState(items[f"{name}_params"], items[f"{name}_opt"], step)
+
+
+def _offload_supported(specs: dict[str, RoleSpec]) -> dict[str, RoleSpec]:
+    """The specs, with offload turned off (and a warning) where the backend has no pinned
+    host memory."""
+    offloading = [n for n, s in specs.items() if s.param_offload or s.optimizer_offload]
+    if not offloading or supports_host_offload():
+        return specs
+    log.warning(
+        "%s: this backend has no pinned host memory; the offloaded state stays on the devices",
+        ", ".join(f"{name} offload" for name in offloading),
+    )
+    off = dict(param_offload=False, optimizer_offload=False)
+    return {n: dataclasses.replace(s, **off) if n in offloading else s for n, s in specs.items()}
 
 
 def _learner(config: DecoderConfig, params: Any, training: Training, layout) -> Learner:

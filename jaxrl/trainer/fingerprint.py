@@ -73,10 +73,12 @@ def host_hash(arrays: Mapping[str, Any]) -> str:
     return digest.hexdigest()[:8]
 
 
-def step_fingerprints(batch: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, str]:
+def step_fingerprints(
+    batch: Mapping[str, Any], param_hashes: Mapping[str, jax.Array]
+) -> dict[str, str]:
     """`fingerprint/inputs` of the step's batch and `fingerprint/<role>` of each role's
-    parameters after the step, as 8 hex digits."""
+    parameters after the step (`tree_hash`es, on the devices), as 8 hex digits."""
     out = {"fingerprint/inputs": host_hash({k: batch[k] for k in INPUT_KEYS if k in batch})}
-    hashes = to_host({role: tree_hash(tree) for role, tree in params.items()})  # one read
+    hashes = to_host(dict(param_hashes))  # one read
     out.update({f"fingerprint/{role}": f"{int(value):08x}" for role, value in hashes.items()})
     return out

@@ -45,11 +45,7 @@ def to_device(arrays: dict[str, np.ndarray], layout: Layout | None) -> dict[str,
 
 def batch_shards(layout: Layout | None) -> int:
     """Devices the batch axis is split over (micro-batch rows are padded to a multiple)."""
-    if layout is None:
-        return 1
-    spec = layout.spec((1 << 20,), ("batch",))[0]
-    axes = () if spec is None else (spec if isinstance(spec, tuple) else (spec,))
-    return int(np.prod([layout.mesh.shape[a] for a in axes]))
+    return 1 if layout is None else layout.batch_shards()
 
 
 def plan(

@@ -15,8 +15,11 @@ argument (the optimizer state during an update's micro-batches):
 
 where resident_p is the part of program p's arguments that is resident state. Offloaded state
 (`param_offload`, `optimizer_offload`) is not resident: it lives in host memory (`host`) and
-counts only for the programs that need it. This is an estimate: the allocator's fragmentation,
-XLA's own workspace and the host runtime come on top.
+counts only for the programs that need it. Roles placed on device groups of their own
+(`mesh.placement`) each have this sum over their group's resident state and programs, and the
+peak is the largest group's. Phases that run no compiled program of their own (the weight sync
+to the rollout) add what they hold. This is an estimate: the allocator's fragmentation, XLA's
+own workspace and the host runtime come on top.
 """
 
 from __future__ import annotations
@@ -99,24 +102,39 @@ class MemoryPlan:
     Attributes:
         resident: Resident device state per role ("actor", "ref", "critic").
         programs: Each program's analysis.
-        adds: What each program adds to the resident state while it runs.
+        adds: What each program (or phase) adds to the resident state while it runs.
         host: Offloaded state per role, in host memory between the programs that use it.
+        groups: Role or program name -> its device group (absent: the one group "train").
     """
 
     resident: dict[str, int]
     programs: dict[str, ProgramMemory]
     adds: dict[str, int]
     host: dict[str, int] = dataclasses.field(default_factory=dict)
+    groups: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def _group(self, name: str) -> str:
+        return self.groups.get(name, "train")
+
+    def group_peak(self, group: str) -> int:
+        """A device group's resident state plus its largest program's addition."""
+        resident = sum(v for role, v in self.resident.items() if self._group(role) == group)
+        adds = [v for name, v in self.adds.items() if self._group(name) == group]
+        return resident + max(adds, default=0)
 
     @property
     def peak(self) -> int:
-        """Resident state plus the largest program's addition, bytes per device."""
-        return sum(self.resident.values()) + max(self.adds.values(), default=0)
+        """The largest device group's peak, bytes per device."""
+        groups = {self._group(name) for name in (*self.resident, *self.adds)}
+        return max((self.group_peak(g) for g in groups), default=0)
 
     @property
     def largest(self) -> str:
-        """The program that adds the most."""
-        return max(self.adds, key=self.adds.__getitem__)
+        """The program (or phase) of the peak: the largest addition on the peak's group."""
+        groups = {self._group(name) for name in (*self.resident, *self.adds)}
+        group = max(groups, key=self.group_peak)
+        mine = {k: v for k, v in self.adds.items() if self._group(k) == group}
+        return max(mine, key=mine.__getitem__)
 
 
 def memory_plan(
@@ -125,6 +143,8 @@ def memory_plan(
     resident_arguments: Mapping[str, Any],
     reloaded: Mapping[str, Any] | None = None,
     host: Mapping[str, Any] | None = None,
+    groups: Mapping[str, str] | None = None,
+    phases: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
     """The step's memory plan.
 
@@ -138,6 +158,9 @@ def memory_plan(
         reloaded: Program name -> offloaded trees on the devices while it runs that it does
             not take as arguments.
         host: Role name -> its offloaded trees (reported, not counted).
+        groups: Role, program or phase name -> its device group; absent: "train".
+        phases: Phase name -> the trees it holds on the devices beyond the resident state
+            (no compiled program of its own).
     """
     reloaded, host = reloaded or {}, host or {}
     analysed = {name: ProgramMemory.of(c) for name, c in programs.items()}
@@ -146,11 +169,13 @@ def memory_plan(
         + bytes_per_device(reloaded.get(name))
         for name, stats in analysed.items()
     }
+    adds.update({name: bytes_per_device(tree) for name, tree in (phases or {}).items()})
     return MemoryPlan(
         resident={role: bytes_per_device(tree) for role, tree in resident.items()},
         programs=analysed,
         adds=adds,
         host={role: bytes_per_device(tree) for role, tree in host.items()},
+        groups=dict(groups or {}),
     )
 
 

@@ -145,6 +145,12 @@ class PPOTrainer:
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the trainer does not "
                 "compute sum_pi_squared yet; the estimator itself is in jaxrl.core_algos"
             )
+        dumps = [k for k in ("rollout_data_dir", "validation_data_dir") if getattr(cfg.trainer, k)]
+        if dumps and tokenizer is None:
+            raise ValueError(
+                f"trainer.{dumps[0]} is set: PPOTrainer needs the tokenizer (tokenizer=...) to "
+                "decode the dumped generations"
+            )
         self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn or reward_fn
         actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -341,10 +347,7 @@ class PPOTrainer:
             mfu_metrics(batch, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
         )
         metrics["training/global_step"] = global_step
-        with contextlib.ExitStack() as stack:  # hashed on the devices
-            for name in self.cluster.learners:
-                stack.enter_context(on_device(name))
-            metrics.update(step_fingerprints(batch, self.cluster.param_trees()))
+        metrics.update(step_fingerprints(batch, self.cluster.param_hashes()))
         if cfg.trainer.rollout_data_dir:
             self._dump_rollout(batch, global_step, cfg.trainer.rollout_data_dir)
         return metrics
@@ -458,12 +461,16 @@ class PPOTrainer:
         resident = {name: cluster.resident(name) for name in roles}
         passes = {"actor": "actor log-probs", "ref": "ref log-probs", "critic": "critic values"}
         host, arguments, reloaded = {}, {}, {}
+        groups = {name: cluster.device_group(name) for name in (*roles, "rollout")}
         for name in roles:
             kept = resident[name]
             arguments[passes[name]] = kept.get("params")
+            groups[passes[name]] = groups[name]
             if name in cluster.learners:
                 state = cluster.learners[name].state
                 whole = {"params": state.params, "opt_state": state.opt_state}
+                for program in ("micro-batch", "optimizer"):
+                    groups[f"{name} {program}"] = groups[name]
                 arguments[f"{name} micro-batch"] = kept.get("params")
                 arguments[f"{name} optimizer"] = kept
                 if "opt_state" not in kept:  # back on the devices for the whole update
@@ -472,7 +479,28 @@ class PPOTrainer:
                 whole = {"params": cluster.frozen[name].params}
             if offloaded := {k: v for k, v in whole.items() if k not in kept}:
                 host[name] = offloaded
-        return memory_plan(self.compile_step(val_prompts), resident, arguments, reloaded, host)
+        # The rollout's copy of the weights: made for each generation when colocated, kept
+        # between steps on a group of its own. The weight sync holds the copy (colocated) and
+        # the actor's offloaded parameters, which it copies from, on the trainer's group.
+        copy = cluster.rollout.copy_of(cluster.actor.params)
+        sync = [] if "params" in resident["actor"] else [cluster.actor.params]
+        if cluster.rollout_colocated:
+            sync.append(copy)
+        else:
+            resident["rollout"] = {"params": copy}
+        for program in ("generate", "validate generate"):
+            groups[program] = groups["rollout"]
+            arguments[program] = resident.get("rollout")
+        groups["weight sync"] = groups["actor"]
+        return memory_plan(
+            self.compile_step(val_prompts),
+            resident,
+            arguments,
+            reloaded,
+            host,
+            groups=groups,
+            phases={"weight sync": sync},
+        )
 
     def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
         optional = ("ref_log_probs", "rollout_is_weights")

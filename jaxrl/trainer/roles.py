@@ -191,7 +191,7 @@ def load_model(
     dtypes and the attention implementation the forward passes use. `abstract`: only
     `config.json` is read and the parameters are `jax.ShapeDtypeStruct`s in their shardings,
     nothing loaded or allocated (for compiling programs without running them,
-    `PPOTrainer(abstract=True)`)."""
+    `Cluster.load(..., abstract=True)`)."""
     options = dict(remat=remat, override_config=override_config or None)
     if not abstract:
         config, params = from_pretrained(path, dtype=param_dtype, layout=layout, **options)

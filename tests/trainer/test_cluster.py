@@ -69,6 +69,11 @@ def test_sync_weights_and_state_round_trip(assets, tmp_path):
     cfg = config(assets, tmp_path, "algorithm.adv_estimator=gae")
     a = Cluster.load(cfg, ppo_training(cfg, total_steps=2))
     assert sorted(a.learners) == ["actor", "critic"] and a.ref is None
+    # the quickstart's dtypes: fp32 weights and compute; the critic computes in verl's bf16
+    assert {x.dtype for x in jax.tree.leaves(a.actor.params)} == {np.dtype("float32")}
+    assert a.actor.config.dtype == a.rollout.config.dtype == "float32"
+    assert a.critic.config.dtype == "bfloat16"
+    assert a.critic.config.head == "token_classification" and a.rollout.config.remat == "none"
     a.sync_weights()
     rollout = a.rollout.params
     assert jax.tree.map(lambda x: x.sharding, rollout) == a.rollout.shardings

@@ -51,7 +51,7 @@ def test_hash_sees_every_bit_and_position():
 
 def test_step_fingerprints_are_short_hex():
     batch = {"prompts": np.arange(6).reshape(2, 3), "responses": np.ones((2, 4), np.int32)}
-    out = step_fingerprints(batch, {"actor": tree()})
+    out = step_fingerprints(batch, {"actor": tree_hash(tree())})
     assert set(out) == {"fingerprint/inputs", "fingerprint/actor"}
     assert all(len(v) == 8 and int(v, 16) >= 0 for v in out.values())
     assert host_hash(batch) != host_hash({**batch, "responses": np.zeros((2, 4), np.int32)})

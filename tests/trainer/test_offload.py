@@ -118,6 +118,7 @@ def test_memory_plan_counts_offloaded_state_where_it_is_used(assets, tmp_path):
         "actor optimizer": params + opt,
         "critic micro-batch": critic_params + critic_opt,
         "critic optimizer": critic_params + critic_opt,
+        "weight sync": params,  # the actor's parameters, copied from to the rollout
     }
     for name, more in expected.items():
         assert off.adds[name] == plain.adds[name] + more, name

@@ -13,8 +13,9 @@ from _quickstart import asset_paths
 from jaxrl.config import ConfigError, load_config
 from jaxrl.config.checks import placed_devices, role_devices
 from jaxrl.trainer.cluster import Cluster
-from jaxrl.trainer.fit import fit
+from jaxrl.trainer.fit import build_run, fit
 from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.memory import bytes_per_device
 from jaxrl.trainer.ppo_trainer import ppo_training
 
 # 6 prompts x 4 responses = 24 rows: whole mini-batches on 8, 6 and 4 batch shards
@@ -24,8 +25,9 @@ COMMON = [
     "actor_rollout_ref.actor.ppo_epochs=2",
     "actor_rollout_ref.rollout.n=4",
     "algorithm.adv_estimator=gae",
-    "actor_rollout_ref.actor.dtype=fp32",  # float32 compute: reduction order costs ~1e-7, not
-    "actor_rollout_ref.rollout.dtype=fp32",  # bfloat16's 1e-2
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    # float32 compute (the quickstart's; the critic's default is bf16): reduction order then
+    # costs ~1e-7, not bfloat16's ~1e-2
     "critic.dtype=fp32",
     "mesh.dp=1",
     "mesh.fsdp=-1",
@@ -69,7 +71,18 @@ def test_device_groups_from_jaxrl_and_verl_keys(assets, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["mesh.placement.ref.devices=2"], "mesh.placement.ref.devices=2, but this run has no ref"),
+        (
+            ["mesh.placement.reward.devices=2"],
+            "mesh.placement.reward.devices=2, but this run has no reward role",
+        ),
+        (
+            ["reward_model.enable_resource_pool=true"],
+            "reward_model.enable_resource_pool=true, but this run has no reward role",
+        ),
+        (
+            ["mesh.placement.ref.devices=2", "actor_rollout_ref.model.attention_impl=ring"],
+            "set mesh.placement.ref.sp to 2 or more",
+        ),
         (["mesh.placement.rollout.devices=8"], "leave the trainer none"),
         (["mesh.placement.rollout.devices=3"], "ppo_mini_batch_size x rollout.n = 6 x 4"),
         (["mesh.placement.rollout.tp=2"], "mesh.placement.rollout takes only `devices`"),
@@ -114,10 +127,32 @@ def test_placed_roles_live_on_their_devices(assets, tmp_path):
 
     assert on(cluster.actor.state) == set(devices[:4])
     assert on(cluster.critic.state) == set(devices[6:])
+    assert cluster.device_group("critic") == "critic" and cluster.device_group("ref") == "train"
     assert not cluster.rollout_colocated
     cluster.sync_weights()
     assert on(cluster.rollout.params) == set(devices[4:6])
     assert cluster.num_devices == 8
+
+
+def test_memory_plan_of_placed_roles_is_per_device_group(assets, tmp_path):
+    """With the critic and the rollout on groups of their own, each group's peak counts its
+    own resident state and programs; the plan's peak is the largest group's."""
+    cfg = config(
+        assets, tmp_path, "mesh.placement.critic.devices=2", "mesh.placement.rollout.devices=2"
+    )
+    trainer = build_run(cfg, abstract=True).trainer
+    plan = trainer.memory_plan()
+    assert plan.groups["critic micro-batch"] == plan.groups["critic"] == "critic"
+    assert plan.groups["generate"] == plan.groups["rollout"] == "rollout"
+    assert plan.groups["actor micro-batch"] == plan.groups["weight sync"] == "train"
+    copy = bytes_per_device(trainer.cluster.rollout.copy_of(trainer.cluster.actor.params))
+    assert plan.resident["rollout"] == copy  # kept between steps on its own devices
+    critic_only = plan.resident["critic"] + max(
+        plan.adds[p] for p in ("critic values", "critic micro-batch", "critic optimizer")
+    )
+    assert plan.group_peak("critic") == critic_only
+    assert plan.group_peak("rollout") == copy + max(plan.adds["generate"], 0)
+    assert plan.peak == max(plan.group_peak(g) for g in ("train", "critic", "rollout"))
 
 
 IGNORED = ("timing", "perf/", "fingerprint/")  # parameter hashes: the last bits differ
@@ -126,16 +161,20 @@ IGNORED = ("timing", "perf/", "fingerprint/")  # parameter hashes: the last bits
 @pytest.mark.entry
 @pytest.mark.slow
 def test_placed_runs_equal_the_colocated_run(assets, tmp_path):
-    """3 PPO steps (critic, GAE, two epochs): colocated on 8 devices, the critic on 4 beside
-    the actor's 4, and the rollout on 2 beside training on 6. The rollouts and scores are the
+    """3 PPO steps (critic, GAE, KL loss, two epochs): colocated on 8 devices, the reference
+    and the critic on 2 devices each beside the actor's 4, and the rollout on 2 beside
+    training on 6. The rollouts and scores are the
     same (`fingerprint/inputs`, bit for bit) and so are the response statistics; losses,
-    gradient norms and values agree to float32 reduction order: the batch is split over 8, 4
-    or 6 devices, so sums are added in another order (measured: at most 5e-6 relative, 6e-8
+    gradient norms and values agree to float32 reduction order: the batch is split over 8, 6,
+    4 or 2 devices, so sums are added in another order (measured: at most 5e-6 relative, 6e-8
     absolute on means that are 0 up to rounding)."""
     steps = "trainer.total_training_steps=3"
     colocated = read_metrics(_run(assets, tmp_path / "colocated", steps))
     runs = {
-        "critic on 4": ["mesh.placement.critic.devices=4"],
+        "ref and critic on 2 each": [
+            "mesh.placement.ref.devices=2",
+            "mesh.placement.critic.devices=2",
+        ],
         "rollout on 2": ["mesh.placement.rollout.devices=2"],
     }
     for name, placement in runs.items():
