@@ -1,4 +1,5 @@
-"""Token rewards and advantages of a step (verl's `apply_kl_penalty` and `compute_advantage`).
+"""Token rewards and advantages of a step (verl's `apply_kl_penalty` and `compute_advantage`),
+jitted on the devices.
 
 KL in reward (`algorithm.use_kl_in_reward`), with beta the controller's coefficient:
 
@@ -6,18 +7,23 @@ KL in reward (`algorithm.use_kl_in_reward`), with beta the controller's coeffici
     token_level_rewards = token_level_scores - beta * kld
     current_kl = mean_b(masked_mean_t(kld))  -> controller.update(current_kl, n_steps=N)
 
-Advantages go through the `core_algos` registry with the arguments verl passes each estimator.
-The estimators run with jnp on the host rows of the step's global batch, which every process
-holds (`ppo_trainer.gather_processes`), so group statistics and batch-wide whitening see every
-sample whichever process generated it.
+The controller's update needs `current_kl` on the host: the trainer reads it back with the
+step's metrics and updates the controller then (it is used from the next step on, as in verl).
+
+Advantages go through the `core_algos` registry with the arguments verl passes each estimator,
+over the step's global batch (every process holds it), so group statistics and batch-wide
+whitening see every sample whichever process generated it. `mask` is the loss mask: the tokens
+trained on (verl's `response_mask`, which multi-turn rollouts also cut to the policy's tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
-import numpy as np
+from jaxtyping import Array, Float
 
 from jaxrl.core_algos import (
     AdvantageEstimator,
@@ -27,47 +33,46 @@ from jaxrl.core_algos import (
 )
 
 
-def apply_kl_penalty(
-    batch: dict[str, np.ndarray], kl_ctrl: Any, penalty: str
-) -> tuple[np.ndarray, dict[str, float]]:
-    """(token_level_rewards [N, R], metrics); updates `kl_ctrl` in place."""
-    mask = jnp.asarray(batch["response_mask"], jnp.float32)
-    kld = kl_penalty(
-        jnp.asarray(batch["old_log_probs"]), jnp.asarray(batch["ref_log_probs"]), penalty
-    )
-    kld = kld * mask
-    beta = kl_ctrl.value
-    rewards = jnp.asarray(batch["token_level_scores"]) - beta * kld
-    current_kl = float(jnp.mean(masked_mean(kld, mask, axis=-1)))
-    kl_ctrl.update(current_kl=current_kl, n_steps=len(mask))
-    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": float(beta)}
-    return np.asarray(rewards, np.float32), metrics
+def kl_in_reward(
+    scores: Float[Array, "n r"],
+    old_log_probs: Float[Array, "n r"],
+    ref_log_probs: Float[Array, "n r"],
+    mask: Float[Array, "n r"],
+    beta: Float[Array, ""],
+    *,
+    penalty: str,
+) -> tuple[Float[Array, "n r"], Float[Array, ""]]:
+    """(token_level_rewards, current_kl): see the module doc (jit with `penalty` bound)."""
+    mask = mask.astype(jnp.float32)
+    kld = kl_penalty(old_log_probs, ref_log_probs, penalty) * mask
+    rewards = scores - beta * kld
+    return rewards.astype(jnp.float32), jnp.mean(masked_mean(kld, mask, axis=-1))
 
 
 def compute_advantage(
-    batch: dict[str, np.ndarray],
-    group_ids: np.ndarray,
+    batch: Mapping[str, Array],
+    extra: Mapping[str, Array],
+    *,
     algorithm: Any,
-    extra: dict[str, Any] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(advantages, returns) [N, R] of `algorithm.adv_estimator`, as verl computes them.
+) -> tuple[Float[Array, "n r"], Float[Array, "n r"]]:
+    """(advantages, returns) [N, R] of `algorithm.adv_estimator`, as verl computes them
+    (jittable, with `algorithm` bound).
 
     Args:
-        batch: Host arrays: token_level_rewards, response_mask, and per estimator values
-            (gae), reward_baselines (remax), old_log_probs / sum_pi_squared (optimal token
-            baselines), prompts / prompt_mask (gdpo).
-        group_ids: int [N], the prompt group of every response (verl's `uid`).
+        batch: token_level_rewards, loss_mask, group_ids (int [N], the prompt group of every
+            response: verl's `uid`) and per estimator values (gae), reward_baselines (remax),
+            prompt_mask / response_mask (gdpo).
+        extra: The scorer's per-row reward components as float arrays [N] (gdpo).
         algorithm: The `algorithm` config (gamma, lam, norm_adv_by_std_in_grpo, ...).
-        extra: Per-row non-tensor inputs (gdpo's reward components).
     """
     name = algorithm.adv_estimator
-    rewards = jnp.asarray(batch["token_level_rewards"], jnp.float32)
-    mask = jnp.asarray(batch["response_mask"], jnp.float32)
+    rewards = batch["token_level_rewards"].astype(jnp.float32)
+    mask = batch["loss_mask"].astype(jnp.float32)
     fn = get_adv_estimator_fn(name)
     if name == AdvantageEstimator.GAE:
         adv, ret = fn(
             token_level_rewards=rewards,
-            values=jnp.asarray(batch["values"]),
+            values=batch["values"],
             response_mask=mask,
             gamma=algorithm.gamma,
             lam=algorithm.lam,
@@ -76,7 +81,7 @@ def compute_advantage(
         adv, ret = fn(
             token_level_rewards=rewards,
             response_mask=mask,
-            index=jnp.asarray(group_ids),
+            index=batch["group_ids"],
             norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
         )
     else:
@@ -84,24 +89,30 @@ def compute_advantage(
             "token_level_rewards": rewards,
             "response_mask": mask,
             "config": algorithm,
-            "index": jnp.asarray(group_ids),
+            "index": batch["group_ids"],
         }
-        if "reward_baselines" in batch:
-            kwargs["reward_baselines"] = jnp.asarray(batch["reward_baselines"])
+        if batch.get("reward_baselines") is not None:
+            kwargs["reward_baselines"] = batch["reward_baselines"]
         if name == AdvantageEstimator.GDPO:
-            attention = np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
-            keys = list(getattr(algorithm, "gdpo_reward_keys", None) or (extra or {}))
-            missing = [k for k in keys if k not in (extra or {})]
-            if missing:
-                raise ValueError(
-                    f"gdpo needs the reward components {missing} from the scorer's extra info "
-                    f"(it returned {sorted(extra or {})}); return them from compute_score"
-                )
-            kwargs["non_tensor_batch"] = {
-                k: jnp.asarray(np.asarray(extra[k], np.float32)) for k in keys
-            }
-            kwargs["batch"] = {"attention_mask": jnp.asarray(attention)}
+            kwargs["non_tensor_batch"] = dict(extra)
+            attention = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
+            kwargs["batch"] = {"attention_mask": attention}
         # (optimal_token_baseline needs the actor's sum_pi_squared, which the trainer does not
         # compute: PPOTrainer refuses that estimator, so it never reaches here.)
         adv, ret = fn(**kwargs)
-    return np.asarray(adv, np.float32), np.asarray(ret, np.float32)
+    return adv.astype(jnp.float32), ret.astype(jnp.float32)
+
+
+def gdpo_components(algorithm: Any, extra: Mapping[str, list]) -> dict[str, jax.Array]:
+    """The scorer's reward components gdpo normalises (`gdpo_reward_keys`, default: all it
+    returned), as float32 arrays; other estimators take none."""
+    if algorithm.adv_estimator != AdvantageEstimator.GDPO:
+        return {}
+    keys = list(getattr(algorithm, "gdpo_reward_keys", None) or extra)
+    missing = [k for k in keys if k not in extra]
+    if missing:
+        raise ValueError(
+            f"gdpo needs the reward components {missing} from the scorer's extra info (it "
+            f"returned {sorted(extra)}); return them from compute_score"
+        )
+    return {k: jnp.asarray(extra[k], jnp.float32) for k in keys}

@@ -5,10 +5,11 @@ micro-batches, and per-token inference passes (old log-probs, values).
     metrics = learner.update(batch, mini_batch_rows=..., epochs=..., micro_rows=...)
     old_lp  = infer(log_prob_fn, learner.params, batch, layout=train, micro_rows=...)
 
-`batch` is a dict of host arrays: `prompts` [N, P], `prompt_mask`, `responses` [N, R],
-`response_mask` and further [N, R] (or [N]) arrays. One optimizer step per mini-batch: the
-micro-batches' gradients are summed (each micro-batch loss is normalised by the mini-batch's
-global counts, see `losses`), clipped, and applied unless their norm is non-finite.
+`batch` is the step's `RLBatch` on the devices; micro-batches are gathered from it on the
+devices (`batch.take`), and `infer`'s results come back as [N, R] arrays on the devices. One
+optimizer step per mini-batch: the micro-batches' gradients are summed (each micro-batch loss
+is normalised by the mini-batch's global counts, see `losses`), clipped, and applied unless
+their norm is non-finite.
 """
 
 from __future__ import annotations
@@ -25,22 +26,12 @@ import optax
 from jaxrl.core_algos.aggregation import global_batch_info
 from jaxrl.models.config import DecoderConfig
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
-from jaxrl.sharding.processes import global_array, to_host
-from jaxrl.trainer.microbatch import MicroBatch, plan_micro_batches, take
+from jaxrl.sharding.processes import to_host
+from jaxrl.trainer.batch import SEQUENCE_FIELDS, RLBatch, moved_to, scatter, take, take_abstract
+from jaxrl.trainer.microbatch import MicroBatch, plan_micro_batches
 from jaxrl.trainer.update import UpdateState, apply_gradients, state_shardings
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, Any]]]
-
-
-def to_device(arrays: dict[str, np.ndarray], layout: Layout | None) -> dict[str, jax.Array]:
-    """Host rows (the global batch's, the same on every process) to global arrays split over
-    the layout's batch axes; each process places the shards of its own devices."""
-    if layout is None:
-        return {k: jnp.asarray(v) for k, v in arrays.items()}
-    return {
-        k: global_array(v, layout.sharding(v.shape, ("batch",) + (None,) * (v.ndim - 1)))
-        for k, v in arrays.items()
-    }
 
 
 def batch_shards(layout: Layout | None) -> int:
@@ -49,7 +40,7 @@ def batch_shards(layout: Layout | None) -> int:
 
 
 def plan(
-    batch: dict[str, np.ndarray],
+    batch: RLBatch,
     rows: np.ndarray,
     layout: Layout | None,
     micro_rows: int | None,
@@ -58,12 +49,13 @@ def plan(
 ) -> list[MicroBatch]:
     """Micro-batches of `rows`; `micro_rows` / `token_budget` are per batch-shard device
     (verl's `*_per_gpu` keys); `balance` deals equal work to the shards."""
+    prompt_lengths, response_lengths = batch.lengths()
     return plan_micro_batches(
         rows,
-        batch["prompt_mask"].sum(-1),
-        batch["response_mask"].sum(-1),
-        batch["prompts"].shape[1],
-        batch["responses"].shape[1],
+        prompt_lengths,
+        response_lengths,
+        batch.prompts.shape[1],
+        batch.responses.shape[1],
         micro_rows=micro_rows,
         token_budget=token_budget,
         shards=batch_shards(layout),
@@ -71,13 +63,10 @@ def plan(
     )
 
 
-SEQUENCE_FIELDS = ("prompts", "prompt_mask", "responses", "response_mask")
-
-
 def infer(
     fn: Callable[[Any, dict[str, jax.Array]], Any],
     params: Any,
-    batch: dict[str, np.ndarray],
+    batch: RLBatch,
     *,
     layout: Layout | None,
     micro_rows: int | None,
@@ -85,19 +74,15 @@ def infer(
     balance: bool = False,
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r]` (or a tuple of them; jitted by the caller) over
-    the whole batch, as host [N, R] float32 arrays (zeros past each micro-batch's trimmed
-    width)."""
-    n, r = batch["responses"].shape
-    arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
+    the whole batch, as float32 [N, R] arrays replicated in `layout` (zeros past each
+    micro-batch's trimmed width)."""
+    n, r = batch.responses.shape
+    arrays = moved_to(batch.fields(SEQUENCE_FIELDS), layout)
     plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
-    results = [fn(params, to_device(take(arrays, mb), layout)) for mb in plans]
-    results = to_host(results)  # one read-back after all passes are queued
+    results = [fn(params, take(arrays, mb, layout)) for mb in plans]
     single = not isinstance(results[0], tuple)
-    outs = [np.zeros((n, r), np.float32) for _ in range(1 if single else len(results[0]))]
-    for mb, values in zip(plans, results, strict=True):
-        valid = mb.rows >= 0
-        for out, x in zip(outs, (values,) if single else values, strict=True):
-            out[mb.rows[valid], : mb.response_len] = np.asarray(x)[valid]
+    parts = [[x] if single else list(x) for x in results]
+    outs = [scatter([p[k] for p in parts], plans, n, r, layout) for k in range(len(parts[0]))]
     return outs[0] if single else tuple(outs)
 
 
@@ -142,7 +127,7 @@ class Learner:
 
     def update(
         self,
-        batch: dict[str, np.ndarray],
+        batch: RLBatch,
         *,
         mini_batch_rows: int,
         epochs: int,
@@ -156,9 +141,8 @@ class Learner:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_rows`, one optimizer
         step each; `micro_rows` / `token_budget` are per batch-shard device (verl's
         `*_per_gpu`). Returns verl-style metrics averaged over the optimizer steps."""
-        n = len(batch["responses"])
-        arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
-        arrays.update({k: batch[k] for k in fields})
+        n = batch.rows
+        arrays = moved_to(batch.fields((*SEQUENCE_FIELDS, *fields)), self.layout)
         rng = np.random.RandomState(seed)
         # Device metrics of every micro-batch and optimizer step, read back once at the end:
         # no host sync inside the loop.
@@ -167,12 +151,12 @@ class Learner:
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, mini_batch_rows):
                 rows = order[start : start + mini_batch_rows]
-                info = _mini_batch_info(batch, rows)
+                info = _mini_batch_info(arrays["loss_mask"], rows)
                 acc = self._zeros(self.state.params)
                 micro = []
                 for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
                     acc, m = self._accumulate(
-                        self.state.params, acc, to_device(take(arrays, mb), self.layout), info
+                        self.state.params, acc, take(arrays, mb, self.layout), info
                     )
                     micro.append(m)
                 self.state, applied = self._apply(self.state, acc)
@@ -181,7 +165,7 @@ class Learner:
 
     def compile_update(
         self,
-        batch: dict[str, np.ndarray],
+        batch: RLBatch,
         *,
         mini_batch_rows: int,
         micro_rows: int | None,
@@ -195,34 +179,34 @@ class Learner:
         """The programs `update` (same arguments; `epochs`, `shuffle` and `seed` change no
         shape) runs for `batch`'s first mini-batch, compiled but not run: "micro-batch"
         (gradients of its widest micro-batch) and "optimizer" (clip and apply), for their
-        memory analysis. The state may be abstract (`jax.ShapeDtypeStruct`s)."""
+        memory analysis. The state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
         del epochs, shuffle, seed
-        arrays = {k: batch[k] for k in (*SEQUENCE_FIELDS, *fields)}
-        rows = np.arange(min(mini_batch_rows, len(batch["responses"])))
+        arrays = batch.fields((*SEQUENCE_FIELDS, *fields))
+        rows = np.arange(min(mini_batch_rows, batch.rows))
         plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)
-        mb = to_device(take(arrays, _largest(plans)), self.layout)
+        mb = take_abstract(arrays, _largest(plans), self.layout)
         grads = jax.eval_shape(self._zeros, self.state.params)
         grads = placed_abstract(grads, shardings_of(self.state.params))
-        info = _mini_batch_info(batch, rows)
+        info = jax.eval_shape(_mini_batch_info, arrays["loss_mask"], rows)
         return {
             "micro-batch": self._accumulate.lower(self.state.params, grads, mb, info).compile(),
             "optimizer": self._apply.lower(self.state, grads).compile(),
         }
 
 
-def _mini_batch_info(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, Any]:
+def _mini_batch_info(loss_mask: jax.Array, rows: np.ndarray) -> dict[str, Any]:
     """`global_batch_info` of the mini-batch `rows` for the micro-batch losses."""
-    info = global_batch_info(jnp.asarray(batch["response_mask"][rows], jnp.float32))
+    info = global_batch_info(loss_mask[jnp.asarray(rows)].astype(jnp.float32))
     # seq-mean-token-sum-norm's default divisor: the batch's response length, not a trimmed
     # micro-batch's (as verl's padded tensors have it)
-    info["loss_scale_factor"] = batch["responses"].shape[1]
+    info["loss_scale_factor"] = loss_mask.shape[1]
     return info
 
 
 def compile_infer(
     fn: Any,
     params: Any,
-    batch: dict[str, np.ndarray],
+    batch: RLBatch,
     *,
     layout: Layout | None,
     micro_rows: int | None,
@@ -230,10 +214,9 @@ def compile_infer(
     balance: bool = False,
 ) -> jax.stages.Compiled:
     """The program `infer` runs for `batch`'s largest micro-batch, compiled but not run."""
-    arrays = {k: batch[k] for k in SEQUENCE_FIELDS}
-    n = len(batch["responses"])
-    plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
-    return fn.lower(params, to_device(take(arrays, _largest(plans)), layout)).compile()
+    plans = plan(batch, np.arange(batch.rows), layout, micro_rows, token_budget, balance)
+    mb = take_abstract(batch.fields(SEQUENCE_FIELDS), _largest(plans), layout)
+    return fn.lower(params, mb).compile()
 
 
 def _largest(plans: list[MicroBatch]) -> MicroBatch:

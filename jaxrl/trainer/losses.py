@@ -6,9 +6,11 @@ Actor (verl's `ppo_loss`), with lp the new log-probs and `agg` = `agg_loss(..., 
 
 Critic (verl's `value_loss`): the clipped value loss of `core_algos.compute_value_loss`.
 
-`info` holds the GLOBAL counts of the whole mini-batch (`core_algos.global_batch_info`), so the
-mini-batch loss is the sum of its micro-batch losses in every aggregation mode, and gradient
-accumulation gives the same update however the mini-batch is split.
+Losses aggregate over the micro-batch's `loss_mask` (the tokens trained on; the model attends
+to `response_mask`). `info` holds the GLOBAL counts of the whole mini-batch
+(`core_algos.global_batch_info`), so the mini-batch loss is the sum of its micro-batch losses
+in every aggregation mode, and gradient accumulation gives the same update however the
+mini-batch is split.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def actor_loss(
     old_log_probs = mb.get("old_log_probs")
     if old_log_probs is None:
         old_log_probs = jax.lax.stop_gradient(lp)
-    mask = mb["response_mask"].astype(jnp.float32)
+    mask = mb["loss_mask"].astype(jnp.float32)
     mode = actor_cfg.loss_agg_mode
     if actor_cfg.loss_scale_factor is not None:
         info = {**info, "loss_scale_factor": actor_cfg.loss_scale_factor}
@@ -104,7 +106,7 @@ def critic_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """(value loss, metrics) of one micro-batch."""
     vpreds = response_values(config, params, mb)
-    mask = mb["response_mask"].astype(jnp.float32)
+    mask = mb["loss_mask"].astype(jnp.float32)
     if critic_cfg.loss_scale_factor is not None:
         info = {**info, "loss_scale_factor": critic_cfg.loss_scale_factor}
     vf_loss, vf_clipfrac = compute_value_loss(

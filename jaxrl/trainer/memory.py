@@ -31,32 +31,37 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.trainer.batch import RLBatch
+
 
 def worst_case_batch(
     rows: int, prompt_len: int, response_len: int, fields: tuple[str, ...]
-) -> dict[str, np.ndarray]:
-    """A host batch whose widest micro-batch is the largest a step can see: row 0 a full
-    `prompt_len` + `response_len` tokens, every other row one prompt and one response token.
+) -> RLBatch:
+    """An abstract batch (`jax.ShapeDtypeStruct`s, nothing allocated) whose widest
+    micro-batch is the largest a step can see: row 0 a full `prompt_len` + `response_len`
+    tokens, every other row one prompt and one response token.
 
     Micro-batches are trimmed to their longest row, so the one holding row 0 is full width;
     with a fixed row count it has as many rows as any, and with a token budget
     (`use_dynamic_bsz`) its other shards' parts are as many of the short rows as the budget
-    admits: the most padded token slots a budget allows. `fields` are float32 [rows, R] zeros.
+    admits: the most padded token slots a budget allows. `fields` are float32 [rows, R].
     """
-    prompt_mask = np.zeros((rows, prompt_len), np.int32)
-    prompt_mask[:, -1] = 1
-    prompt_mask[0] = 1
-    response_mask = np.zeros((rows, response_len), np.int32)
-    response_mask[:, 0] = 1
-    response_mask[0] = 1
-    batch = {
-        "prompts": np.zeros((rows, prompt_len), np.int32),
-        "prompt_mask": prompt_mask,
-        "responses": np.zeros((rows, response_len), np.int32),
-        "response_mask": response_mask,
+    tokens = {
+        "prompts": jax.ShapeDtypeStruct((rows, prompt_len), np.int32),
+        "prompt_mask": jax.ShapeDtypeStruct((rows, prompt_len), np.int32),
+        "responses": jax.ShapeDtypeStruct((rows, response_len), np.int32),
+        "response_mask": jax.ShapeDtypeStruct((rows, response_len), np.int32),
+        "loss_mask": jax.ShapeDtypeStruct((rows, response_len), np.int32),
+        "group_ids": jax.ShapeDtypeStruct((rows,), np.int32),
     }
-    batch.update({name: np.zeros((rows, response_len), np.float32) for name in fields})
-    return batch
+    floats = {name: jax.ShapeDtypeStruct((rows, response_len), np.float32) for name in fields}
+    lengths = (1,) * (rows - 1)
+    return RLBatch(
+        **tokens,
+        **floats,
+        prompt_lengths=(prompt_len, *lengths),
+        response_lengths=(response_len, *lengths),
+    )
 
 
 def bytes_per_device(tree: Any) -> int:

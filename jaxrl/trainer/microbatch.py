@@ -122,19 +122,3 @@ def _by_budget(blocks, seq_lengths, budget) -> list[np.ndarray]:
         width = max(len(x) for x in pieces)
         groups.append(np.concatenate([_pad_to(x, width) for x in pieces]))
     return groups
-
-
-def take(batch: dict[str, np.ndarray], mb: MicroBatch) -> dict[str, np.ndarray]:
-    """The micro-batch's rows of every array, prompts cut to their last `prompt_len` columns
-    and [N, R] arrays to their first `response_len`; rows -1 are zeros."""
-    valid = mb.rows >= 0
-    idx = np.where(valid, mb.rows, 0)
-    out = {}
-    for name, x in batch.items():
-        x = x[idx]
-        if name in ("prompts", "prompt_mask"):
-            x = x[:, x.shape[1] - mb.prompt_len :]
-        elif x.ndim == 2:
-            x = x[:, : mb.response_len]
-        out[name] = np.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, np.zeros_like(x))
-    return out

@@ -7,15 +7,18 @@
       old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward)
       ref           reference log-probs (KL loss / KL in reward)
       values        critic pass (GAE)
-      adv           KL in reward, then the advantage estimator
+      adv           KL in reward, then the advantage estimator (jitted)
       update_critic, update_actor (after `critic_warmup` steps)
 
-Every array of the step lives on the host as numpy rows between the jitted passes; the passes
-run on global arrays over the train layout's batch axes. With several processes, each generates
-(one program over the whole rollout mesh) and scores the responses to its own prompts; then
-`gather_processes` gives every process the rows of all of them, in the global batch's order,
-and the rest of the step (KL, advantages and their group statistics, the passes, the metrics)
-computes on every process exactly what one process holding the whole batch computes.
+From the reward on, the step's data is one `RLBatch` on the trainer's devices: the passes
+gather their micro-batches from it and write their results into it on the devices, and the
+host reads back only the responses (for the reward), each update's metrics and, once, the
+finished batch (for the step's metrics, fingerprints and dumps). With several processes, each
+generates (one program over the whole rollout mesh) and scores the responses to its own
+prompts; then `gather_processes` gives every process the rows of all of them (through the
+host), in the global batch's order, and the rest of the step (KL, advantages and their group
+statistics, the passes, the metrics) computes on every process exactly what one process
+holding the whole batch computes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config.checks import critic_enabled
@@ -36,9 +40,10 @@ from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
 from jaxrl.rollout import SamplingParams
-from jaxrl.sharding.processes import allgather_objects, gather_rows
+from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
 from jaxrl.trainer import losses
-from jaxrl.trainer.advantage import apply_kl_penalty, compute_advantage
+from jaxrl.trainer.advantage import compute_advantage, gdpo_components, kl_in_reward
+from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.learner import compile_infer, infer
@@ -54,6 +59,16 @@ from jaxrl.trainer.roles import log_prob_fn, values_fn
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 CRITIC_FIELDS = ("values", "returns")
+# what the advantage estimators read of the batch
+ADVANTAGE_INPUTS = (
+    "token_level_rewards",
+    "loss_mask",
+    "group_ids",
+    "values",
+    "reward_baselines",
+    "prompt_mask",
+    "response_mask",
+)
 
 # (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
 RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
@@ -183,6 +198,10 @@ class PPOTrainer:
         self.kl_ctrl = (
             get_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         )
+        self._kl_in_reward = jax.jit(
+            functools.partial(kl_in_reward, penalty=cfg.algorithm.kl_penalty)
+        )
+        self._advantage = jax.jit(functools.partial(compute_advantage, algorithm=cfg.algorithm))
         self.sampling = SamplingParams.from_config(rollout_cfg)
         self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
 
@@ -219,109 +238,117 @@ class PPOTrainer:
 
     def generate(
         self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array
-    ) -> dict[str, np.ndarray]:
-        """Rows of the generated batch (prompts repeated n times, interleaved): with several
-        processes, the rows of this process's `prompts` (every process calls this with its
-        own prompts and the same rng: generation is one program over all of them). The
-        rollout gets the actor's weights first; colocated, it frees them after (the step's
-        passes need that memory), on its own devices it keeps them."""
+    ) -> tuple[dict[str, np.ndarray], Any]:
+        """(host rows, rollout log-probs) of the generated batch (prompts repeated n times,
+        interleaved): the rows' prompts, prompt_mask, responses and response_mask on the host
+        (what the reward and the dumps read), and the rollout's log-probs [N, R] on the
+        devices. With several processes, the rows of this process's `prompts` (every process
+        calls this with its own prompts and the same rng: generation is one program over all
+        of them), log-probs included, on the host. The rollout gets the actor's weights first;
+        colocated, it frees them after (the step's passes need that memory), on its own
+        devices it keeps them."""
         rollout = self.cluster.rollout
         self.cluster.sync_weights()
         try:
-            out = jax.device_get(
-                rollout.generate(prompts.input_ids, prompts.attention_mask, sampling, rng)
-            )
+            out = rollout.generate(prompts.input_ids, prompts.attention_mask, sampling, rng)
+            responses, response_mask = to_host((out.responses, out.response_mask))
+            log_probs = out.log_probs
+            if jax.process_count() > 1:
+                log_probs = np.asarray(log_probs)  # this process's rows (numpy already)
+            else:
+                jax.block_until_ready(log_probs)
         finally:
             if self.cluster.rollout_colocated:
                 rollout.release()
-        return {
+        host = {
             "prompts": np.repeat(prompts.input_ids, sampling.n, axis=0),
             "prompt_mask": np.repeat(prompts.attention_mask, sampling.n, axis=0),
-            "responses": np.asarray(out.responses),
-            "response_mask": np.asarray(out.response_mask),
-            "rollout_log_probs": np.asarray(out.log_probs),
+            "responses": np.asarray(responses),
+            "response_mask": np.asarray(response_mask),
         }
+        return host, log_probs
 
     # -------------------------------------------------------------------------------- step
 
     def step(self, prompts: PromptBatch, global_step: int) -> dict[str, float]:
         """One RL step on `prompts` (this process's rows); returns the step's metrics (the
         same on every process: from the reward on, every process holds the global batch),
-        with the step's fingerprints (`jaxrl.trainer.fingerprint`)."""
+        with the step's fingerprints (`jaxrl.trainer.fingerprint`).
+
+        The batch (`RLBatch`) lives on the trainer's devices from the reward on; the host
+        reads back the responses for the reward, each update's metrics, and the finished
+        batch once, for the step's metrics. Each phase's timing waits for its results."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg, n = actor_rollout_ref.actor, self.sampling.n
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
-        on_device = self.cluster.on_device
+        on_device, layout = self.cluster.on_device, actor.layout
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
+        scalars: dict[str, jax.Array] = {}  # device metrics, read back with the batch
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
         with timer("step", timing):
             with timer("gen", timing):
-                batch = self.generate(prompts, self.sampling, rng)
+                rows, log_probs = self.generate(prompts, self.sampling, rng)
             repeated = prompts.repeat(n)
             group_ids = repeated.group_ids
             with timer("reward", timing):
                 scores, reward_metrics, extra = self.reward_fn(
-                    repeated, batch["responses"], batch["response_mask"]
+                    repeated, rows["responses"], rows["response_mask"]
                 )
-                batch["token_level_scores"] = scores.astype(np.float32)
+                rows["token_level_scores"] = scores.astype(np.float32)
             if cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
                 with timer("gen_max", timing):
                     greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
-                    base = self.generate(prompts, dataclasses.replace(greedy, n=1), rng)
+                    base, _ = self.generate(prompts, dataclasses.replace(greedy, n=1), rng)
                     base_scores, _, _ = self.reward_fn(
                         prompts, base["responses"], base["response_mask"]
                     )
-                    batch["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
+                    rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
+            on_devices: dict[str, jax.Array] = {}
             if jax.process_count() > 1:
                 with timer("gather", timing):
-                    batch, group_ids, extra, reward_metrics = gather_processes(
-                        batch, group_ids, extra, reward_metrics
+                    rows["rollout_log_probs"] = log_probs
+                    rows, group_ids, extra, reward_metrics = gather_processes(
+                        rows, group_ids, extra, reward_metrics
                     )
+            else:
+                on_devices["rollout_log_probs"] = moved_to({"x": log_probs}, layout)["x"]
+            batch = RLBatch.from_host({**rows, "group_ids": group_ids}, layout, **on_devices)
             metrics.update(reward_metrics)
-            on_policy = self._on_policy(len(batch["responses"]))
+            on_policy = self._on_policy(batch.rows)
             micro = self._log_prob_micro()
             if self.bypass:
-                batch["old_log_probs"] = batch["rollout_log_probs"]
+                batch = batch.replace(old_log_probs=batch.rollout_log_probs)
             elif not on_policy:
                 with timer("old_log_prob", timing), on_device("actor"):
                     old, entropy = infer(
-                        self._log_prob, actor.params, batch, layout=actor.layout, **micro
+                        self._log_prob, actor.params, batch, layout=layout, **micro
                     )
-                    batch["old_log_probs"] = old
-                    metrics["actor/entropy"] = float(
-                        agg_loss(
-                            entropy,
-                            batch["response_mask"].astype(np.float32),
-                            actor_cfg.loss_agg_mode,
-                            loss_scale_factor=actor_cfg.loss_scale_factor,
-                        )
+                    batch = batch.replace(old_log_probs=jax.block_until_ready(old))
+                    scalars["actor/entropy"] = agg_loss(
+                        entropy,
+                        batch.loss_mask.astype(np.float32),
+                        actor_cfg.loss_agg_mode,
+                        loss_scale_factor=actor_cfg.loss_scale_factor,
                     )
             if ref is not None:
                 with timer("ref", timing), on_device("ref"):
-                    batch["ref_log_probs"] = infer(
-                        self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
-                    )
+                    lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
+                    lp = moved_to({"x": lp}, layout)["x"]
+                    batch = batch.replace(ref_log_probs=jax.block_until_ready(lp))
             if critic is not None:
                 with timer("values", timing), on_device("critic"):
-                    batch["values"] = infer(
+                    values = infer(
                         self._values,
                         critic.params,
                         batch,
                         layout=critic.layout,
                         **self._values_micro(),
                     )
+                    values = moved_to({"x": values}, layout)["x"]
+                    batch = batch.replace(values=jax.block_until_ready(values))
             with timer("adv", timing):
-                if self.kl_ctrl is not None:
-                    rewards, kl_metrics = apply_kl_penalty(
-                        batch, self.kl_ctrl, cfg.algorithm.kl_penalty
-                    )
-                    batch["token_level_rewards"] = rewards
-                    metrics.update(kl_metrics)
-                else:
-                    batch["token_level_rewards"] = batch["token_level_scores"]
-                adv, ret = compute_advantage(batch, group_ids, cfg.algorithm, extra)
-                batch["advantages"], batch["returns"] = adv, ret
+                batch, beta = self._advantages(batch, extra, scalars)
             if critic is not None:
                 with timer("update_critic", timing), on_device("critic", optimizer=True):
                     critic_metrics = critic.update(
@@ -335,22 +362,53 @@ class PPOTrainer:
                         batch, **self._update_args(actor_cfg, global_step, fields)
                     )
                     metrics.update(_prefixed(actor_metrics, "actor"))
-                    if "actor/entropy" not in metrics:  # on-policy: no old-log-prob pass
-                        metrics["actor/entropy"] = metrics["actor/entropy_loss"]
                     if actor_cfg.use_kl_loss:
                         metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
                     metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
-        metrics.update(data_metrics(batch, use_critic=critic is not None))
-        metrics.update(timing_metrics(batch, timing))
-        metrics.update(throughput_metrics(batch, timing["step"], self.devices))
+        host, scalars = to_host((batch.present(), scalars))  # the step's one batch read-back
+        metrics.update({k: float(v) for k, v in scalars.items() if k != "current_kl"})
+        if "actor/entropy" not in metrics and "actor/entropy_loss" in metrics:
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"]  # on-policy: no old pass
+        if self.kl_ctrl is not None:
+            current_kl = float(scalars["current_kl"])
+            self.kl_ctrl.update(current_kl=current_kl, n_steps=batch.rows)
+            metrics["actor/reward_kl_penalty"] = current_kl
+            metrics["actor/reward_kl_penalty_coeff"] = float(beta)
+        metrics.update(data_metrics(host, use_critic=critic is not None))
+        metrics.update(timing_metrics(host, timing))
+        metrics.update(throughput_metrics(host, timing["step"], self.devices))
         metrics.update(
-            mfu_metrics(batch, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
+            mfu_metrics(host, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
         )
         metrics["training/global_step"] = global_step
-        metrics.update(step_fingerprints(batch, self.cluster.param_hashes()))
+        metrics.update(step_fingerprints(host, self.cluster.param_hashes()))
         if cfg.trainer.rollout_data_dir:
-            self._dump_rollout(batch, global_step, cfg.trainer.rollout_data_dir)
+            self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir)
         return metrics
+
+    def _advantages(
+        self, batch: RLBatch, extra: dict[str, list], scalars: dict[str, jax.Array]
+    ) -> tuple[RLBatch, float | None]:
+        """KL in the reward (its current KL into `scalars`), then the advantage estimator,
+        jitted on the devices; returns the batch with rewards, advantages and returns, and
+        the KL coefficient used (None without KL in the reward)."""
+        beta = None
+        if self.kl_ctrl is not None:
+            beta = float(self.kl_ctrl.value)
+            rewards, scalars["current_kl"] = self._kl_in_reward(
+                batch.token_level_scores,
+                batch.old_log_probs,
+                batch.ref_log_probs,
+                batch.loss_mask,
+                jnp.float32(beta),
+            )
+        else:
+            rewards = batch.token_level_scores
+        batch = batch.replace(token_level_rewards=rewards)
+        inputs = {k: v for k, v in batch.present().items() if k in ADVANTAGE_INPUTS}
+        components = gdpo_components(self.cfg.algorithm, extra)
+        adv, ret = self._advantage(inputs, components)
+        return batch.replace(advantages=adv, returns=jax.block_until_ready(ret)), beta
 
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         """One pass over the validation set: verl's `val-core/*`, `val-aux/*` metrics (and
@@ -502,10 +560,10 @@ class PPOTrainer:
             phases={"weight sync": sync},
         )
 
-    def _actor_fields(self, batch, on_policy: bool) -> tuple[str, ...]:
+    def _actor_fields(self, batch: RLBatch, on_policy: bool) -> tuple[str, ...]:
         optional = ("ref_log_probs", "rollout_is_weights")
         fields = ("advantages", *(() if on_policy else ("old_log_probs",)))
-        return fields + tuple(name for name in optional if name in batch)
+        return fields + tuple(name for name in optional if getattr(batch, name) is not None)
 
     def _values_micro(self) -> dict[str, Any]:
         c = self.cfg.critic

@@ -80,7 +80,7 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
     for prompts in loader.one_epoch():
         keep = ~prompts.is_padding
         before = offset * processes
-        batch = trainer.generate(prompts, sampling, jax.random.fold_in(rng, before))
+        batch, _ = trainer.generate(prompts, sampling, jax.random.fold_in(rng, before))
         repeated = prompts.repeat(sampling.n)
         scores, _, extra = trainer.val_reward_fn(
             repeated, batch["responses"], batch["response_mask"]

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _batches import rl_batch
 
 import jaxrl.models as M
 from jaxrl.config import load_config
@@ -14,6 +15,7 @@ from jaxrl.models.params import param_shardings
 from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh
 from jaxrl.testing.tiny import save_tiny
 from jaxrl.trainer import losses
+from jaxrl.trainer.batch import RLBatch
 from jaxrl.trainer.learner import Learner
 from jaxrl.trainer.microbatch import plan_micro_batches
 from jaxrl.trainer.update import init_state
@@ -23,25 +25,6 @@ from jaxrl.trainer.update import init_state
 def model(tmp_path_factory):
     folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("m"))
     return M.from_pretrained(folder)
-
-
-def rl_batch(n=8, p=6, r=20, seed=0, vocab=90):
-    """Responses of up to 12 tokens in 20 columns: micro-batches are trimmed (to 8 or 12)."""
-    rng = np.random.RandomState(seed)
-    p_len = rng.randint(1, p + 1, n)
-    r_len = rng.randint(1, 13, n)
-    r_len[0] = 0  # an empty response
-    prompt_mask = (np.arange(p)[None] >= (p - p_len)[:, None]).astype(np.int32)
-    response_mask = (np.arange(r)[None] < r_len[:, None]).astype(np.int32)
-    return {
-        "prompts": rng.randint(2, vocab, (n, p)).astype(np.int32) * prompt_mask,
-        "prompt_mask": prompt_mask,
-        "responses": rng.randint(2, vocab, (n, r)).astype(np.int32) * response_mask,
-        "response_mask": response_mask,
-        "old_log_probs": (rng.randn(n, r) * 0.1 - 4.0).astype(np.float32),
-        "advantages": rng.randn(n, r).astype(np.float32),
-        "ref_log_probs": (rng.randn(n, r) * 0.1 - 4.0).astype(np.float32),
-    }
 
 
 def updated_params(model, layout, mode, balance=False, **split):
@@ -64,7 +47,7 @@ def updated_params(model, layout, mode, balance=False, **split):
     loss = functools.partial(losses.actor_loss, config=config, actor_cfg=cfg, temperature=0.9)
     learner = Learner(config, state, optimizer, loss, layout=layout, grad_clip=None)
     metrics = learner.update(
-        rl_batch(),
+        RLBatch.from_host(rl_batch(), layout),
         mini_batch_rows=8,
         epochs=1,
         shuffle=False,

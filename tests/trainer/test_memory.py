@@ -34,7 +34,8 @@ def test_bytes_per_device_counts_one_shard():
 
 def test_worst_case_batch_has_one_full_row_among_short_ones():
     batch = worst_case_batch(5, prompt_len=6, response_len=4, fields=("advantages",))
-    assert batch["prompt_mask"].sum(1).tolist() == [6, 1, 1, 1, 1]
-    assert batch["response_mask"].sum(1).tolist() == [4, 1, 1, 1, 1]
-    assert batch["prompt_mask"][:, -1].all() and batch["response_mask"][:, 0].all()
-    assert batch["advantages"].shape == (5, 4) and batch["advantages"].dtype == np.float32
+    prompt, response = batch.lengths()
+    assert prompt.tolist() == [6, 1, 1, 1, 1] and response.tolist() == [4, 1, 1, 1, 1]
+    assert batch.prompts.shape == (5, 6) and batch.loss_mask.shape == (5, 4)
+    assert batch.advantages.shape == (5, 4) and batch.advantages.dtype == np.float32
+    assert batch.values is None  # not asked for: absent, not zeros

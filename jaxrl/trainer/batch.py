@@ -1,0 +1,214 @@
+"""The step's data as one pytree on the devices, from generation to the update.
+
+    batch = RLBatch.create(prompts, prompt_mask, responses, response_mask, group_ids, layout)
+    batch = batch.replace(old_log_probs=...)         # each pass fills its field
+    mb = take(batch.fields(names), micro_batch, layout)   # a micro-batch, on the devices
+
+One row per response (prompts repeated `n` times, interleaved). Every array is replicated over
+the devices of the layout it lives in (the trainer's: each pass slices its micro-batches out of
+it with no communication; a role on other devices gets a device-to-device copy, `moved_to`).
+A field that no pass has filled yet is None, never absent. The rows' real prompt and response
+lengths ride along on the host (`prompt_lengths`, `response_lengths`, from the masks the reward
+read back): the micro-batch planner's only input.
+
+    response_mask  real response tokens: what the model attends to
+    loss_mask      tokens trained on (and counted by advantages, KL and losses): the response
+                   tokens the policy produced; a tool's output in a multi-turn rollout is
+                   attended to but not trained on. Single-turn: equal to response_mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxrl.sharding.layouts import Layout
+from jaxrl.sharding.processes import global_array, to_host
+from jaxrl.trainer.microbatch import MicroBatch
+
+PROMPT_FIELDS = ("prompts", "prompt_mask")
+SEQUENCE_FIELDS = ("prompts", "prompt_mask", "responses", "response_mask", "loss_mask")
+
+
+@flax.struct.dataclass
+class RLBatch:
+    """The step's rows (N responses, P prompt and R response columns) on the devices.
+
+    Attributes:
+        prompts: Left-padded prompt ids [N, P].
+        prompt_mask: 1 on prompt tokens [N, P].
+        responses: Right-padded response ids [N, R].
+        response_mask: 1 on response tokens (attended to) [N, R].
+        loss_mask: 1 on the response tokens trained on [N, R].
+        group_ids: The prompt group of every response (verl's uid), int32 [N].
+        rollout_log_probs: The rollout's log-probs of its tokens [N, R].
+        token_level_scores: The reward, on each response's last token [N, R].
+        reward_baselines: ReMax's greedy-response reward [N].
+        old_log_probs: The actor's log-probs before the update [N, R].
+        ref_log_probs: The reference policy's log-probs [N, R].
+        values: The critic's values [N, R].
+        token_level_rewards: Scores after KL in the reward [N, R].
+        advantages: [N, R].
+        returns: [N, R].
+        rollout_is_weights: Rollout-correction importance weights [N, R].
+        prompt_lengths: Real prompt tokens per row (host, static).
+        response_lengths: Real response tokens per row (host, static).
+    """
+
+    prompts: Int[Array, "n p"]
+    prompt_mask: Int[Array, "n p"]
+    responses: Int[Array, "n r"]
+    response_mask: Int[Array, "n r"]
+    loss_mask: Int[Array, "n r"]
+    group_ids: Int[Array, " n"]
+    rollout_log_probs: Float[Array, "n r"] | None = None
+    token_level_scores: Float[Array, "n r"] | None = None
+    reward_baselines: Float[Array, " n"] | None = None
+    old_log_probs: Float[Array, "n r"] | None = None
+    ref_log_probs: Float[Array, "n r"] | None = None
+    values: Float[Array, "n r"] | None = None
+    token_level_rewards: Float[Array, "n r"] | None = None
+    advantages: Float[Array, "n r"] | None = None
+    returns: Float[Array, "n r"] | None = None
+    rollout_is_weights: Float[Array, "n r"] | None = None
+    prompt_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    response_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+
+    @classmethod
+    def from_host(
+        cls, arrays: dict[str, np.ndarray], layout: Layout | None, **device: jax.Array
+    ) -> RLBatch:
+        """A batch of host arrays (the same on every process) placed replicated in `layout`,
+        with `device` fields already on the devices; `loss_mask` defaults to the response
+        mask, `group_ids` to one group per row."""
+        n = len(arrays["responses"])
+        arrays = {"loss_mask": arrays["response_mask"], **arrays}
+        arrays.setdefault("group_ids", np.arange(n))
+        arrays["group_ids"] = np.asarray(arrays["group_ids"], np.int32)
+        placed = {k: _place(np.asarray(v), layout) for k, v in arrays.items()}
+        return cls(
+            **placed,
+            **device,
+            prompt_lengths=tuple(int(x) for x in np.asarray(arrays["prompt_mask"]).sum(-1)),
+            response_lengths=tuple(int(x) for x in np.asarray(arrays["response_mask"]).sum(-1)),
+        )
+
+    @property
+    def rows(self) -> int:
+        return int(self.responses.shape[0])
+
+    def fields(self, names: Iterable[str]) -> dict[str, jax.Array]:
+        """The named arrays; a field no pass has filled is an error naming it."""
+        out = {}
+        for name in names:
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"RLBatch.{name} is not filled yet (its pass has not run)")
+            out[name] = value
+        return out
+
+    def present(self) -> dict[str, jax.Array]:
+        """Every filled array by name."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, jax.Array)}
+
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt, response) real lengths per row, host int64 [N] each."""
+        prompt = np.asarray(self.prompt_lengths, np.int64)
+        return prompt, np.asarray(self.response_lengths, np.int64)
+
+
+def _place(x: np.ndarray, layout: Layout | None) -> jax.Array:
+    if layout is None:
+        return jnp.asarray(x)
+    return global_array(x, layout.replicated())
+
+
+def moved_to(arrays: dict[str, jax.Array], layout: Layout | None) -> dict[str, jax.Array]:
+    """The arrays replicated over `layout`'s devices: a device-to-device copy when they live
+    elsewhere (a role on a device group of its own), nothing when they are there already."""
+    if layout is None:
+        return arrays
+    target = layout.replicated()
+    return {k: v if v.sharding == target else jax.device_put(v, target) for k, v in arrays.items()}
+
+
+def take(
+    arrays: dict[str, jax.Array], mb: MicroBatch, layout: Layout | None
+) -> dict[str, jax.Array]:
+    """The micro-batch's rows of every array, prompts cut to their last `prompt_len` columns
+    and [N, R] arrays to their first `response_len`, rows -1 all zeros; split over the
+    layout's batch axes. One jitted gather on the devices, no host copy."""
+    rows = np.asarray(mb.rows, np.int32)
+    rows = _place(rows, layout) if layout is not None else jnp.asarray(rows)
+    return _take(arrays, rows, mb.prompt_len, mb.response_len, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _take(arrays, rows, prompt_len: int, response_len: int, layout: Layout | None):
+    valid = rows >= 0
+    idx = jnp.where(valid, rows, 0)
+    out = {}
+    for name, x in arrays.items():
+        x = x[idx]
+        if name in PROMPT_FIELDS:
+            x = x[:, x.shape[1] - prompt_len :]
+        elif x.ndim == 2:
+            x = x[:, :response_len]
+        x = jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+        if layout is not None:
+            logical = ("batch",) + (None,) * (x.ndim - 1)
+            x = jax.lax.with_sharding_constraint(x, layout.sharding(x.shape, logical))
+        out[name] = x
+    return out
+
+
+def take_abstract(
+    arrays: dict[str, Any], mb: MicroBatch, layout: Layout | None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """What `take` returns, as `jax.ShapeDtypeStruct`s in their shardings (the arrays may be
+    abstract): for compiling a micro-batch's program without running anything."""
+    out = {}
+    for name, x in arrays.items():
+        if name in PROMPT_FIELDS:
+            shape = (len(mb.rows), mb.prompt_len)
+        elif x.ndim == 2:
+            shape = (len(mb.rows), mb.response_len)
+        else:
+            shape = (len(mb.rows), *x.shape[1:])
+        logical = ("batch",) + (None,) * (len(shape) - 1)
+        sharding = None if layout is None else layout.sharding(shape, logical)
+        out[name] = jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+    return out
+
+
+def scatter(
+    parts: list[jax.Array], plans: list[MicroBatch], rows: int, width: int, layout: Layout | None
+) -> jax.Array:
+    """An [rows, width] float32 array, replicated in `layout`, holding each micro-batch's
+    [m, r] result at its rows and first r columns (zeros elsewhere)."""
+    out = jnp.zeros((rows, width), jnp.float32)
+    if layout is not None:
+        out = jax.device_put(out, layout.replicated())
+    for part, mb in zip(parts, plans, strict=True):
+        idx = np.where(mb.rows >= 0, mb.rows, rows).astype(np.int32)  # row N: dropped
+        out = _scatter(out, part, _place(idx, layout) if layout is not None else idx)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(out, part, idx):
+    r = part.shape[1]
+    return out.at[idx, :r].set(part.astype(out.dtype), mode="drop")
+
+
+def host_view(batch: RLBatch) -> dict[str, np.ndarray]:
+    """Every filled array as host numpy (one read-back, on every process): for metrics,
+    fingerprints and dumps."""
+    return {k: np.asarray(v) for k, v in to_host(batch.present()).items()}
