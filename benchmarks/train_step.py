@@ -34,6 +34,7 @@ def bench_train_step(config, *, rows: int, length: int, prompt: int, params=None
     from jaxrl.config import Config
     from jaxrl.models import init_params
     from jaxrl.trainer import losses
+    from jaxrl.trainer.batch import RLBatch
     from jaxrl.trainer.learner import Learner
     from jaxrl.trainer.optim import make_optimizer
     from jaxrl.trainer.update import init_state
@@ -49,13 +50,14 @@ def bench_train_step(config, *, rows: int, length: int, prompt: int, params=None
     )  # fmt: skip
     rng = np.random.RandomState(0)
     ids = rng.randint(3, config.vocab_size, (rows, length)).astype(np.int32)
-    batch = {
+    host = {
         "prompts": ids[:, :prompt],
         "prompt_mask": np.ones((rows, prompt), np.int32),
         "responses": ids[:, prompt:],
         "response_mask": np.ones((rows, length - prompt), np.int32),
         "advantages": np.repeat(rng.randn(rows, 1), length - prompt, 1).astype(np.float32),
     }
+    batch = RLBatch.from_host(host, None)
 
     def run():  # returns after reading the metrics back: the step has finished
         learner.update(batch, mini_batch_rows=rows, epochs=1, shuffle=False, seed=0,
