@@ -176,9 +176,6 @@ class RewardModel:
 
     # ------------------------------------------------------------------------------ scoring
 
-    def _batch_divisor(self) -> int:
-        return 1 if self.layout is None else self.layout.batch_shards()
-
     def _build_scorer(self):
         config = self.config
 
@@ -211,7 +208,7 @@ class RewardModel:
         ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
         b = ids.shape[0]
         step = self.micro_batch_size or b
-        step = _round_up(step, self._batch_divisor())
+        step = _round_up(step, 1 if self.layout is None else self.layout.batch_shards())
         out = []
         for start in range(0, b, step):
             chunk_ids, chunk_mask = ids[start : start + step], mask[start : start + step]

@@ -30,7 +30,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl.sharding.layouts import Layout
-from jaxrl.sharding.processes import global_array, to_host
+from jaxrl.sharding.processes import global_array
 from jaxrl.trainer.microbatch import MicroBatch
 
 PROMPT_FIELDS = ("prompts", "prompt_mask")
@@ -130,13 +130,14 @@ def _place(x: np.ndarray, layout: Layout | None) -> jax.Array:
     return global_array(x, layout.replicated())
 
 
-def moved_to(arrays: dict[str, jax.Array], layout: Layout | None) -> dict[str, jax.Array]:
-    """The arrays replicated over `layout`'s devices: a device-to-device copy when they live
-    elsewhere (a role on a device group of its own), nothing when they are there already."""
+def moved_to(tree: Any, layout: Layout | None) -> Any:
+    """A tree of arrays replicated over `layout`'s devices: a device-to-device copy of each
+    array that lives elsewhere (a role on a device group of its own), nothing for one that is
+    there already."""
     if layout is None:
-        return arrays
+        return tree
     target = layout.replicated()
-    return {k: v if v.sharding == target else jax.device_put(v, target) for k, v in arrays.items()}
+    return jax.tree.map(lambda x: x if x.sharding == target else jax.device_put(x, target), tree)
 
 
 def take(
@@ -206,9 +207,3 @@ def scatter(
 def _scatter(out, part, idx):
     r = part.shape[1]
     return out.at[idx, :r].set(part.astype(out.dtype), mode="drop")
-
-
-def host_view(batch: RLBatch) -> dict[str, np.ndarray]:
-    """Every filled array as host numpy (one read-back, on every process): for metrics,
-    fingerprints and dumps."""
-    return {k: np.asarray(v) for k, v in to_host(batch.present()).items()}

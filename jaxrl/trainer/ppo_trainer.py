@@ -304,7 +304,7 @@ class PPOTrainer:
                         prompts, base["responses"], base["response_mask"]
                     )
                     rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
-            on_devices: dict[str, jax.Array] = {}
+            device_fields: dict[str, jax.Array] = {}
             if jax.process_count() > 1:
                 with timer("gather", timing):
                     rows["rollout_log_probs"] = log_probs
@@ -312,8 +312,8 @@ class PPOTrainer:
                         rows, group_ids, extra, reward_metrics
                     )
             else:
-                on_devices["rollout_log_probs"] = moved_to({"x": log_probs}, layout)["x"]
-            batch = RLBatch.from_host({**rows, "group_ids": group_ids}, layout, **on_devices)
+                device_fields["rollout_log_probs"] = moved_to(log_probs, layout)
+            batch = RLBatch.from_host({**rows, "group_ids": group_ids}, layout, **device_fields)
             metrics.update(reward_metrics)
             on_policy = self._on_policy(batch.rows)
             micro = self._log_prob_micro()
@@ -334,7 +334,7 @@ class PPOTrainer:
             if ref is not None:
                 with timer("ref", timing), on_device("ref"):
                     lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
-                    lp = moved_to({"x": lp}, layout)["x"]
+                    lp = moved_to(lp, layout)
                     batch = batch.replace(ref_log_probs=jax.block_until_ready(lp))
             if critic is not None:
                 with timer("values", timing), on_device("critic"):
@@ -345,7 +345,7 @@ class PPOTrainer:
                         layout=critic.layout,
                         **self._values_micro(),
                     )
-                    values = moved_to({"x": values}, layout)["x"]
+                    values = moved_to(values, layout)
                     batch = batch.replace(values=jax.block_until_ready(values))
             with timer("adv", timing):
                 batch, beta = self._advantages(batch, extra, scalars)

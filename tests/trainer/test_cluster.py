@@ -7,9 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from _quickstart import asset_paths
+from _quickstart import quickstart_config
 
-from jaxrl.config import load_config
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.fit import build_run, fit, train_run
 from jaxrl.trainer.loggers import read_metrics
@@ -20,21 +19,18 @@ from jaxrl.trainer.roles import role_specs
 MESH = ["mesh.dp=2", "mesh.fsdp=4", "mesh.tp=1", "mesh.sp=1"]
 
 
-def _base(root, run_dir) -> list[str]:
-    return [
-        *asset_paths(root, run_dir),
-        "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.n=2",
-        "trainer.logger=[]",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-    ]
+SMALL = [
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "trainer.logger=[]",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+]
 
 
 def config(root, run_dir, *extra):
-    overrides = [*_base(root, run_dir), *MESH, *extra]
-    return load_config("configs/quickstart.yaml", overrides, num_devices=jax.device_count())
+    return quickstart_config(root, run_dir, *SMALL, *MESH, *extra)
 
 
 def test_role_specs_follow_verls_rules(assets, tmp_path):

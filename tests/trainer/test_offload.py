@@ -5,9 +5,8 @@ and the memory plan counts offloaded state only for the programs that bring it b
 
 import jax
 import pytest
-from _quickstart import asset_paths
+from _quickstart import quickstart_config
 
-from jaxrl.config import load_config
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.fit import build_run, fit
 from jaxrl.trainer.loggers import read_metrics
@@ -42,8 +41,7 @@ OFFLOAD = [
 
 
 def config(root, run_dir, *extra):
-    overrides = [*asset_paths(root, run_dir), *ROLES, *extra]
-    return load_config("configs/quickstart.yaml", overrides, num_devices=jax.device_count())
+    return quickstart_config(root, run_dir, *ROLES, *extra)
 
 
 def kinds(tree) -> set[str]:

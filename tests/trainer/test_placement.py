@@ -8,9 +8,9 @@ import re
 import jax
 import numpy as np
 import pytest
-from _quickstart import asset_paths
+from _quickstart import quickstart_config
 
-from jaxrl.config import ConfigError, load_config
+from jaxrl.config import ConfigError
 from jaxrl.config.checks import placed_devices, role_devices
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.fit import build_run, fit
@@ -40,8 +40,7 @@ COMMON = [
 
 
 def config(root, run_dir, *extra):
-    overrides = [*asset_paths(root, run_dir), *COMMON, *extra]
-    return load_config("configs/quickstart.yaml", overrides, num_devices=jax.device_count())
+    return quickstart_config(root, run_dir, *COMMON, *extra)
 
 
 def test_device_groups_from_jaxrl_and_verl_keys(assets, tmp_path):
