@@ -22,3 +22,12 @@ def quickstart_config(root, run_dir, *overrides):
     devices JAX sees."""
     overrides = [*asset_paths(root, run_dir), *overrides]
     return load_config("configs/quickstart.yaml", overrides, num_devices=jax.device_count())
+
+
+def assert_same_metrics(a: list[dict], b: list[dict], steps: list[int]) -> None:
+    """Run b logged `steps`, and every metric of every step equals run a's (timings aside)."""
+    assert [r["training/global_step"] for r in b] == steps
+    for ra, rb in zip(a, b, strict=True):
+        for key, value in ra.items():
+            if not key.startswith(("timing", "perf/time", "perf/throughput")):
+                assert rb[key] == value, (ra["training/global_step"], key, value, rb[key])
