@@ -78,7 +78,7 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
 
     from jaxrl.data import bucket
     from jaxrl.rollout import SamplingParams, generate
-    from jaxrl.rollout.engine import cache_geometry
+    from jaxrl.rollout.generation import cache_geometry
 
     config = config.replace(dtype=dtype)
     rng = np.random.RandomState(0)

@@ -116,3 +116,38 @@ def decode_attention(
         _, l, o = jax.lax.fori_loop(0, num_blocks, body, init)
     out = o / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(b, 1, n, h).astype(q.dtype)
+
+
+def extend_attention(
+    q: Float[Array, "b t n h"],
+    k_cache: Float[Array, "b k h c"],
+    v_cache: Float[Array, "b k c h"],
+    kv_valid: Bool[Array, "b c"],
+    query_index: Int[Array, "b t"],
+    *,
+    sliding_window: Int[Array, ""] | int | None = None,
+    softmax_scale: float | None = None,
+) -> Float[Array, "b t n h"]:
+    """Attention of T new queries per row over the whole cache (the tokens appended to a
+    conversation: their keys are in the cache already). Query t of row b, at cache index
+    `query_index[b, t]`, attends to the entries s with `kv_valid[b, s]`, `s <= query_index[b, t]`
+    and (with a window W) `query_index[b, t] - s < W`; scores and softmax in float32.
+
+    Returns:
+        [B, T, N, H] in the dtype of `q`.
+    """
+    b, t, n, h = q.shape
+    kv_heads, c = k_cache.shape[1], k_cache.shape[3]
+    scale = h**-0.5 if softmax_scale is None else softmax_scale
+    q_btkgh = (q.reshape(b, t, kv_heads, n // kv_heads, h) * scale).astype(k_cache.dtype)
+    x = jnp.einsum("btkgh,bkhs->btkgs", q_btkgh, k_cache, preferred_element_type=jnp.float32)
+    s = jnp.arange(c)
+    ok = kv_valid[:, None, :] & (s[None, None] <= query_index[..., None])
+    if sliding_window is not None:
+        ok &= query_index[..., None] - s[None, None] < sliding_window
+    x = jnp.where(ok[:, :, None, None], x, _MASKED)
+    p = jax.nn.softmax(x, axis=-1)
+    o = jnp.einsum(
+        "btkgs,bksh->btkgh", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
+    )
+    return o.reshape(b, t, n, h).astype(q.dtype)

@@ -7,6 +7,7 @@
     h_bd, cache = decode_step(config, params, weights, tokens_b, positions_b, cache,
                               write_index_b, live, block)
     logits_bv = decode_logits(weights, h_bd)
+    h_btd, cache = extend(config, params, ids_bt, positions_bt, cache, write_index_bt)
 
 The cache is an explicit value (passed in, returned, donated by the caller's `jit`): one key
 and one value buffer per layer plus [B, C] segment ids (1: a real key, 0: padding or not yet
@@ -17,7 +18,8 @@ or transpose every block it read, once per layer and step. `prefill` runs the pr
 (left-padded, rows in lockstep) through the layers and returns their keys and values;
 `decode_step` advances each row by one token at its own cache index (rows at different points:
 continuous batching) and reads a short cache whole, a long one only up to its live prefix
-(`jaxrl.kernels.decode_attention`). With `DecodeWeights.cpu_kernels`, each layer of the step is
+(`jaxrl.kernels.decode_attention`); `extend` appends several tokens to rows that hold some
+already (a conversation's tool output). With `DecodeWeights.cpu_kernels`, each layer of the step is
 one call of the C++ kernel `jaxrl.kernels.cpu_decode.layer` (same math, same cache layout; the
 cache length C a multiple of 16, as the engine's caches are), and the LM head one
 `cpu_decode.matmul`.
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxrl.kernels import NO_WINDOW, attention, cpu_decode
-from jaxrl.kernels.decode import decode_attention
+from jaxrl.kernels.decode import decode_attention, extend_attention
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import apply_rope, rope_cos_sin
@@ -66,6 +68,21 @@ class KVCache:
         return self.replace(
             k=tuple(shard(k, K_CACHE_AXES) for k in self.k),
             v=tuple(shard(v, V_CACHE_AXES) for v in self.v),
+        )
+
+    def rows(self, slots: Int[Array, " f"]) -> KVCache:
+        """A copy of the rows `slots` (an id >= B reads the last row; `put_rows` drops it)."""
+        i = jnp.minimum(slots, self.segments.shape[0] - 1)
+        return KVCache(
+            k=tuple(k[i] for k in self.k), v=tuple(v[i] for v in self.v), segments=self.segments[i]
+        )
+
+    def put_rows(self, slots: Int[Array, " f"], rows: KVCache) -> KVCache:
+        """These rows (`rows(slots)`, changed) written back; an id >= B is dropped."""
+        return KVCache(
+            k=tuple(c.at[slots].set(r, mode="drop") for c, r in zip(self.k, rows.k, strict=True)),
+            v=tuple(c.at[slots].set(r, mode="drop") for c, r in zip(self.v, rows.v, strict=True)),
+            segments=self.segments.at[slots].set(rows.segments, mode="drop"),
         )
 
     def write(
@@ -155,6 +172,54 @@ def prefill(
     x = _embed(config, params, input_ids)
     x, (k, v) = jax.lax.scan(body, x, (params["layers"], windows))
     return rms_norm(x, params["final_norm_d"], config.rms_norm_eps), k, v
+
+
+def extend(
+    config: DecoderConfig,
+    params: Params,
+    tokens: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    cache: KVCache,
+    write_index: Int[Array, "b t"],
+) -> tuple[Float[Array, "b t d"], KVCache]:
+    """Append T tokens per row to the cache: each token's keys and values go to its own cache
+    index, and its query attends to the row's cache up to that index (the tokens before it,
+    appended now or earlier). A conversation's appended tool output takes this path: a
+    prefill that continues a row instead of starting it.
+
+    Args:
+        config: The model.
+        params: Its parameters.
+        tokens: [B, T] the new tokens (rows may append fewer: see `write_index`).
+        positions: [B, T] their positions.
+        cache: The cache (rows hold their earlier tokens below `write_index[:, 0]`).
+        write_index: [B, T] cache index of each token, consecutive in a row; an index >= the
+            cache length marks a padding token (not written, its output meaningless).
+
+    Returns:
+        (final-normed hidden states [B, T, D], the updated cache).
+    """
+    b = tokens.shape[0]
+    rows = jnp.arange(b)[:, None]
+    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+    segments = cache.segments.at[rows, write_index].set(1, mode="drop")
+    kv_valid = segments > 0
+    ks, vs = list(cache.k), list(cache.v)
+    windows = config.window_per_layer
+    x = _embed(config, params, tokens)
+    for i in range(config.num_layers):
+        window = None if windows[i] >= NO_WINDOW else windows[i]
+
+        def attend(q, k, v, _window, i=i, window=window):
+            # [B, T, K, H] into row b's columns write_index[b, :] of the layer's buffers
+            ks[i] = ks[i].at[rows, :, :, write_index].set(k.astype(ks[i].dtype), mode="drop")
+            vs[i] = vs[i].at[rows, :, write_index].set(v.astype(vs[i].dtype), mode="drop")
+            return extend_attention(q, ks[i], vs[i], kv_valid, write_index, sliding_window=window)
+
+        layer = jax.tree.map(lambda w, i=i: w[i], params["layers"])
+        x = _block(config, cos, sin, attend, x, layer, windows[i])
+    h = rms_norm(x, params["final_norm_d"], config.rms_norm_eps)
+    return h, KVCache(k=tuple(ks), v=tuple(vs), segments=segments).constrain()
 
 
 @flax.struct.dataclass

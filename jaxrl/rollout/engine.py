@@ -1,512 +1,472 @@
-"""`generate`: jitted prefill and a `lax.while_loop` decode over an explicit KV cache.
+"""`RolloutEngine`: the rollout role's weights, its compiled programs, and conversations.
 
-    out = generate(config, params, input_ids, attention_mask, SamplingParams(...), rng)
-    out.responses [B*n, R], out.response_mask, out.log_probs, out.lengths
+    engine = RolloutEngine(config, layout, max_num_seqs=64, max_model_len=4096, tokenizer=tok)
+    engine.load_weights(actor_params)             # reshard train layout -> rollout layout
+    out = engine.generate(ids, mask, sampling, rng)   # batch generation (continuous batching)
 
-Prompts come left-padded (verl's layout). Each prompt is repeated `n` times (interleaved), the
-batch and prompt length are padded up to buckets (so a run compiles a bounded number of
-programs; every new program is logged), and one jitted program does the rest: it lays the
-weights out for decoding once (`decode_weights`: unstacked layers, each weight output-major
-[out, in] for the column-major decode step, or for the CPU kernels the stacked weights cut
-into panels of 16 output rows; either way a second copy of the weights for the call's
-duration), the rows are a queue and the KV cache has `max_num_seqs` slots; the first prompts
-are prefilled into the slots, then a `lax.while_loop` decodes one token for every busy slot
-per step (each slot at its own cache index; a long cache is read only up to its live prefix),
-and a slot whose row produced EOS or `max_tokens` tokens is refilled with the next queued
-prompt (continuous batching), until the queue is empty. `response_mask` covers the tokens up
-to and including EOS (with `ignore_eos`, all `max_tokens`).
+    slots = engine.start(ids, mask)               # conversations: prompts into KV-cache slots
+    turn = engine.decode(slots, sampling, rng)    # sample until EOS / stop / max_tokens
+    engine.append(slots[:1], [tool_output_ids])   # a tool's output, prefilled (not sampled)
+    turn = engine.decode(slots[:1], sampling, rng2)
+    record = engine.conversation(slots[0])        # prompt, response, log-probs, sampled mask
+    engine.end(slots)                             # the slots are free again
+    engine.release()                              # free weights and cache (verl's sleep)
 
-With a `layout` (the rollout layout), parameters are expected in it, the batch is split over
-its `dp` axis and the KV cache over batch and kv heads. float32 on one CPU device decodes
-through the C++ kernels of `jaxrl.kernels.cpu_decode` (one call per layer, and the LM head).
+`generate` is `jaxrl.rollout.generation.generate` on the loaded weights: its KV cache lives in
+its program. Conversations keep theirs: one cache of `max_num_seqs` slots x `max_model_len`
+cells, allocated on the first `start` and donated into and out of every conversation program
+(`jaxrl.rollout.conversation`), so a conversation's keys and values stay on the devices
+between turns while the host runs tools. The host keeps each slot's record (its tokens, their
+log-probs, and which were sampled) and its pending token (see `conversation`'s module doc).
+
+A stop string needs the text: with `sampling.stop`, `decode` samples in chunks of
+`stop_check_tokens`, detokenizes each still running slot's turn after every chunk, and cuts
+the turn after the token that completes a stop string (the slot continues from there: its
+pending token is that one; the cache cells written past it are never read, as the next token
+overwrites them before any query reaches them).
+
+`load_weights` is the jitted re-layout of `jaxrl.sharding.reshard`: the source may live on the
+same devices (colocated) or on others (the rollout on its own device group); either way one
+program moves and casts every leaf, no host copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from jaxrl.data.batch import bucket
 from jaxrl.kernels import cpu_decode
-from jaxrl.models.cached import (
-    DecodeWeights,
-    KVCache,
-    decode_logits,
-    decode_step,
-    decode_weights,
-    init_cache,
-    prefill,
-)
 from jaxrl.models.config import DecoderConfig
-from jaxrl.models.transformer import lm_logits, positions_from_mask
-from jaxrl.rollout.sampling import SamplingParams, sample
-from jaxrl.sharding.layouts import Layout, use_layout
-from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
+from jaxrl.models.params import param_shardings
+from jaxrl.rollout import conversation
+from jaxrl.rollout.generation import GenerationOutput, cache_geometry, compile_generate, generate
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.sharding.layouts import Layout, placed_abstract
+from jaxrl.sharding.reshard import free, reshard
 
 log = logging.getLogger("jaxrl.rollout")
 
 
-@flax.struct.dataclass
-class GenerationOutput:
-    """Right-padded responses of a `generate` call (rows in the order prompt_i, copy_j).
+@dataclasses.dataclass
+class Conversation:
+    """One slot's sequence so far (host record).
 
     Attributes:
-        responses: Token ids [B*n, R]; padding after the response.
-        response_mask: 1 on response tokens (EOS included), 0 after.
-        log_probs: Log-probs of the tokens under the processed distribution (0 on padding).
-        lengths: Response lengths [B*n].
-        decode_steps: Iterations of the decode loop (one token for every busy slot each).
-        slots: Rows decoded at once (KV-cache slots).
+        prompt: The prompt's token ids (no padding).
+        response: Every token after the prompt, sampled or appended.
+        log_probs: Per response token, its log-prob when sampled (processed distribution),
+            0.0 when appended.
+        sampled: Per response token, 1 if the engine sampled it, 0 if it was appended (a
+            tool's output: attended to, not generated; verl's multi-turn response mask).
     """
 
-    responses: Int[Array, "b r"]
-    response_mask: Int[Array, "b r"]
-    log_probs: Float[Array, "b r"]
-    lengths: Int[Array, " b"]
-    decode_steps: Int[Array, ""]
-    slots: int = flax.struct.field(pytree_node=False, default=0)
+    prompt: list[int]
+    response: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    sampled: list[int] = dataclasses.field(default_factory=list)
 
 
-@flax.struct.dataclass
-class _Slots:
-    """The decode batch: which queued row each slot holds and how far it has got.
+@dataclasses.dataclass
+class Turn:
+    """What one `decode` call produced, one entry per requested slot (in their order).
 
     Attributes:
-        row: [S] queue row in the slot; Q (one past the last row) marks a free slot.
-        step: [S] tokens generated so far.
-        last: [S] the newest token (fed to the next decode step).
-        start: [S] position of the first response token (the prompt's real tokens).
+        tokens: The sampled tokens of the turn.
+        log_probs: Their log-probs.
+        finish_reasons: "stop" (EOS, a stop token or a stop string) or "length"
+            (`max_tokens`, or the slot's cache is full).
     """
 
-    row: Int[Array, " s"]
-    step: Int[Array, " s"]
-    last: Int[Array, " s"]
-    start: Int[Array, " s"]
+    tokens: list[np.ndarray]
+    log_probs: list[np.ndarray]
+    finish_reasons: list[str]
 
 
-@flax.struct.dataclass
-class _LoopState:
-    slots: _Slots
-    next_row: Int[Array, ""]  # the first queued row not yet in a slot
-    tokens: Int[Array, "q1 r"]  # [Q + 1, R]: row Q takes the writes of free slots
-    log_probs: Float[Array, "q1 r"]
-    lengths: Int[Array, " q1"]
-    cache: KVCache
-    key: jax.Array
-    decode_steps: Int[Array, ""]
-
-
-def cache_geometry(
-    prompt_len: int, max_tokens: int, block: int = 128, whole: int = 256
-) -> tuple[int, int]:
-    """(cache length, attention block): the length is prompt + response rounded up to a
-    multiple of 16 (the vector width of the CPU decode kernels). A cache of up to `whole`
-    entries is one block, read whole every step; a longer one is rounded up to a multiple of
-    `block` and read block by block up to the live prefix. (Measured on 2 CPU cores, M's
-    shapes: for 192 entries the whole read was faster than 64- or 96-key blocks at every live
-    length; at 256 the two break even over a generation; from 512 on, blocks win, as the
-    unwritten tail is skipped.)"""
-    length = -(-(prompt_len + max_tokens) // 16) * 16
-    if length <= whole:
-        return length, length
-    return -(-length // block) * block, block
-
-
-def refill_sizes(slots: int, queued: int) -> tuple[int, ...]:
-    """Static batch sizes of the refill prefills: powers of 4 below `slots`, and `slots`
-    (a refill of k free slots runs the smallest size >= k, so at most 4x padded rows)."""
-    if queued <= slots:
-        return (slots,)
-    sizes, size = [], 1
-    while size < slots:
-        sizes.append(size)
-        size *= 4
-    return (*sizes, slots)
-
-
-def _is_eos(tokens: Array, eos_ids: tuple[int, ...]) -> Array:
-    if not eos_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
-
-
-def _generate(
-    config: DecoderConfig,
-    sp: SamplingParams,
-    layout: Layout | None,
-    num_slots: int,
-    cpu_kernels: bool,
-    params: Any,
-    input_ids: Int[Array, "q p"],
-    attention_mask: Int[Array, "q p"],
-    key: jax.Array,
-    num_rows: Int[Array, ""],
-    order: Int[Array, " q"],
-) -> GenerationOutput:
-    """Continuous batching: `num_slots` rows decode at once; a slot whose row finishes (EOS or
-    `max_tokens`) is refilled with the next queued prompt (prefilled into the slot's cache),
-    until the queue is empty and every slot is free. With as many slots as rows this is plain
-    static batching: one prefill, then decode until the last row finishes. The queue is
-    `order` (row indices); its entries from `num_rows` on (padding rows) are never decoded."""
-    q, p = input_ids.shape
-    r, s = sp.max_tokens, num_slots
-    length, block = cache_geometry(p, r)
-    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    eos_ids = () if sp.ignore_eos else (sp.eos_token_ids or config.eos_token_id)
-
-    def retire(st: _LoopState) -> _LoopState:
-        """Free the slots whose row just ended (EOS or max_tokens), recording its length."""
-        sl = st.slots
-        ended = (sl.row < q) & ((sl.step >= r) | _is_eos(sl.last, eos_ids))
-        lengths = st.lengths.at[jnp.where(ended, sl.row, q)].set(sl.step)
-        return st.replace(slots=sl.replace(row=jnp.where(ended, q, sl.row)), lengths=lengths)
-
-    def refill(st: _LoopState, f: int) -> _LoopState:
-        """Prefill up to `f` queued prompts into the first free slots."""
-        sl = st.slots
-        free = sl.row == q
-        slot_ids = jnp.argsort(~free, stable=True)[:f]  # free slots first, in order
-        queued = st.next_row + jnp.arange(f)
-        take = free[slot_ids] & (queued < num_rows)
-        rows = order[jnp.minimum(queued, q - 1)]
-        ids = input_ids[rows]
-        mask = attention_mask[rows] * take[:, None]
-        h, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
-        key, sub = jax.random.split(st.key)
-        tok, lp = sample(lm_logits(config, params, h[:, -1:])[:, 0], sp, sub)
-        into = jnp.where(take, slot_ids, s)  # s: out of range, dropped
-        out_row = jnp.where(take, rows, q)
-        cache = st.cache.write(into, k, v, mask)
-        slots = _Slots(
-            row=sl.row.at[into].set(rows, mode="drop"),
-            step=sl.step.at[into].set(1, mode="drop"),
-            last=sl.last.at[into].set(tok, mode="drop"),
-            start=sl.start.at[into].set(jnp.sum(mask, axis=-1), mode="drop"),
-        )
-        st = st.replace(
-            slots=slots,
-            next_row=st.next_row + jnp.sum(take),
-            tokens=st.tokens.at[out_row, 0].set(tok),
-            log_probs=st.log_probs.at[out_row, 0].set(lp),
-            cache=cache.constrain(),
-            key=key,
-        )
-        return retire(st)
-
-    def decode(st: _LoopState, weights: DecodeWeights) -> _LoopState:
-        sl = st.slots
-        busy = sl.row < q
-        write_index = jnp.minimum(p + sl.step - 1, length - 1)
-        live = jnp.max(jnp.where(busy, write_index + 1, 1))
-        positions = sl.start + sl.step - 1
-        h, cache = decode_step(
-            config, params, weights, sl.last, positions, st.cache, write_index, live, block
-        )
-        key, sub = jax.random.split(st.key)
-        tok, lp = sample(decode_logits(weights, h), sp, sub)
-        out_row = jnp.where(busy, sl.row, q)
-        column = jnp.minimum(sl.step, r - 1)
-        st = st.replace(
-            slots=sl.replace(step=sl.step + busy, last=jnp.where(busy, tok, pad_id)),
-            tokens=st.tokens.at[out_row, column].set(tok),
-            log_probs=st.log_probs.at[out_row, column].set(lp),
-            cache=cache,
-            key=key,
-            decode_steps=st.decode_steps + 1,
-        )
-        return retire(st)
-
-    with use_layout(layout):
-        weights = decode_weights(config, params, cpu_kernels)
-        state = _LoopState(
-            slots=_Slots(
-                row=jnp.full((s,), q, jnp.int32),
-                step=jnp.zeros((s,), jnp.int32),
-                last=jnp.full((s,), pad_id, jnp.int32),
-                start=jnp.zeros((s,), jnp.int32),
-            ),
-            next_row=jnp.int32(0),
-            tokens=jnp.full((q + 1, r), pad_id, jnp.int32),
-            log_probs=jnp.zeros((q + 1, r), jnp.float32),
-            lengths=jnp.zeros((q + 1,), jnp.int32),
-            cache=init_cache(config, s, length),
-            key=key,
-            decode_steps=jnp.int32(0),
-        )
-        state = refill(state, s)
-        sizes = refill_sizes(s, q)
-
-        def cond(st: _LoopState):
-            return jnp.any(st.slots.row < q) | (st.next_row < num_rows)
-
-        def body(st: _LoopState):
-            if q > s:
-                wanted = jnp.minimum(jnp.sum(st.slots.row == q), num_rows - st.next_row)
-                branch = jnp.searchsorted(jnp.asarray(sizes), wanted)
-                st = jax.lax.cond(
-                    wanted > 0,
-                    lambda x: jax.lax.switch(
-                        branch, [functools.partial(refill, f=f) for f in sizes], x
-                    ),
-                    lambda x: x,
-                    st,
-                )
-            return decode(st, weights)
-
-        state = jax.lax.while_loop(cond, body, state)
-    lengths = state.lengths[:q]
-    mask = (jnp.arange(r)[None, :] < lengths[:, None]).astype(jnp.int32)
-    return GenerationOutput(
-        responses=jnp.where(mask > 0, state.tokens[:q], pad_id),
-        response_mask=mask,
-        log_probs=state.log_probs[:q] * mask,
-        lengths=lengths,
-        decode_steps=state.decode_steps,
-        slots=s,
-    )
-
-
-def idle_fraction(out: GenerationOutput) -> float:
-    """Share of the decode loop's slot-steps that produced no token (slots whose row had
-    finished with nothing left to refill them: RL's long tail):
-    1 - sum_i (length_i - 1) / (decode_steps * slots), the first token coming from prefill."""
-    produced = float(np.maximum(np.asarray(out.lengths) - 1, 0).sum())
-    capacity = int(out.decode_steps) * out.slots
-    return 1.0 - produced / capacity if capacity else 0.0
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled(
-    config: DecoderConfig,
-    sp: SamplingParams,
-    layout: Layout | None,
-    b: int,
-    p: int,
-    slots: int,
-    cpu_kernels: bool,
-    replicated_out: bool = False,
-):
-    log.info(
-        "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)%s",
-        b,
-        p,
-        sp.max_tokens,
-        slots,
-        "greedy" if not sp.do_sample else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}",
-        ", CPU decode kernels" if cpu_kernels else "",
-    )
-    fn = functools.partial(_generate, config, sp, layout, slots, cpu_kernels)
-    if layout is None:
-        return jax.jit(fn)
-    tokens = layout.tokens((b, p))
-    out = layout.replicated() if replicated_out else None
-    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None, None), out_shardings=out)
-
-
-def generate(
-    config: DecoderConfig,
-    params: Any,
-    input_ids: Int[Array, "b p"] | np.ndarray,
-    attention_mask: Int[Array, "b p"] | np.ndarray,
-    sampling_params: SamplingParams,
-    rng: jax.Array | None = None,
-    *,
-    layout: Layout | None = None,
-    max_prompt_length: int | None = None,
-    max_num_seqs: int | None = None,
-) -> GenerationOutput:
-    """Generate responses for left-padded prompts.
+class RolloutEngine:
+    """The rollout's weights, generation, and conversations.
 
     Args:
-        config: The model.
-        params: Its parameters (in `layout` when given).
-        input_ids: Left-padded prompt ids [B, P].
-        attention_mask: 1 on prompt tokens, 0 on padding [B, P].
-        sampling_params: What to generate.
-        rng: A fresh PRNG key per call (the caller's responsibility: never reuse one);
-            None derives it from `sampling_params.seed`.
-        layout: The rollout layout (mesh dp x tp) to generate on; None: one device.
-        max_prompt_length: Refuse prompts longer than this (the configured maximum).
-        max_num_seqs: Rows decoded at once (KV-cache slots; verl's `rollout.max_num_seqs`).
-            With fewer slots than rows, a finished row's slot is refilled with the next
-            prompt (continuous batching); None: one slot per row.
-
-    Several processes: every process calls `generate` with its own prompts (numpy, the same
-    number on each), the same rng and the rollout `layout`; one program generates for all of
-    them, and each process gets back the rows of its own prompts as numpy arrays.
-
-    Raises:
-        ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
-            model's context, naming the parameter and the allowed range; with several
-            processes, for unequal prompt counts or a mesh whose `dp` axis does not split
-            evenly over the processes.
-        TypeError: with several processes, for prompts given as jax arrays.
+        config: The rollout model: its weights are held in `param_dtype` (the actor's master
+            dtype, as they come from the trainer) and it computes in `dtype`.
+        layout: The rollout layout (mesh `dp` x `tp`) its weights, batches and caches live
+            in; None: one device.
+        max_prompt_length: Refuse longer prompts (`data.max_prompt_length`).
+        max_num_seqs: KV-cache slots (`rollout.max_num_seqs`): rows `generate` decodes at
+            once (None: one per row), and conversations open at once (required for them).
+        max_model_len: Cells of a conversation's cache (prompt padding included); None:
+            the model's context.
+        tokenizer: Detokenizes turns for stop strings (`SamplingParams.stop`).
+        stop_check_tokens: Tokens sampled between two stop-string checks.
     """
-    sp = sampling_params
-    if jax.process_count() > 1:
-        if layout is None:
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        layout: Layout | None = None,
+        *,
+        max_prompt_length: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        tokenizer: Any = None,
+        stop_check_tokens: int = 16,
+    ):
+        self.config, self.layout = config, layout
+        self.max_prompt_length, self.max_num_seqs = max_prompt_length, max_num_seqs
+        self.max_model_len = max_model_len or config.rope.max_position_embeddings
+        self.tokenizer, self.stop_check_tokens = tokenizer, stop_check_tokens
+        self.shardings = param_shardings(config, layout) if layout is not None else None
+        self.params: Any = None
+        self._cache: Any = None
+        self._pending: dict[str, np.ndarray] = {}
+        self._records: dict[int, Conversation] = {}
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, params: Any) -> None:
+        """Copy `params` (any layout, any devices) into the rollout layout (cast to the
+        config's `param_dtype` if they differ), replacing (and freeing) the previous copy.
+        Open conversations keep their caches (computed with the earlier weights)."""
+        self._free_weights()
+        if self.shardings is None:
+            dtype = jnp.dtype(self.config.param_dtype)
+            self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        else:
+            self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
+
+    def release(self) -> None:
+        """Free the weights' and the conversation cache's device memory (verl's sleep mode
+        between rollouts); open conversations are ended."""
+        self._free_weights()
+        if self._cache is not None:
+            free(self._cache)
+            self._cache = None
+        self._records.clear()
+
+    def _free_weights(self) -> None:
+        if self.params is not None:
+            free(self.params)
+            self.params = None
+
+    def _weights(self) -> Any:
+        if self.params is None:
+            raise RuntimeError("the rollout has no weights: call load_weights (sync_weights) first")
+        return self.params
+
+    def copy_of(self, like: Any) -> Any:
+        """What `load_weights(like)` makes, as `jax.ShapeDtypeStruct`s in the rollout's
+        shardings (nothing allocated)."""
+        return placed_abstract(like, self.shardings, self.config.param_dtype)
+
+    # ---- batch generation ----------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        sampling: SamplingParams,
+        rng: jax.Array,
+    ) -> GenerationOutput:
+        """`jaxrl.rollout.generate` on the loaded weights (see it for multi-process runs)."""
+        return generate(
+            self.config,
+            self._weights(),
+            input_ids,
+            attention_mask,
+            sampling,
+            rng,
+            layout=self.layout,
+            max_prompt_length=self.max_prompt_length,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    def compile(self, like: Any, prompts: int, prompt_len: int, sampling: SamplingParams):
+        """`generate`'s program for `prompts` prompts of `prompt_len` tokens on a copy of
+        `like` (a parameter tree, abstract or not), compiled but not run."""
+        return compile_generate(
+            self.config,
+            self.copy_of(like),
+            np.zeros((prompts, prompt_len), np.int32),
+            np.ones((prompts, prompt_len), np.int32),
+            sampling,
+            layout=self.layout,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    # ---- conversations -------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        """Conversation slots: `max_num_seqs`, rounded down to a multiple of the mesh's dp."""
+        if self.max_num_seqs is None:
             raise ValueError(
-                f"generate() in a run of {jax.process_count()} processes needs the rollout "
-                "layout (layout=...): the generation program spans every process's devices"
+                "conversations need KV-cache slots: set max_num_seqs "
+                "(actor_rollout_ref.rollout.max_num_seqs)"
             )
-        if isinstance(input_ids, jax.Array) or isinstance(attention_mask, jax.Array):
-            raise TypeError(
-                "generate() in a multi-process run takes this process's prompts as host "
-                "(numpy) arrays"
+        dp = 1 if self.layout is None else int(self.layout.mesh.shape.get("dp", 1))
+        return max(self.max_num_seqs // dp, 1) * dp
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not holding a conversation."""
+        return self.slots - len(self._records)
+
+    def _geometry(self) -> tuple[int, int]:
+        """(cache cells, attention block) of the conversation cache."""
+        return cache_geometry(self.max_model_len, 0)
+
+    def _ensure_cache(self) -> None:
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "conversations run in one process for now (this run has "
+                f"{jax.process_count()}): use generate() for multi-process rollouts"
             )
-    input_ids = np.asarray(input_ids) if not isinstance(input_ids, jax.Array) else input_ids
-    attention_mask = (
-        np.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask
+        if self._cache is None:
+            s, (length, _) = self.slots, self._geometry()
+            self._cache = _open_cache(self.config, self.layout, s, length)
+            self._pending = {
+                "last": np.zeros(s, np.int32),
+                "index": np.zeros(s, np.int32),
+                "position": np.zeros(s, np.int32),
+            }
+
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Open one conversation per left-padded prompt [F, P]; returns their slot ids [F]."""
+        params = self._weights()
+        ids = np.asarray(input_ids, np.int32)
+        mask = np.asarray(attention_mask, np.int32)
+        if ids.ndim != 2 or mask.shape != ids.shape:
+            raise ValueError(
+                f"start() takes left-padded prompts [F, P] and a mask of that shape; got "
+                f"{ids.shape} and {mask.shape}"
+            )
+        counts = mask.sum(axis=-1)
+        if (counts == 0).any() or (mask[:, -1] == 0).any():
+            row = int(np.flatnonzero((counts == 0) | (mask[:, -1] == 0))[0])
+            raise ValueError(
+                f"prompt row {row} is empty or not left-padded (its last column is padding)"
+            )
+        if self.max_prompt_length is not None and counts.max() > self.max_prompt_length:
+            raise ValueError(
+                f"a prompt has {counts.max()} tokens, more than "
+                f"max_prompt_length={self.max_prompt_length}"
+            )
+        self._ensure_cache()
+        f = ids.shape[0]
+        free_ids = [s for s in range(self.slots) if s not in self._records]
+        if f > len(free_ids):
+            raise ValueError(
+                f"start(): {f} prompts but {len(free_ids)} free slots of {self.slots} "
+                "(max_num_seqs): end() finished conversations first"
+            )
+        width = max(bucket(ids.shape[1]), 2)
+        length = self._geometry()[0]
+        if width > length - 1:
+            raise ValueError(
+                f"prompts of {ids.shape[1]} tokens (padded to {width}) leave no room in a "
+                f"conversation cache of {length} cells: raise max_model_len"
+            )
+        slot_ids = np.asarray(free_ids[:f], np.int32)
+        rows = bucket(f, 1)
+        pad = ((0, rows - f), (width - ids.shape[1], 0))
+        program = _start_program(self.config, self.layout)
+        self._cache = program(
+            params,
+            self._cache,
+            np.pad(slot_ids, (0, rows - f), constant_values=self.slots),
+            np.pad(ids, pad),
+            np.pad(mask, pad),
+        )
+        self._pending["last"][slot_ids] = ids[:, -1]
+        self._pending["index"][slot_ids] = width - 1
+        self._pending["position"][slot_ids] = counts - 1
+        for slot, row_ids, row_mask in zip(slot_ids, ids, mask, strict=True):
+            self._records[int(slot)] = Conversation(prompt=row_ids[row_mask > 0].tolist())
+        return slot_ids
+
+    def _check_open(self, slots: Sequence[int]) -> list[int]:
+        slots = [int(s) for s in np.atleast_1d(np.asarray(slots))]
+        closed = [s for s in slots if s not in self._records]
+        if closed:
+            raise ValueError(f"slots {closed} hold no conversation (start() opens them)")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} repeat a slot")
+        return slots
+
+    def decode(
+        self, slots: Sequence[int], sampling: SamplingParams, rng: jax.Array | None = None
+    ) -> Turn:
+        """Sample each slot's next turn: until an end token (EOS, `stop_token_ids`), a stop
+        string, `max_tokens`, or its cache is full. The slots' records grow by the turn."""
+        slots = self._check_open(slots)
+        if sampling.n != 1:
+            raise ValueError(
+                f"decode() samples one continuation per slot (n={sampling.n}): start() the "
+                "prompt n times for n samples"
+            )
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError(
+                "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
+            )
+        rng = jax.random.key(sampling.seed or 0) if rng is None else rng  # as generate()
+        length, block = self._geometry()
+        steps = min(sampling.max_tokens, self.stop_check_tokens) if sampling.stop else None
+        steps = steps or sampling.max_tokens
+        kernels = cpu_decode.enabled(self.config.compute_dtype, self.layout)
+        program = _decode_program(self.config, sampling, self.layout, steps, block, kernels)
+        turn = {s: ([], []) for s in slots}
+        reasons: dict[int, str] = {}
+        chunk = 0
+        while len(reasons) < len(slots):
+            budget = np.zeros(self.slots, np.int32)
+            for s in slots:
+                if s not in reasons:
+                    room = length - 1 - int(self._pending["index"][s])
+                    budget[s] = max(min(steps, sampling.max_tokens - len(turn[s][0]), room), 0)
+            pending = conversation.Pending(**{k: jnp.asarray(v) for k, v in self._pending.items()})
+            self._cache, out = program(
+                self._weights(), self._cache, pending, budget, jax.random.fold_in(rng, chunk)
+            )
+            chunk += 1
+            out = jax.tree.map(np.asarray, out)
+            for s in slots:
+                if s in reasons:
+                    continue
+                n = int(out.counts[s])
+                turn[s][0].extend(out.tokens[s, :n].tolist())
+                turn[s][1].extend(out.log_probs[s, :n].tolist())
+                self._advance(s, n, int(out.tokens[s, n - 1]) if n else None)
+                reasons.update(self._finished(s, turn[s][0], bool(out.ended[s]), sampling))
+        for s in slots:
+            tokens, log_probs = turn[s]
+            record = self._records[s]
+            record.response += tokens
+            record.log_probs += log_probs
+            record.sampled += [1] * len(tokens)
+        return Turn(
+            tokens=[np.asarray(turn[s][0], np.int32) for s in slots],
+            log_probs=[np.asarray(turn[s][1], np.float32) for s in slots],
+            finish_reasons=[reasons[s] for s in slots],
+        )
+
+    def _advance(self, slot: int, n: int, last: int | None) -> None:
+        """The slot's pending token moves `n` tokens on (to `last`)."""
+        if n:
+            self._pending["last"][slot] = last
+            self._pending["index"][slot] += n
+            self._pending["position"][slot] += n
+
+    def _finished(
+        self, slot: int, tokens: list[int], ended: bool, sampling: SamplingParams
+    ) -> dict[int, str]:
+        """{slot: finish reason} if the slot's turn `tokens` is over, else {}; a stop string
+        cuts `tokens` (in place) and moves the slot's pending token back."""
+        if sampling.stop:
+            cut = _stop_string_end(self.tokenizer, tokens, sampling.stop)
+            if cut is not None:
+                back = len(tokens) - cut
+                del tokens[cut:]
+                self._pending["last"][slot] = tokens[-1]
+                self._pending["index"][slot] -= back
+                self._pending["position"][slot] -= back
+                return {slot: "stop"}
+        if ended:
+            return {slot: "stop"}
+        room = self._geometry()[0] - 1 - int(self._pending["index"][slot])
+        if len(tokens) >= sampling.max_tokens or room <= 0:
+            return {slot: "length"}
+        return {}
+
+    def append(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+        """Append tokens (a tool's output, the next user message) to each slot's sequence,
+        prefilled into its cache without sampling; they enter the records unsampled
+        (log-prob 0, `sampled` 0)."""
+        slots = self._check_open(slots)
+        if len(tokens) != len(slots):
+            raise ValueError(f"append(): {len(slots)} slots but {len(tokens)} token lists")
+        seqs = [np.asarray(t, np.int32).reshape(-1) for t in tokens]
+        length = self._geometry()[0]
+        for s, seq in zip(slots, seqs, strict=True):
+            if int(self._pending["index"][s]) + len(seq) > length - 1:
+                raise ValueError(
+                    f"append(): slot {s} has {length - 1 - int(self._pending['index'][s])} "
+                    f"cache cells left, {len(seq)} tokens given: raise max_model_len"
+                )
+        f, t = bucket(len(slots), 1), bucket(max(len(q) for q in seqs), 1)
+        fed = np.zeros((f, t), np.int32)  # the pending token, then all but the last given
+        index = np.full((f, t), length, np.int32)  # >= length: not written
+        positions = np.zeros((f, t), np.int32)
+        slot_ids = np.full(f, self.slots, np.int32)
+        for row, (s, seq) in enumerate(zip(slots, seqs, strict=True)):
+            if not len(seq):
+                continue
+            n = len(seq)
+            slot_ids[row] = s
+            fed[row, :n] = np.concatenate([[self._pending["last"][s]], seq[:-1]])
+            index[row, :n] = self._pending["index"][s] + np.arange(n)
+            positions[row, :n] = self._pending["position"][s] + np.arange(n)
+            self._advance(s, n, int(seq[-1]))
+            record = self._records[s]
+            record.response += seq.tolist()
+            record.log_probs += [0.0] * n
+            record.sampled += [0] * n
+        program = _append_program(self.config, self.layout)
+        self._cache = program(self._weights(), self._cache, slot_ids, fed, index, positions)
+
+    def conversation(self, slot: int) -> Conversation:
+        """The record of the conversation in `slot`."""
+        return self._records[self._check_open([slot])[0]]
+
+    def end(self, slots: Sequence[int]) -> list[Conversation]:
+        """End the conversations in `slots` (their slots are free again); returns their
+        records."""
+        return [self._records.pop(s) for s in self._check_open(slots)]
+
+
+def _stop_string_end(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -> int | None:
+    """The shortest prefix of `tokens` whose text contains a stop string (its length), or
+    None when the whole text contains none."""
+    if not any(s in tokenizer.decode(tokens) for s in stop):
+        return None
+    for k in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:k])
+        if any(s in text for s in stop):
+            return k
+    return len(tokens)
+
+
+def _open_cache(config: DecoderConfig, layout: Layout | None, slots: int, length: int):
+    log.info("conversation cache: %d slots x %d cells", slots, length)
+    return jax.jit(conversation.open_cache, static_argnums=(0, 1, 2, 3))(
+        config, layout, slots, length
     )
-    b, p = input_ids.shape
-    if attention_mask.shape != (b, p):
-        raise ValueError(f"attention_mask {attention_mask.shape} does not match input_ids {(b, p)}")
-    longest = int(np.asarray(attention_mask).sum(axis=-1).max()) if b else 0
-    if max_prompt_length is not None and longest > max_prompt_length:
-        raise ValueError(
-            f"a prompt has {longest} tokens, more than max_prompt_length={max_prompt_length}"
-        )
-    context = config.rope.max_position_embeddings
-    if longest + sp.max_tokens > context:
-        raise ValueError(
-            f"max_tokens={sp.max_tokens} with a {longest}-token prompt exceeds the model's context "
-            f"of {context}; max_tokens must be <= {max(context - longest, 0)}"
-        )
-    if max_num_seqs is not None and max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: one per row)")
-    if rng is None:
-        rng = jax.random.key(0 if sp.seed is None else sp.seed)
-    if jax.process_count() > 1:
-        return _generate_processes(
-            config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs
-        )
-    fn, args = _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs)
-    return _rows(fn(*args), slice(0, b * sp.n))
 
 
-def _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs):
-    """The jitted generation program for these prompts and its arguments (rows repeated `n`
-    times and padded to the bucketed shapes the program is compiled for)."""
-    b, p = input_ids.shape
-    ids = jnp.repeat(jnp.asarray(input_ids, jnp.int32), sp.n, axis=0)
-    mask = jnp.repeat(jnp.asarray(attention_mask, jnp.int32), sp.n, axis=0)
-    rows = b * sp.n
-    dp = 1 if layout is None else int(layout.mesh.shape.get("dp", 1))
-    padded_rows = -(-bucket(rows, 1) // dp) * dp
-    padded_len = bucket(p)
-    ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
-    mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
-    slots = _num_slots(max_num_seqs, padded_rows, dp)
-    kernels = cpu_decode.enabled(config.compute_dtype, layout)
-    fn = _compiled(config, sp, layout, padded_rows, padded_len, slots, kernels)
-    order = jnp.arange(padded_rows, dtype=jnp.int32)
-    return fn, (params, ids, mask, rng, jnp.int32(rows), order)
+@functools.lru_cache(maxsize=8)
+def _start_program(config: DecoderConfig, layout: Layout | None):
+    return jax.jit(functools.partial(conversation.start, config, layout), donate_argnums=(1,))
 
 
-def compile_generate(
+@functools.lru_cache(maxsize=32)
+def _decode_program(
     config: DecoderConfig,
-    params: Any,
-    input_ids: np.ndarray,
-    attention_mask: np.ndarray,
-    sampling_params: SamplingParams,
-    *,
-    layout: Layout | None = None,
-    max_num_seqs: int | None = None,
-) -> jax.stages.Compiled:
-    """The compiled program `generate` runs for prompts of these shapes, without running it
-    (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory analysis."""
-    rng = jax.random.key(0)
-    fn, args = _program(
-        config, params, input_ids, attention_mask, sampling_params, rng, layout, max_num_seqs
-    )
-    return fn.lower(*args).compile()
-
-
-def _num_slots(max_num_seqs: int | None, rows: int, dp: int) -> int:
-    """KV-cache slots: one per row, or `max_num_seqs` (a multiple of dp) when fewer."""
-    if max_num_seqs is None or max_num_seqs >= rows:
-        return rows
-    return max(max_num_seqs // dp, 1) * dp
-
-
-def _rows(out: GenerationOutput, index: slice) -> GenerationOutput:
-    """The output's rows `index` (dropping padding rows, or other processes' rows)."""
-    return out.replace(
-        responses=out.responses[index],
-        response_mask=out.response_mask[index],
-        log_probs=out.log_probs[index],
-        lengths=out.lengths[index],
-    )
-
-
-def _generate_processes(
-    config: DecoderConfig,
-    params: Any,
-    input_ids: np.ndarray,
-    attention_mask: np.ndarray,
     sp: SamplingParams,
-    rng: jax.Array,
-    layout: Layout,
-    max_num_seqs: int | None,
-) -> GenerationOutput:
-    """`generate` in a multi-process run: every process passes its own prompts (the same
-    number on each), one program generates for all of them over the whole rollout mesh, and
-    each process gets back the rows of its own prompts (numpy).
+    layout: Layout | None,
+    steps: int,
+    block: int,
+    cpu_kernels: bool,
+):
+    fn = functools.partial(conversation.decode, config, sp, layout, steps, block, cpu_kernels)
+    return jax.jit(fn, donate_argnums=(1,))
 
-    Process p's rows (its prompts repeated n times, padded to a multiple of its share of `dp`)
-    are block p of the global batch (`make_array_from_process_local_data`); the queue takes
-    the real rows of every block before any padding row, so padding is never decoded; the
-    outputs come back replicated. The rng must be the same on every process (it is one
-    program).
-    """
-    processes = jax.process_count()
-    b, p = input_ids.shape
-    shapes = allgather_objects((b, p))
-    if len({rows for rows, _ in shapes}) > 1:
-        raise ValueError(
-            "generate(): every process must pass the same number of prompts; got "
-            + ", ".join(f"process {i}: {rows}" for i, (rows, _) in enumerate(shapes))
-        )
-    dp = int(layout.mesh.shape.get("dp", 1))
-    if dp % processes:
-        raise ValueError(
-            f"the rollout mesh has dp={dp}, not a multiple of the {processes} processes: each "
-            "process must hold whole tensor-parallel groups (rollout."
-            "tensor_model_parallel_size must divide the devices of one process, "
-            f"{jax.local_device_count()})"
-        )
-    rows = b * sp.n
-    dp_local = dp // processes
-    local_rows = -(-bucket(rows, 1) // dp_local) * dp_local
-    padded_len = bucket(max(width for _, width in shapes))
-    pad = ((0, local_rows - rows), (padded_len - p, 0))
-    ids = np.pad(np.repeat(input_ids.astype(np.int32), sp.n, axis=0), pad)
-    mask = np.pad(np.repeat(attention_mask.astype(np.int32), sp.n, axis=0), pad)
-    global_rows = local_rows * processes
-    sharding = layout.tokens((global_rows, padded_len))
-    start, stop = process_rows(sharding, (global_rows, padded_len))
-    if stop - start != local_rows:
-        raise ValueError(
-            f"the rollout mesh gives this process rows [{start}, {stop}) of {global_rows}, not "
-            f"one block of {local_rows}: its devices are not one contiguous part of the dp axis"
-        )
-    ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
-    mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
-    slots = _num_slots(max_num_seqs, global_rows, dp)
-    kernels = cpu_decode.enabled(config.compute_dtype, layout)
-    fn = _compiled(config, sp, layout, global_rows, padded_len, slots, kernels, True)
-    # The queue: every process's real rows in process order, then the padding rows (which sit
-    # at the end of each process's block and are never decoded).
-    blocks = np.arange(global_rows).reshape(processes, local_rows)
-    order = np.concatenate([blocks[:, :rows].ravel(), blocks[:, rows:].ravel()]).astype(np.int32)
-    order = global_array(order, layout.replicated())
-    out = fn(params, ids, mask, rng, jnp.int32(rows * processes), order)
-    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
-    return _rows(host, slice(start, start + rows))
+
+@functools.lru_cache(maxsize=8)
+def _append_program(config: DecoderConfig, layout: Layout | None):
+    return jax.jit(functools.partial(conversation.append, config, layout), donate_argnums=(1,))

@@ -37,6 +37,10 @@ class SamplingParams:
         do_sample: Sample (true) or take the argmax (false).
         ignore_eos: Keep generating after EOS; EOS tokens then stay unmasked.
         eos_token_ids: Tokens that end a response (empty: the model config's).
+        stop_token_ids: More tokens that end a response (kept in it), `ignore_eos` or not.
+        stop: Strings that end a response once its text contains one (the conversation API
+            of `RolloutEngine`, which has a tokenizer; the response keeps the tokens up to
+            the one completing the string).
         seed: The key `generate` uses when the caller passes no rng (the same samples each
             call: pass a fresh rng per call, as the trainer does).
     """
@@ -49,10 +53,15 @@ class SamplingParams:
     do_sample: bool = True
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     seed: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
         problems = []
         if self.temperature < 0:
             problems.append(f"temperature={self.temperature} must be >= 0")
@@ -66,8 +75,16 @@ class SamplingParams:
             problems.append(f"n={self.n} must be >= 1")
         if self.max_tokens < 1:
             problems.append(f"max_tokens={self.max_tokens} must be >= 1")
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            problems.append(f"stop={self.stop!r} must be non-empty strings")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    def end_ids(self, model_eos: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens that end a response: EOS (these parameters' or else the model's
+        `model_eos`; none with `ignore_eos`) and `stop_token_ids`."""
+        eos = () if self.ignore_eos else (self.eos_token_ids or tuple(model_eos))
+        return tuple(dict.fromkeys((*eos, *self.stop_token_ids)))
 
     @classmethod
     def from_config(cls, rollout, validation: bool = False, **overrides) -> SamplingParams:

@@ -37,7 +37,7 @@ import optax
 
 from jaxrl.models.config import DecoderConfig
 from jaxrl.rewards.reward_model import RewardModel
-from jaxrl.rollout.worker import RolloutWorker
+from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.sharding.layouts import Layout, role_layouts
 from jaxrl.sharding.offload import offload, reload, supports_host_offload
 from jaxrl.sharding.processes import global_array, to_host
@@ -97,7 +97,7 @@ class Cluster:
         layouts: Every role's layout.
         learners: Trainable roles by name (`actor`, `critic`).
         frozen: Frozen roles by name (`ref`).
-        rollout: The rollout worker (weights loaded by `sync_weights`).
+        rollout: The rollout engine (weights loaded by `sync_weights`).
         reward_model: The reward model (`reward_model.enable`), else None.
     """
 
@@ -107,7 +107,7 @@ class Cluster:
         layouts: dict[str, Layout | None],
         learners: dict[str, Learner],
         frozen: dict[str, Frozen],
-        rollout: RolloutWorker,
+        rollout: RolloutEngine,
         reward_model: RewardModel | None = None,
     ):
         self.specs, self.layouts = specs, layouts
@@ -154,13 +154,17 @@ class Cluster:
             else:
                 frozen[name] = Frozen(config, params, layout)
         spec = specs["rollout"]
-        rollout = RolloutWorker(
+        rollout_cfg = cfg.actor_rollout_ref.rollout
+        rollout = RolloutEngine(
             learners["actor"].config.replace(
                 dtype=spec.compute_dtype, remat="none", attention_impl=spec.attention_impl
             ),
             layouts["rollout"],
             max_prompt_length=cfg.data.max_prompt_length,
-            max_num_seqs=cfg.actor_rollout_ref.rollout.max_num_seqs,
+            max_num_seqs=rollout_cfg.max_num_seqs,
+            max_model_len=rollout_cfg.max_model_len
+            or rollout_cfg.prompt_length + rollout_cfg.response_length,
+            tokenizer=tokenizer,
         )
         cluster = cls(specs, layouts, learners, frozen, rollout, reward_model)
         if not abstract:

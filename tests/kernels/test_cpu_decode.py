@@ -12,7 +12,7 @@ import pytest
 import jaxrl.models as M
 from jaxrl.kernels import cpu_decode
 from jaxrl.rollout import SamplingParams, generate
-from jaxrl.rollout.engine import _compiled, bucket
+from jaxrl.rollout.generation import _compiled, bucket
 from jaxrl.testing.tiny import save_tiny
 
 pytestmark = pytest.mark.skipif(

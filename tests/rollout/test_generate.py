@@ -15,7 +15,7 @@ from jaxrl.data import bucket
 from jaxrl.kernels import attention, decode_attention
 from jaxrl.models.params import param_shardings
 from jaxrl.rollout import SamplingParams, generate, idle_fraction, sample
-from jaxrl.rollout.engine import _compiled
+from jaxrl.rollout.generation import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.tiny import save_tiny, tiny_decoder
 
@@ -335,7 +335,7 @@ def test_continuous_batching_sampled_and_sharded(one_model):
 def test_long_cache_is_read_in_blocks_with_the_same_result(one_model, monkeypatch):
     """A cache longer than `whole` entries is read in blocks up to the live prefix (here
     48 entries in 16-key blocks); tokens and log-probs equal the whole-cache read's."""
-    from jaxrl.rollout import engine
+    from jaxrl.rollout import generation as engine
 
     _, config, params = one_model
     ids, mask = prompts()

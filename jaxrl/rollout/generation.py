@@ -1,0 +1,540 @@
+"""`generate`: jitted prefill and a `lax.while_loop` decode over an explicit KV cache.
+
+    out = generate(config, params, input_ids, attention_mask, SamplingParams(...), rng)
+    out.responses [B*n, R], out.response_mask, out.log_probs, out.lengths
+
+Prompts come left-padded (verl's layout). Each prompt is repeated `n` times (interleaved), the
+batch and prompt length are padded up to buckets (so a run compiles a bounded number of
+programs; every new program is logged), and one jitted program does the rest: it lays the
+weights out for decoding once (`decode_weights`: unstacked layers, each weight output-major
+[out, in] for the column-major decode step, or for the CPU kernels the stacked weights cut
+into panels of 16 output rows; either way a second copy of the weights for the call's
+duration), the rows are a queue and the KV cache has `max_num_seqs` slots; the first prompts
+are prefilled into the slots, then a `lax.while_loop` decodes one token for every busy slot
+per step (each slot at its own cache index; a long cache is read only up to its live prefix),
+and a slot whose row produced EOS or `max_tokens` tokens is refilled with the next queued
+prompt (continuous batching), until the queue is empty. `response_mask` covers the tokens up
+to and including EOS (with `ignore_eos`, all `max_tokens`).
+
+With a `layout` (the rollout layout), parameters are expected in it, the batch is split over
+its `dp` axis and the KV cache over batch and kv heads. float32 on one CPU device decodes
+through the C++ kernels of `jaxrl.kernels.cpu_decode` (one call per layer, and the LM head).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxrl.data.batch import bucket
+from jaxrl.kernels import cpu_decode
+from jaxrl.models.cached import (
+    DecodeWeights,
+    KVCache,
+    decode_logits,
+    decode_step,
+    decode_weights,
+    init_cache,
+    prefill,
+)
+from jaxrl.models.config import DecoderConfig
+from jaxrl.models.transformer import lm_logits, positions_from_mask
+from jaxrl.rollout.sampling import SamplingParams, sample
+from jaxrl.sharding.layouts import Layout, use_layout
+from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
+
+log = logging.getLogger("jaxrl.rollout")
+
+
+@flax.struct.dataclass
+class GenerationOutput:
+    """Right-padded responses of a `generate` call (rows in the order prompt_i, copy_j).
+
+    Attributes:
+        responses: Token ids [B*n, R]; padding after the response.
+        response_mask: 1 on response tokens (EOS included), 0 after.
+        log_probs: Log-probs of the tokens under the processed distribution (0 on padding).
+        lengths: Response lengths [B*n].
+        decode_steps: Iterations of the decode loop (one token for every busy slot each).
+        slots: Rows decoded at once (KV-cache slots).
+    """
+
+    responses: Int[Array, "b r"]
+    response_mask: Int[Array, "b r"]
+    log_probs: Float[Array, "b r"]
+    lengths: Int[Array, " b"]
+    decode_steps: Int[Array, ""]
+    slots: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
+class _Slots:
+    """The decode batch: which queued row each slot holds and how far it has got.
+
+    Attributes:
+        row: [S] queue row in the slot; Q (one past the last row) marks a free slot.
+        step: [S] tokens generated so far.
+        last: [S] the newest token (fed to the next decode step).
+        start: [S] position of the first response token (the prompt's real tokens).
+    """
+
+    row: Int[Array, " s"]
+    step: Int[Array, " s"]
+    last: Int[Array, " s"]
+    start: Int[Array, " s"]
+
+
+@flax.struct.dataclass
+class _LoopState:
+    slots: _Slots
+    next_row: Int[Array, ""]  # the first queued row not yet in a slot
+    tokens: Int[Array, "q1 r"]  # [Q + 1, R]: row Q takes the writes of free slots
+    log_probs: Float[Array, "q1 r"]
+    lengths: Int[Array, " q1"]
+    cache: KVCache
+    key: jax.Array
+    decode_steps: Int[Array, ""]
+
+
+def cache_geometry(
+    prompt_len: int, max_tokens: int, block: int = 128, whole: int = 256
+) -> tuple[int, int]:
+    """(cache length, attention block): the length is prompt + response rounded up to a
+    multiple of 16 (the vector width of the CPU decode kernels). A cache of up to `whole`
+    entries is one block, read whole every step; a longer one is rounded up to a multiple of
+    `block` and read block by block up to the live prefix. (Measured on 2 CPU cores, M's
+    shapes: for 192 entries the whole read was faster than 64- or 96-key blocks at every live
+    length; at 256 the two break even over a generation; from 512 on, blocks win, as the
+    unwritten tail is skipped.)"""
+    length = -(-(prompt_len + max_tokens) // 16) * 16
+    if length <= whole:
+        return length, length
+    return -(-length // block) * block, block
+
+
+def refill_sizes(slots: int, queued: int) -> tuple[int, ...]:
+    """Static batch sizes of the refill prefills: powers of 4 below `slots`, and `slots`
+    (a refill of k free slots runs the smallest size >= k, so at most 4x padded rows)."""
+    if queued <= slots:
+        return (slots,)
+    sizes, size = [], 1
+    while size < slots:
+        sizes.append(size)
+        size *= 4
+    return (*sizes, slots)
+
+
+def is_end(tokens: Array, end_ids: tuple[int, ...]) -> Array:
+    """Whether each token ends its response (is in `end_ids`: `SamplingParams.end_ids`)."""
+    if not end_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(end_ids, jnp.int32))
+
+
+def decode_tokens(
+    config: DecoderConfig,
+    params: Any,
+    weights: DecodeWeights,
+    sp: SamplingParams,
+    last: Int[Array, " s"],
+    positions: Int[Array, " s"],
+    cache: KVCache,
+    write_index: Int[Array, " s"],
+    live: Int[Array, ""],
+    block: int,
+    key: jax.Array,
+) -> tuple[Int[Array, " s"], Float[Array, " s"], KVCache]:
+    """One decode step of every slot (`decode_step`: each slot's `last` token into the cache
+    at its `write_index`) and the next token sampled: (tokens, their log-probs, the cache)."""
+    h, cache = decode_step(
+        config, params, weights, last, positions, cache, write_index, live, block
+    )
+    tok, lp = sample(decode_logits(weights, h), sp, key)
+    return tok, lp, cache
+
+
+def _generate(
+    config: DecoderConfig,
+    sp: SamplingParams,
+    layout: Layout | None,
+    num_slots: int,
+    cpu_kernels: bool,
+    params: Any,
+    input_ids: Int[Array, "q p"],
+    attention_mask: Int[Array, "q p"],
+    key: jax.Array,
+    num_rows: Int[Array, ""],
+    order: Int[Array, " q"],
+) -> GenerationOutput:
+    """Continuous batching: `num_slots` rows decode at once; a slot whose row finishes (EOS or
+    `max_tokens`) is refilled with the next queued prompt (prefilled into the slot's cache),
+    until the queue is empty and every slot is free. With as many slots as rows this is plain
+    static batching: one prefill, then decode until the last row finishes. The queue is
+    `order` (row indices); its entries from `num_rows` on (padding rows) are never decoded."""
+    q, p = input_ids.shape
+    r, s = sp.max_tokens, num_slots
+    length, block = cache_geometry(p, r)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    eos_ids = sp.end_ids(config.eos_token_id)
+
+    def retire(st: _LoopState) -> _LoopState:
+        """Free the slots whose row just ended (EOS or max_tokens), recording its length."""
+        sl = st.slots
+        ended = (sl.row < q) & ((sl.step >= r) | is_end(sl.last, eos_ids))
+        lengths = st.lengths.at[jnp.where(ended, sl.row, q)].set(sl.step)
+        return st.replace(slots=sl.replace(row=jnp.where(ended, q, sl.row)), lengths=lengths)
+
+    def refill(st: _LoopState, f: int) -> _LoopState:
+        """Prefill up to `f` queued prompts into the first free slots."""
+        sl = st.slots
+        free = sl.row == q
+        slot_ids = jnp.argsort(~free, stable=True)[:f]  # free slots first, in order
+        queued = st.next_row + jnp.arange(f)
+        take = free[slot_ids] & (queued < num_rows)
+        rows = order[jnp.minimum(queued, q - 1)]
+        ids = input_ids[rows]
+        mask = attention_mask[rows] * take[:, None]
+        h, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
+        key, sub = jax.random.split(st.key)
+        tok, lp = sample(lm_logits(config, params, h[:, -1:])[:, 0], sp, sub)
+        into = jnp.where(take, slot_ids, s)  # s: out of range, dropped
+        out_row = jnp.where(take, rows, q)
+        cache = st.cache.write(into, k, v, mask)
+        slots = _Slots(
+            row=sl.row.at[into].set(rows, mode="drop"),
+            step=sl.step.at[into].set(1, mode="drop"),
+            last=sl.last.at[into].set(tok, mode="drop"),
+            start=sl.start.at[into].set(jnp.sum(mask, axis=-1), mode="drop"),
+        )
+        st = st.replace(
+            slots=slots,
+            next_row=st.next_row + jnp.sum(take),
+            tokens=st.tokens.at[out_row, 0].set(tok),
+            log_probs=st.log_probs.at[out_row, 0].set(lp),
+            cache=cache.constrain(),
+            key=key,
+        )
+        return retire(st)
+
+    def decode(st: _LoopState, weights: DecodeWeights) -> _LoopState:
+        sl = st.slots
+        busy = sl.row < q
+        write_index = jnp.minimum(p + sl.step - 1, length - 1)
+        live = jnp.max(jnp.where(busy, write_index + 1, 1))
+        positions = sl.start + sl.step - 1
+        key, sub = jax.random.split(st.key)
+        tok, lp, cache = decode_tokens(
+            config, params, weights, sp, sl.last, positions, st.cache, write_index, live, block, sub
+        )
+        out_row = jnp.where(busy, sl.row, q)
+        column = jnp.minimum(sl.step, r - 1)
+        st = st.replace(
+            slots=sl.replace(step=sl.step + busy, last=jnp.where(busy, tok, pad_id)),
+            tokens=st.tokens.at[out_row, column].set(tok),
+            log_probs=st.log_probs.at[out_row, column].set(lp),
+            cache=cache,
+            key=key,
+            decode_steps=st.decode_steps + 1,
+        )
+        return retire(st)
+
+    with use_layout(layout):
+        weights = decode_weights(config, params, cpu_kernels)
+        state = _LoopState(
+            slots=_Slots(
+                row=jnp.full((s,), q, jnp.int32),
+                step=jnp.zeros((s,), jnp.int32),
+                last=jnp.full((s,), pad_id, jnp.int32),
+                start=jnp.zeros((s,), jnp.int32),
+            ),
+            next_row=jnp.int32(0),
+            tokens=jnp.full((q + 1, r), pad_id, jnp.int32),
+            log_probs=jnp.zeros((q + 1, r), jnp.float32),
+            lengths=jnp.zeros((q + 1,), jnp.int32),
+            cache=init_cache(config, s, length),
+            key=key,
+            decode_steps=jnp.int32(0),
+        )
+        state = refill(state, s)
+        sizes = refill_sizes(s, q)
+
+        def cond(st: _LoopState):
+            return jnp.any(st.slots.row < q) | (st.next_row < num_rows)
+
+        def body(st: _LoopState):
+            if q > s:
+                wanted = jnp.minimum(jnp.sum(st.slots.row == q), num_rows - st.next_row)
+                branch = jnp.searchsorted(jnp.asarray(sizes), wanted)
+                st = jax.lax.cond(
+                    wanted > 0,
+                    lambda x: jax.lax.switch(
+                        branch, [functools.partial(refill, f=f) for f in sizes], x
+                    ),
+                    lambda x: x,
+                    st,
+                )
+            return decode(st, weights)
+
+        state = jax.lax.while_loop(cond, body, state)
+    lengths = state.lengths[:q]
+    mask = (jnp.arange(r)[None, :] < lengths[:, None]).astype(jnp.int32)
+    return GenerationOutput(
+        responses=jnp.where(mask > 0, state.tokens[:q], pad_id),
+        response_mask=mask,
+        log_probs=state.log_probs[:q] * mask,
+        lengths=lengths,
+        decode_steps=state.decode_steps,
+        slots=s,
+    )
+
+
+def idle_fraction(out: GenerationOutput) -> float:
+    """Share of the decode loop's slot-steps that produced no token (slots whose row had
+    finished with nothing left to refill them: RL's long tail):
+    1 - sum_i (length_i - 1) / (decode_steps * slots), the first token coming from prefill."""
+    produced = float(np.maximum(np.asarray(out.lengths) - 1, 0).sum())
+    capacity = int(out.decode_steps) * out.slots
+    return 1.0 - produced / capacity if capacity else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(
+    config: DecoderConfig,
+    sp: SamplingParams,
+    layout: Layout | None,
+    b: int,
+    p: int,
+    slots: int,
+    cpu_kernels: bool,
+    replicated_out: bool = False,
+):
+    log.info(
+        "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)%s",
+        b,
+        p,
+        sp.max_tokens,
+        slots,
+        "greedy" if not sp.do_sample else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}",
+        ", CPU decode kernels" if cpu_kernels else "",
+    )
+    fn = functools.partial(_generate, config, sp, layout, slots, cpu_kernels)
+    if layout is None:
+        return jax.jit(fn)
+    tokens = layout.tokens((b, p))
+    out = layout.replicated() if replicated_out else None
+    return jax.jit(fn, in_shardings=(None, tokens, tokens, None, None, None), out_shardings=out)
+
+
+def generate(
+    config: DecoderConfig,
+    params: Any,
+    input_ids: Int[Array, "b p"] | np.ndarray,
+    attention_mask: Int[Array, "b p"] | np.ndarray,
+    sampling_params: SamplingParams,
+    rng: jax.Array | None = None,
+    *,
+    layout: Layout | None = None,
+    max_prompt_length: int | None = None,
+    max_num_seqs: int | None = None,
+) -> GenerationOutput:
+    """Generate responses for left-padded prompts.
+
+    Args:
+        config: The model.
+        params: Its parameters (in `layout` when given).
+        input_ids: Left-padded prompt ids [B, P].
+        attention_mask: 1 on prompt tokens, 0 on padding [B, P].
+        sampling_params: What to generate.
+        rng: A fresh PRNG key per call (the caller's responsibility: never reuse one);
+            None derives it from `sampling_params.seed`.
+        layout: The rollout layout (mesh dp x tp) to generate on; None: one device.
+        max_prompt_length: Refuse prompts longer than this (the configured maximum).
+        max_num_seqs: Rows decoded at once (KV-cache slots; verl's `rollout.max_num_seqs`).
+            With fewer slots than rows, a finished row's slot is refilled with the next
+            prompt (continuous batching); None: one slot per row.
+
+    Several processes: every process calls `generate` with its own prompts (numpy, the same
+    number on each), the same rng and the rollout `layout`; one program generates for all of
+    them, and each process gets back the rows of its own prompts as numpy arrays.
+
+    Raises:
+        ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
+            model's context, naming the parameter and the allowed range; with several
+            processes, for unequal prompt counts or a mesh whose `dp` axis does not split
+            evenly over the processes.
+        TypeError: with several processes, for prompts given as jax arrays.
+    """
+    sp = sampling_params
+    if sp.stop:
+        raise ValueError(
+            f"generate() takes no stop strings (stop={sp.stop!r}): they need the text, which "
+            "the conversation API of RolloutEngine (rollout/engine.py) decodes; give "
+            "stop_token_ids here"
+        )
+    if jax.process_count() > 1:
+        if layout is None:
+            raise ValueError(
+                f"generate() in a run of {jax.process_count()} processes needs the rollout "
+                "layout (layout=...): the generation program spans every process's devices"
+            )
+        if isinstance(input_ids, jax.Array) or isinstance(attention_mask, jax.Array):
+            raise TypeError(
+                "generate() in a multi-process run takes this process's prompts as host "
+                "(numpy) arrays"
+            )
+    input_ids = np.asarray(input_ids) if not isinstance(input_ids, jax.Array) else input_ids
+    attention_mask = (
+        np.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask
+    )
+    b, p = input_ids.shape
+    if attention_mask.shape != (b, p):
+        raise ValueError(f"attention_mask {attention_mask.shape} does not match input_ids {(b, p)}")
+    longest = int(np.asarray(attention_mask).sum(axis=-1).max()) if b else 0
+    if max_prompt_length is not None and longest > max_prompt_length:
+        raise ValueError(
+            f"a prompt has {longest} tokens, more than max_prompt_length={max_prompt_length}"
+        )
+    context = config.rope.max_position_embeddings
+    if longest + sp.max_tokens > context:
+        raise ValueError(
+            f"max_tokens={sp.max_tokens} with a {longest}-token prompt exceeds the model's context "
+            f"of {context}; max_tokens must be <= {max(context - longest, 0)}"
+        )
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: one per row)")
+    if rng is None:
+        rng = jax.random.key(0 if sp.seed is None else sp.seed)
+    if jax.process_count() > 1:
+        return _generate_processes(
+            config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs
+        )
+    fn, args = _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs)
+    return _rows(fn(*args), slice(0, b * sp.n))
+
+
+def _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs):
+    """The jitted generation program for these prompts and its arguments (rows repeated `n`
+    times and padded to the bucketed shapes the program is compiled for)."""
+    b, p = input_ids.shape
+    ids = jnp.repeat(jnp.asarray(input_ids, jnp.int32), sp.n, axis=0)
+    mask = jnp.repeat(jnp.asarray(attention_mask, jnp.int32), sp.n, axis=0)
+    rows = b * sp.n
+    dp = 1 if layout is None else int(layout.mesh.shape.get("dp", 1))
+    padded_rows = -(-bucket(rows, 1) // dp) * dp
+    padded_len = bucket(p)
+    ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
+    mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
+    slots = _num_slots(max_num_seqs, padded_rows, dp)
+    kernels = cpu_decode.enabled(config.compute_dtype, layout)
+    fn = _compiled(config, sp, layout, padded_rows, padded_len, slots, kernels)
+    order = jnp.arange(padded_rows, dtype=jnp.int32)
+    return fn, (params, ids, mask, rng, jnp.int32(rows), order)
+
+
+def compile_generate(
+    config: DecoderConfig,
+    params: Any,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    sampling_params: SamplingParams,
+    *,
+    layout: Layout | None = None,
+    max_num_seqs: int | None = None,
+) -> jax.stages.Compiled:
+    """The compiled program `generate` runs for prompts of these shapes, without running it
+    (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory analysis."""
+    rng = jax.random.key(0)
+    fn, args = _program(
+        config, params, input_ids, attention_mask, sampling_params, rng, layout, max_num_seqs
+    )
+    return fn.lower(*args).compile()
+
+
+def _num_slots(max_num_seqs: int | None, rows: int, dp: int) -> int:
+    """KV-cache slots: one per row, or `max_num_seqs` (a multiple of dp) when fewer."""
+    if max_num_seqs is None or max_num_seqs >= rows:
+        return rows
+    return max(max_num_seqs // dp, 1) * dp
+
+
+def _rows(out: GenerationOutput, index: slice) -> GenerationOutput:
+    """The output's rows `index` (dropping padding rows, or other processes' rows)."""
+    return out.replace(
+        responses=out.responses[index],
+        response_mask=out.response_mask[index],
+        log_probs=out.log_probs[index],
+        lengths=out.lengths[index],
+    )
+
+
+def _generate_processes(
+    config: DecoderConfig,
+    params: Any,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    sp: SamplingParams,
+    rng: jax.Array,
+    layout: Layout,
+    max_num_seqs: int | None,
+) -> GenerationOutput:
+    """`generate` in a multi-process run: every process passes its own prompts (the same
+    number on each), one program generates for all of them over the whole rollout mesh, and
+    each process gets back the rows of its own prompts (numpy).
+
+    Process p's rows (its prompts repeated n times, padded to a multiple of its share of `dp`)
+    are block p of the global batch (`make_array_from_process_local_data`); the queue takes
+    the real rows of every block before any padding row, so padding is never decoded; the
+    outputs come back replicated. The rng must be the same on every process (it is one
+    program).
+    """
+    processes = jax.process_count()
+    b, p = input_ids.shape
+    shapes = allgather_objects((b, p))
+    if len({rows for rows, _ in shapes}) > 1:
+        raise ValueError(
+            "generate(): every process must pass the same number of prompts; got "
+            + ", ".join(f"process {i}: {rows}" for i, (rows, _) in enumerate(shapes))
+        )
+    dp = int(layout.mesh.shape.get("dp", 1))
+    if dp % processes:
+        raise ValueError(
+            f"the rollout mesh has dp={dp}, not a multiple of the {processes} processes: each "
+            "process must hold whole tensor-parallel groups (rollout."
+            "tensor_model_parallel_size must divide the devices of one process, "
+            f"{jax.local_device_count()})"
+        )
+    rows = b * sp.n
+    dp_local = dp // processes
+    local_rows = -(-bucket(rows, 1) // dp_local) * dp_local
+    padded_len = bucket(max(width for _, width in shapes))
+    pad = ((0, local_rows - rows), (padded_len - p, 0))
+    ids = np.pad(np.repeat(input_ids.astype(np.int32), sp.n, axis=0), pad)
+    mask = np.pad(np.repeat(attention_mask.astype(np.int32), sp.n, axis=0), pad)
+    global_rows = local_rows * processes
+    sharding = layout.tokens((global_rows, padded_len))
+    start, stop = process_rows(sharding, (global_rows, padded_len))
+    if stop - start != local_rows:
+        raise ValueError(
+            f"the rollout mesh gives this process rows [{start}, {stop}) of {global_rows}, not "
+            f"one block of {local_rows}: its devices are not one contiguous part of the dp axis"
+        )
+    ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
+    mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
+    slots = _num_slots(max_num_seqs, global_rows, dp)
+    kernels = cpu_decode.enabled(config.compute_dtype, layout)
+    fn = _compiled(config, sp, layout, global_rows, padded_len, slots, kernels, True)
+    # The queue: every process's real rows in process order, then the padding rows (which sit
+    # at the end of each process's block and are never decoded).
+    blocks = np.arange(global_rows).reshape(processes, local_rows)
+    order = np.concatenate([blocks[:, :rows].ravel(), blocks[:, rows:].ravel()]).astype(np.int32)
+    order = global_array(order, layout.replicated())
+    out = fn(params, ids, mask, rng, jnp.int32(rows * processes), order)
+    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
+    return _rows(host, slice(start, start + rows))

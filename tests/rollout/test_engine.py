@@ -1,0 +1,215 @@
+"""The rollout engine's conversations: a conversation that decodes, appends a tool's output
+and decodes again equals one `generate` over the concatenated prompt (one device and a
+dp=2 x tp=2 mesh), `extend` equals a prefill, idle slots are left alone, stop tokens and stop
+strings, records, and bad input."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jaxrl.models as M
+from jaxrl.data import bucket
+from jaxrl.models.cached import extend, init_cache, prefill
+from jaxrl.models.params import param_shardings
+from jaxrl.models.transformer import positions_from_mask
+from jaxrl.rollout import RolloutEngine, SamplingParams, generate
+from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+from jaxrl.testing.tiny import save_tiny
+
+GREEDY = dict(do_sample=False, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen2_sliding_yarn", "llama_gqa_bias_llama3"])
+def tiny(request, tmp_path_factory):
+    folder = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    return M.from_pretrained(folder)
+
+
+def prompts(b=3, p=7, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(2, 97, (b, p))
+    mask = np.ones_like(ids)
+    mask[1:2, :3] = 0  # a shorter, left-padded prompt
+    return ids * mask, mask
+
+
+def engine(config, params, layout=None, **kw):
+    kw = dict(max_num_seqs=4, max_model_len=64) | kw
+    eng = RolloutEngine(config, layout, **kw)
+    eng.load_weights(params)
+    return eng
+
+
+def generate_after(config, params, record, sp, layout=None):
+    """One `generate` over a record's whole sequence so far (the concatenated prompt)."""
+    full = np.asarray(record.prompt + record.response)[None]
+    out = generate(config, params, full, np.ones_like(full), sp, layout=layout)
+    return np.asarray(out.responses)[0], np.asarray(out.log_probs)[0]
+
+
+@pytest.mark.parametrize("mesh", ["one device", "dp2_tp2"])
+def test_decode_append_decode_equals_generate_over_the_concatenation(tiny, mesh):
+    config, params = tiny
+    layout = None
+    if mesh == "dp2_tp2":
+        layout = Layout.create(rollout_mesh(2, jax.devices()[:4]), ROLLOUT_RULES)
+        params = jax.device_put(params, param_shardings(config, layout))
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    eng = engine(config, params, layout)
+    slots = eng.start(ids, mask)
+    first = eng.decode(slots, sp)
+    want = generate(config, params, ids, mask, sp, layout=layout)
+    np.testing.assert_array_equal(np.stack(first.tokens), want.responses)
+    np.testing.assert_allclose(np.stack(first.log_probs), want.log_probs, atol=2e-5)
+    tool = [np.random.RandomState(i).randint(2, 97, 7) for i in range(3)]
+    eng.append(slots, tool)
+    second = eng.decode(slots, sp)
+    for i, slot in enumerate(slots):
+        record = eng.conversation(slot)
+        before = record.response[:-6]
+        assert before == first.tokens[i].tolist() + tool[i].tolist()
+        record = dataclasses.replace(record, response=before)
+        tokens, log_probs = generate_after(config, params, record, sp, layout)
+        np.testing.assert_array_equal(second.tokens[i], tokens)
+        np.testing.assert_allclose(second.log_probs[i], log_probs, atol=2e-5)
+    record = eng.conversation(slots[0])
+    assert record.sampled == [1] * 6 + [0] * 7 + [1] * 6
+    assert record.log_probs[6:13] == [0.0] * 7
+    assert first.finish_reasons == ["length"] * 3
+
+
+def test_extend_equals_a_prefill(tiny):
+    """Prefilling 5 tokens then extending by 4 (rows at different offsets) leaves the cache and
+    the hidden states of a 9-token prefill."""
+    config, params = tiny
+    ids, _ = prompts(b=2, p=9)
+    mask = np.ones_like(ids)
+    h_all, k_all, v_all = prefill(config, params, ids, positions_from_mask(mask), mask)
+    cache = init_cache(config, 2, 16)
+    _, k, v = prefill(config, params, ids[:, :5], positions_from_mask(mask[:, :5]), mask[:, :5])
+    cache = cache.write(np.arange(2), k, v, mask[:, :5])
+    index = np.broadcast_to(5 + np.arange(4), (2, 4))
+    h, cache = jax.jit(extend, static_argnums=0)(
+        config, params, ids[:, 5:], index, cache, np.asarray(index)
+    )
+    np.testing.assert_allclose(h, h_all[:, 5:], atol=2e-5)
+    np.testing.assert_allclose(cache.k[-1][..., :9], k_all[-1].transpose(0, 2, 3, 1), atol=2e-5)
+    np.testing.assert_allclose(cache.v[0][:, :, :9], v_all[0].transpose(0, 2, 1, 3), atol=2e-5)
+    np.testing.assert_array_equal(cache.segments[:, :9], 1)
+    np.testing.assert_array_equal(cache.segments[:, 9:], 0)
+
+
+def test_idle_slots_are_left_alone(tiny):
+    """Decoding one conversation while another waits (with a tool output appended in
+    between) changes nothing for the waiting one."""
+    config, params = tiny
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    together = engine(config, params)
+    slots = together.start(ids, mask)
+    both = together.decode(slots, sp)
+    apart = engine(config, params)
+    slots = apart.start(ids, mask)
+    alone = [apart.decode([s], sp).tokens[0] for s in slots[::-1]]
+    apart.append(slots[:1], [[5, 6, 7]])
+    apart.decode(slots[:1], sp)
+    for s, tokens in zip(slots[::-1], alone, strict=True):
+        np.testing.assert_array_equal(tokens, both.tokens[int(s)])
+    np.testing.assert_array_equal(
+        apart.decode(slots[1:], sp).tokens, together.decode(slots[1:], sp).tokens
+    )
+
+
+class CharTokenizer:
+    """Token t is the letter 'a' + t % 26 (enough to place stop strings)."""
+
+    def decode(self, tokens):
+        return "".join(chr(ord("a") + int(t) % 26) for t in tokens)
+
+
+def test_stop_tokens_and_stop_strings_end_a_turn(tiny):
+    config, params = tiny
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    for seed in range(10):  # a prompt whose greedy run does not repeat one token
+        ids, mask = prompts(b=1, seed=seed)
+        free_run = engine(config, params)
+        tokens = free_run.decode(free_run.start(ids, mask), sp).tokens[0]
+        if len(set(tokens[:7].tolist())) > 2:
+            break
+    else:
+        pytest.fail("no prompt of 10 gives a varied greedy run: the test would test nothing")
+
+    # A stop token: the turn ends at its first occurrence (kept), in decode and generate.
+    stop_token = int(tokens[4])
+    first = tokens.tolist().index(stop_token)
+    with_stop = dict(GREEDY, stop_token_ids=(stop_token,))
+    eng = engine(config, params)
+    turn = eng.decode(eng.start(ids, mask), SamplingParams(max_tokens=12, **with_stop))
+    np.testing.assert_array_equal(turn.tokens[0], tokens[: first + 1])
+    assert turn.finish_reasons == ["stop"]
+    out = generate(config, params, ids, mask, SamplingParams(max_tokens=12, **with_stop))
+    assert int(out.lengths[0]) == first + 1
+
+    # A stop string completed by token 6: the turn keeps tokens 0..6, and the slot continues
+    # from there as if nothing had been sampled after them.
+    text = CharTokenizer().decode(tokens)
+    stop = text[5:7]
+    cut = text.index(stop) + len(stop)
+    eng = engine(config, params, tokenizer=CharTokenizer(), stop_check_tokens=4)
+    slot = eng.start(ids, mask)
+    turn = eng.decode(slot, SamplingParams(max_tokens=12, stop=(stop,), **GREEDY))
+    np.testing.assert_array_equal(turn.tokens[0], tokens[:cut])
+    assert turn.finish_reasons == ["stop"]
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    after = eng.decode(slot, sp)
+    record = eng.conversation(int(slot[0]))
+    record = dataclasses.replace(record, response=record.response[:cut])
+    np.testing.assert_array_equal(after.tokens[0], generate_after(config, params, record, sp)[0])
+
+
+def test_a_full_cache_ends_the_turn_and_append_refuses(tiny):
+    config, params = tiny
+    ids, mask = prompts(b=1)
+    eng = engine(config, params, max_model_len=16)
+    slot = eng.start(ids, mask)
+    turn = eng.decode(slot, SamplingParams(max_tokens=50, **GREEDY))
+    # 16 cells: the prompt bucket's (its padding included), then one per sampled token but
+    # the last (pending: it would need a 17th cell when fed)
+    assert len(turn.tokens[0]) == 16 - bucket(7) and turn.finish_reasons == ["length"]
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.append(slot, [[3]])
+    assert eng.decode(slot, SamplingParams(max_tokens=5, **GREEDY)).tokens[0].size == 0
+
+
+def test_slots_are_reused_and_bad_calls_are_named(tiny):
+    config, params = tiny
+    ids, mask = prompts(b=3)
+    eng = engine(config, params, max_num_seqs=4)
+    slots = eng.start(ids, mask)
+    assert eng.free_slots == 1
+    with pytest.raises(ValueError, match="free slots"):
+        eng.start(ids[:2], mask[:2])
+    records = eng.end(slots[:2])
+    assert [r.prompt for r in records] == [ids[0].tolist(), ids[1, 3:].tolist()]
+    assert eng.free_slots == 3
+    with pytest.raises(ValueError, match="hold no conversation"):
+        eng.decode(slots[:1], SamplingParams(max_tokens=2, **GREEDY))
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.decode(slots[2:], SamplingParams(max_tokens=2, stop=("x",), **GREEDY))
+    with pytest.raises(ValueError, match="n=2"):
+        eng.decode(slots[2:], SamplingParams(max_tokens=2, n=2, **GREEDY))
+    with pytest.raises(ValueError, match="not left-padded"):
+        eng.start(ids[:1], np.pad(mask[:1, 1:], ((0, 0), (0, 1))))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine(config, params, max_num_seqs=None).start(ids, mask)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        generate(config, params, ids, mask, SamplingParams(stop=("x",)))
+    # A slot ended and started again holds only its new conversation.
+    again = eng.start(ids[2:], mask[2:])
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    np.testing.assert_array_equal(
+        eng.decode(again, sp).tokens[0], eng.decode(slots[2:], sp).tokens[0]
+    )
