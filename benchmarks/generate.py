@@ -1,6 +1,6 @@
 """Workload W1: generation throughput of jaxrl's engine beside HF `generate` on the same model.
 
-    python benchmarks/generate.py [--sizes S,M,L] [--dtypes float32,bfloat16]
+    python benchmarks/generate.py [--sizes S,M,L] [--dtypes float32,bfloat16] [--prefix]
 
 16 prompts x 64 random tokens, exactly 128 sampled tokens each (temperature 1, no top-k/top-p,
 EOS ignored), KV cache on; one warm-up call, then the median of 3. Figures: tokens/s
@@ -207,6 +207,33 @@ def long_tail() -> dict:
     return results
 
 
+def shared_prefill(folder, prompts: int = 4, length: int = 512, n: int = 8) -> dict:
+    """Prefix sharing: `prompts` prompts of `length` random tokens, n samples each, one new
+    token (the call is its prefill), float32; each prompt prefilled once and copied into its
+    n slots, against every copy prefilled. Median of 3 after a warm-up each."""
+    import jax
+    import numpy as np
+
+    import jaxrl.models as M
+    from jaxrl.rollout import SamplingParams, generate
+
+    config, params = M.from_pretrained(folder, dtype="float32")
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, config.vocab_size, (prompts, length)).astype(np.int32)
+    mask = np.ones_like(ids)
+    sp = SamplingParams(temperature=1.0, max_tokens=1, n=n, ignore_eos=True)
+    figures = {}
+    for shared in (True, False):
+
+        def run(shared=shared):
+            out = generate(config, params, ids, mask, sp, jax.random.key(0), prefix_sharing=shared)
+            jax.block_until_ready(out)
+
+        figures["shared_s" if shared else "per_copy_s"] = median_seconds(run)
+    figures["speedup"] = figures["per_copy_s"] / figures["shared_s"]
+    return {"prompts": prompts, "prompt_tokens": length, "n": n, **figures}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="S,M,L")
@@ -214,6 +241,11 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument(
         "--long-tail", action="store_true", help="also measure finished-row idling (SmolLM2)"
+    )
+    parser.add_argument(
+        "--prefix",
+        action="store_true",
+        help="also measure prefix sharing: 512-token prompts, n=8, model S",
     )
     args = parser.parse_args()
     start = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
@@ -237,6 +269,9 @@ def main() -> None:
                 )
         results[size] = entry
         print(size, entry, flush=True)
+    if args.prefix:
+        results["shared_prefill_S"] = shared_prefill(workload_checkpoint("S"))
+        print("shared prefill", results["shared_prefill_S"], flush=True)
     if args.long_tail:
         results["long_tail_smollm2"] = long_tail()
         print("long tail", results["long_tail_smollm2"], flush=True)

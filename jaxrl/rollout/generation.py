@@ -166,6 +166,7 @@ def _generate(
     layout: Layout | None,
     num_slots: int,
     cpu_kernels: bool,
+    prefix_sharing: bool,
     params: Any,
     input_ids: Int[Array, "q p"],
     attention_mask: Int[Array, "q p"],
@@ -191,7 +192,30 @@ def _generate(
         lengths = st.lengths.at[jnp.where(ended, sl.row, q)].set(sl.step)
         return st.replace(slots=sl.replace(row=jnp.where(ended, q, sl.row)), lengths=lengths)
 
-    def refill(st: _LoopState, f: int) -> _LoopState:
+    def prefill_rows(next_row: Array, f: int, aligned: bool) -> tuple[Array, Array, Array]:
+        """Logits of the first response token [f, V] and keys and values [L, f, T, K, H] of
+        the queue's rows next_row + [0, f). With n > 1 the queue holds each prompt's n copies
+        consecutively (real rows in groups of n), so the f rows hold at most
+        (f - 1) // n + 2 distinct prompts (ceil(f / n) when `aligned`: next_row % n == 0);
+        when that is fewer than f, each is prefilled once and its outputs copied to its rows
+        (prefix sharing: a prompt's n samples pay one prefill)."""
+        n = sp.n
+        groups = -(-f // n) if aligned else (f - 1) // n + 2
+        queued = next_row + jnp.arange(f)
+        if not (prefix_sharing and n > 1 and groups < f):
+            rows = order[jnp.minimum(queued, q - 1)]
+            mask = attention_mask[rows]
+            h, k, v = prefill(config, params, input_ids[rows], positions_from_mask(mask), mask)
+            return lm_logits(config, params, h[:, -1:])[:, 0], k, v
+        first = next_row // n
+        rep = order[jnp.minimum((first + jnp.arange(groups)) * n, q - 1)]
+        mask = attention_mask[rep]
+        h, k, v = prefill(config, params, input_ids[rep], positions_from_mask(mask), mask)
+        group = jnp.minimum(queued // n - first, groups - 1)
+        logits = lm_logits(config, params, h[:, -1:])[:, 0]
+        return logits[group], k[:, group], v[:, group]
+
+    def refill(st: _LoopState, f: int, aligned: bool = False) -> _LoopState:
         """Prefill up to `f` queued prompts into the first free slots."""
         sl = st.slots
         free = sl.row == q
@@ -199,11 +223,10 @@ def _generate(
         queued = st.next_row + jnp.arange(f)
         take = free[slot_ids] & (queued < num_rows)
         rows = order[jnp.minimum(queued, q - 1)]
-        ids = input_ids[rows]
         mask = attention_mask[rows] * take[:, None]
-        h, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
+        logits, k, v = prefill_rows(st.next_row, f, aligned)
         key, sub = jax.random.split(st.key)
-        tok, lp = sample(lm_logits(config, params, h[:, -1:])[:, 0], sp, sub)
+        tok, lp = sample(logits, sp, sub)
         into = jnp.where(take, slot_ids, s)  # s: out of range, dropped
         out_row = jnp.where(take, rows, q)
         cache = st.cache.write(into, k, v, mask)
@@ -262,7 +285,7 @@ def _generate(
             key=key,
             decode_steps=jnp.int32(0),
         )
-        state = refill(state, s)
+        state = refill(state, s, aligned=True)
         sizes = refill_sizes(s, q)
 
         def cond(st: _LoopState):
@@ -314,6 +337,7 @@ def _compiled(
     slots: int,
     cpu_kernels: bool,
     replicated_out: bool = False,
+    prefix_sharing: bool = True,
 ):
     log.info(
         "compiling generate: batch %d, prompt %d, max_tokens %d, %d slots (%s)%s",
@@ -324,7 +348,7 @@ def _compiled(
         "greedy" if not sp.do_sample else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}",
         ", CPU decode kernels" if cpu_kernels else "",
     )
-    fn = functools.partial(_generate, config, sp, layout, slots, cpu_kernels)
+    fn = functools.partial(_generate, config, sp, layout, slots, cpu_kernels, prefix_sharing)
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
@@ -343,6 +367,7 @@ def generate(
     layout: Layout | None = None,
     max_prompt_length: int | None = None,
     max_num_seqs: int | None = None,
+    prefix_sharing: bool = True,
 ) -> GenerationOutput:
     """Generate responses for left-padded prompts.
 
@@ -359,6 +384,8 @@ def generate(
         max_num_seqs: Rows decoded at once (KV-cache slots; verl's `rollout.max_num_seqs`).
             With fewer slots than rows, a finished row's slot is refilled with the next
             prompt (continuous batching); None: one slot per row.
+        prefix_sharing: With n > 1, prefill each prompt once and copy its keys and values
+            into its n slots (False: prefill every copy; the same outputs up to rounding).
 
     Several processes: every process calls `generate` with its own prompts (numpy, the same
     number on each), the same rng and the rollout `layout`; one program generates for all of
@@ -413,13 +440,17 @@ def generate(
         rng = jax.random.key(0 if sp.seed is None else sp.seed)
     if jax.process_count() > 1:
         return _generate_processes(
-            config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs
+            config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs, prefix_sharing
         )
-    fn, args = _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs)
+    fn, args = _program(
+        config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs, prefix_sharing
+    )
     return _rows(fn(*args), slice(0, b * sp.n))
 
 
-def _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs):
+def _program(
+    config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs, prefix_sharing=True
+):
     """The jitted generation program for these prompts and its arguments (rows repeated `n`
     times and padded to the bucketed shapes the program is compiled for)."""
     b, p = input_ids.shape
@@ -433,7 +464,9 @@ def _program(config, params, input_ids, attention_mask, sp, rng, layout, max_num
     mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
     slots = _num_slots(max_num_seqs, padded_rows, dp)
     kernels = cpu_decode.enabled(config.compute_dtype, layout)
-    fn = _compiled(config, sp, layout, padded_rows, padded_len, slots, kernels)
+    fn = _compiled(
+        config, sp, layout, padded_rows, padded_len, slots, kernels, prefix_sharing=prefix_sharing
+    )
     order = jnp.arange(padded_rows, dtype=jnp.int32)
     return fn, (params, ids, mask, rng, jnp.int32(rows), order)
 
@@ -447,12 +480,22 @@ def compile_generate(
     *,
     layout: Layout | None = None,
     max_num_seqs: int | None = None,
+    prefix_sharing: bool = True,
 ) -> jax.stages.Compiled:
     """The compiled program `generate` runs for prompts of these shapes, without running it
-    (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory analysis."""
+    (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory and cost
+    analyses."""
     rng = jax.random.key(0)
     fn, args = _program(
-        config, params, input_ids, attention_mask, sampling_params, rng, layout, max_num_seqs
+        config,
+        params,
+        input_ids,
+        attention_mask,
+        sampling_params,
+        rng,
+        layout,
+        max_num_seqs,
+        prefix_sharing,
     )
     return fn.lower(*args).compile()
 
@@ -483,6 +526,7 @@ def _generate_processes(
     rng: jax.Array,
     layout: Layout,
     max_num_seqs: int | None,
+    prefix_sharing: bool,
 ) -> GenerationOutput:
     """`generate` in a multi-process run: every process passes its own prompts (the same
     number on each), one program generates for all of them over the whole rollout mesh, and
@@ -529,7 +573,9 @@ def _generate_processes(
     mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
     slots = _num_slots(max_num_seqs, global_rows, dp)
     kernels = cpu_decode.enabled(config.compute_dtype, layout)
-    fn = _compiled(config, sp, layout, global_rows, padded_len, slots, kernels, True)
+    fn = _compiled(
+        config, sp, layout, global_rows, padded_len, slots, kernels, True, prefix_sharing
+    )
     # The queue: every process's real rows in process order, then the padding rows (which sit
     # at the end of each process's block and are never decoded).
     blocks = np.arange(global_rows).reshape(processes, local_rows)

@@ -14,7 +14,7 @@ import jaxrl.models as M
 from jaxrl.data import bucket
 from jaxrl.kernels import attention, decode_attention
 from jaxrl.models.params import param_shardings
-from jaxrl.rollout import SamplingParams, generate, idle_fraction, sample
+from jaxrl.rollout import SamplingParams, compile_generate, generate, idle_fraction, sample
 from jaxrl.rollout.generation import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.tiny import save_tiny, tiny_decoder
@@ -330,6 +330,33 @@ def test_continuous_batching_sampled_and_sharded(one_model):
     sharded = generate(config, sharded_params, ids, mask, greedy, layout=layout, max_num_seqs=4)
     single = generate(config, params, ids, mask, greedy)
     np.testing.assert_array_equal(sharded.responses, single.responses)
+
+
+@pytest.mark.parametrize("slots", [None, 5])
+def test_prefix_sharing_changes_no_output(one_model, slots):
+    """n = 4 copies per prompt, prefilled once each and copied into their slots, give the
+    same greedy and sampled outputs (fixed keys) as prefilling every copy; with 5 slots the
+    refills start mid-group (a prompt's copies split over two refills). The shared program
+    does less work: its prefill runs one row per prompt, not per copy."""
+    _, config, params = one_model
+    ids, mask = prompts()
+    key = jax.random.key(7)
+    for sp in (
+        SamplingParams(max_tokens=5, n=4, eos_token_ids=(5, 7, 11), **GREEDY),
+        SamplingParams(max_tokens=5, n=4, temperature=0.9, top_p=0.9, eos_token_ids=(5, 7, 11)),
+    ):
+        outs = [
+            generate(config, params, ids, mask, sp, key, max_num_seqs=slots, prefix_sharing=on)
+            for on in (True, False)
+        ]
+        np.testing.assert_array_equal(outs[0].responses, outs[1].responses)
+        np.testing.assert_array_equal(outs[0].lengths, outs[1].lengths)
+        np.testing.assert_allclose(outs[0].log_probs, outs[1].log_probs, atol=1e-5)
+    flops = [
+        compile_generate(config, params, ids, mask, sp, prefix_sharing=on).cost_analysis()["flops"]
+        for on in (True, False)
+    ]
+    assert flops[0] < 0.5 * flops[1], flops
 
 
 def test_long_cache_is_read_in_blocks_with_the_same_result(one_model, monkeypatch):
