@@ -110,10 +110,18 @@ def workload_checkpoint(size: str):
     if (folder / "model.safetensors").is_file():
         return folder
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(
+    Qwen2ForCausalLM(workload_hf_config(size)).save_pretrained(str(folder))
+    return folder
+
+
+def workload_hf_config(size: str):
+    """The HF `Qwen2Config` of workload model `size` (WORKLOADS.md)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
         vocab_size=32000,
         num_key_value_heads=2,
         head_dim=64,
@@ -125,5 +133,3 @@ def workload_checkpoint(size: str):
         max_position_embeddings=4096,
         **MODEL_SIZES[size],
     )
-    Qwen2ForCausalLM(config).save_pretrained(str(folder))
-    return folder

@@ -31,6 +31,9 @@ from jaxrl.config.schema import Config
 # out: it has no segment ids, and every training batch carries padding or packing segments.
 MODEL_ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas_gpu", "ring")
 
+# `jaxrl.rollout.backends`' decode backends (`actor_rollout_ref.rollout.decode_backend`).
+DECODE_BACKENDS = ("auto", "xla", "cpu_kernels")
+
 log = logging.getLogger("jaxrl.config")
 
 # verl 0.9.1's registered names. The core_algos issue turns these into registry look-ups.
@@ -170,6 +173,7 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
             "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
             "null"
         )
+    p.choice(cfg, "actor_rollout_ref.rollout.decode_backend", DECODE_BACKENDS)
     p.choice(cfg, "assets.task", ("repeat", "copy", "reverse"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))
     p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))

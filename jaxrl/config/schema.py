@@ -332,6 +332,10 @@ class RolloutConfig:
             1 so that a single device works).
         max_num_seqs: Sequences decoded at once (KV-cache slots of continuous batching).
         max_model_len: Cap on prompt + response tokens in the KV cache; null: their sum.
+            Also the cells of a multi-turn conversation's cache (its prompt bucket included).
+        decode_backend: *jaxrl*. How the decode step runs: `xla` (the model's own step on
+            any platform), `cpu_kernels` (jaxrl's C++ CPU kernels: float32 on one CPU device),
+            or `auto` (the kernels where they apply, else xla).
         calculate_log_probs: Return the log-probs of the sampled tokens.
         seed: Base seed of the sampler; every step folds in the step number.
         log_prob_micro_batch_size_per_gpu: Sequences per device per old-log-prob pass; null:
@@ -353,6 +357,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    decode_backend: str = "auto"
     calculate_log_probs: bool = True
     seed: int = 42
     log_prob_micro_batch_size_per_gpu: int | None = None

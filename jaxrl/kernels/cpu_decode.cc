@@ -11,8 +11,8 @@
 //                        broadcast, and used for all B columns (the LM head)
 //   jaxrl_decode_layer   one whole decoder layer for one token per row: the projections as
 //                        above, RoPE, the KV-cache write in place, per-row attention over the
-//                        row's own cache prefix, the MLP and the residuals (weights stacked
-//                        over the layers, the layer an attribute)
+//                        row's own cache prefix, the MLP and the residuals (weights and the
+//                        KV cache stacked over the layers, the layer an attribute)
 //
 // Both run on the calling XLA thread and on helper tasks from XLA's intra-op pool; work is
 // handed out in chunks through atomic counters, so a helper that starts late (its thread busy
@@ -435,14 +435,15 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
                      int64_t layer, float eps, int64_t window, float scale, bool qk_norm) {
   const auto bad_shapes = ffi::Error::InvalidArgument(
       "jaxrl_decode_layer: inconsistent shapes, or caches not updated in place");
-  if (x.dimensions().size() != 2 || k_cache->dimensions().size() != 4 ||
+  if (x.dimensions().size() != 2 || k_cache->dimensions().size() != 5 ||
       b_q.dimensions().size() != 2 || b_gate.dimensions().size() != 2 ||
       ln_attn.dimensions().size() != 2) {
     return bad_shapes;
   }
   const int64_t d = x.dimensions()[0], bp = x.dimensions()[1];
-  const int64_t batch = k_cache->dimensions()[0], kv_heads = k_cache->dimensions()[1];
-  const int64_t hd = k_cache->dimensions()[2], cache = k_cache->dimensions()[3];
+  // The caches are stacked over the layers: [L, B, K, H, C] and [L, B, K, C, H].
+  const int64_t batch = k_cache->dimensions()[1], kv_heads = k_cache->dimensions()[2];
+  const int64_t hd = k_cache->dimensions()[3], cache = k_cache->dimensions()[4];
   const int64_t kh = kv_heads * hd, nh = b_q.dimensions()[1], f = b_gate.dimensions()[1];
   const int64_t layers = ln_attn.dimensions()[0];
   if (hd <= 0 || kv_heads <= 0 || batch <= 0 || nh <= 0) return bad_shapes;
@@ -456,6 +457,7 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
   };
   auto vector_of = [&](const F32& v, int64_t n) { return dims_are(v.dimensions(), {layers, n}); };
   if (bp % kLanes != 0 || batch > bp || hd % kLanes != 0 || hd > 1024 || cache % kLanes != 0 ||
+      k_cache->dimensions()[0] != layers ||
       layer < 0 || layer >= layers || nh % hd != 0 || heads % kv_heads != 0 ||
       !panels_of(w_q, nh, d) || !panels_of(w_k, kh, d) || !panels_of(w_v, kh, d) ||
       !panels_of(w_o, d, nh) || !panels_of(w_gate, f, d) || !panels_of(w_up, f, d) ||
@@ -465,7 +467,7 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
       !vector_of(b_down, d) || !vector_of(q_norm, hd) || !vector_of(k_norm, hd) ||
       !dims_are(cos.dimensions(), {batch, hd}) || !dims_are(sin.dimensions(), {batch, hd}) ||
       !dims_are(index.dimensions(), {batch}) || !dims_are(valid.dimensions(), {batch, cache}) ||
-      !dims_are(v_cache->dimensions(), {batch, kv_heads, cache, hd}) ||
+      !dims_are(v_cache->dimensions(), {layers, batch, kv_heads, cache, hd}) ||
       !dims_are(x_out->dimensions(), {d, bp}) ||
       k_cache_in.typed_data() != k_cache->typed_data() ||
       v_cache_in.typed_data() != v_cache->typed_data()) {
@@ -515,8 +517,9 @@ ffi::Error LayerImpl(ffi::ThreadPool pool, F32 x, F32 cos, F32 sin, ffi::Buffer<
     }
   });
   const int32_t* write_index = index.typed_data();
-  float* kc = k_cache->typed_data();
-  float* vc = v_cache->typed_data();
+  const int64_t layer_cells = batch * kv_heads * hd * cache;  // one layer's slice of a cache
+  float* kc = k_cache->typed_data() + layer * layer_cells;
+  float* vc = v_cache->typed_data() + layer * layer_cells;
   j->phases.add(batch, [=](int64_t b) {
     const float* cb = cos.typed_data() + b * hd;
     const float* sb = sin.typed_data() + b * hd;
@@ -602,8 +605,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlDecodeLayer, LayerImpl,
                                   .Arg<F32>()                     // b_up [L, F]
                                   .Arg<F32>()                     // w_down panels [L, ., F, 16]
                                   .Arg<F32>()                     // b_down [L, D]
-                                  .Arg<F32>()                     // k_cache [B, K, H, C]
-                                  .Arg<F32>()                     // v_cache [B, K, C, H]
+                                  .Arg<F32>()                     // k_cache [L, B, K, H, C]
+                                  .Arg<F32>()                     // v_cache [L, B, K, C, H]
                                   .Ret<F32>()                     // x [D, Bp]
                                   .Ret<F32>()                     // k_cache (aliased)
                                   .Ret<F32>()                     // v_cache (aliased)

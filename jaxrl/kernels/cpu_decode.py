@@ -216,17 +216,19 @@ def layer(
     sin_bh: Float[Array, "b h"],
     write_index: Int[Array, " b"],
     kv_valid: Int[Array, "b c"],
-    k_cache: Float[Array, "b k h c"],
-    v_cache: Float[Array, "b k c h"],
+    k_cache: Float[Array, "l b k h c"],
+    v_cache: Float[Array, "l b k c h"],
     *,
     eps: float,
     window: int,
     qk_norm: bool,
-) -> tuple[Float[Array, "d b"], Float[Array, "b k h c"], Float[Array, "b k c h"]]:
-    """Decoder layer `index` for one token per row, `_decode_layer`'s math in one kernel call.
+) -> tuple[Float[Array, "d b"], Float[Array, "l b k h c"], Float[Array, "l b k c h"]]:
+    """Decoder layer `index` for one token per row (`jaxrl.models.transformer._block`'s
+    math) in one kernel call.
 
-    Row b's new key and value go to cache index `write_index[b]` (in place: the caches are
-    aliased to the outputs), and its query attends to the entries c with `kv_valid[b, c]`,
+    Row b's new key and value go to cache index `write_index[b]` of the layer's slice of the
+    stacked caches (in place: the caches are aliased to the outputs), and its query attends
+    to the entries c with `kv_valid[b, c]`,
     `c <= write_index[b]` and, for `window > 0`, `write_index[b] - c < window`.
 
     Args:
@@ -236,7 +238,7 @@ def layer(
         cos_bh, sin_bh: Each row's RoPE tables [B, H] (scaled, as `rope_cos_sin`).
         write_index: [B] cache index of each row's token.
         kv_valid: [B, C] nonzero where a real token's key is stored (the new one included).
-        k_cache, v_cache: The layer's keys [B, K, H, C] and values [B, K, C, H].
+        k_cache, v_cache: Every layer's keys [L, B, K, H, C] and values [L, B, K, C, H].
         eps: RMSNorm epsilon.
         window: Sliding window (0: none).
         qk_norm: Whether q and k are RMS-normed per head (`q_norm_h`, `k_norm_h`).
@@ -250,7 +252,7 @@ def layer(
             f"{_LANES}; allocate the cache with jaxrl.rollout's cache_geometry"
         )
     x = _pad_columns(x_db)
-    h = k_cache.shape[2]
+    h = k_cache.shape[3]
     outs = (
         jax.ShapeDtypeStruct(x.shape, jnp.float32),
         jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),

@@ -2,8 +2,12 @@
 
     out_b1nh = decode_attention(q_b1nh, k_bkhc, v_bkch, kv_valid_bc, query_index_b,
                                 live=live, block=128)
+    out_b1nh = decode_attention(q_b1nh, k_lbkhc, v_lbkch, ..., layer=i)   # stacked caches
+    out_btnh = extend_attention(q_btnh, k_bkhc, v_bkch, kv_valid_bc, query_index_bt)
 
-Each row b attends to the cache entries s with `kv_valid[b, s]`, `s <= query_index[b]` and
+With `layer`, the caches are every layer's, stacked [L, ...] as the decode step's scan
+carries them, and only the layer's live blocks are sliced out. Each row b attends to the cache
+entries s with `kv_valid[b, s]`, `s <= query_index[b]` and
 (with a sliding window W) `query_index[b] - s < W`. Rows advance independently (continuous
 batching): `query_index` is per row. Keys come transposed, [B, K, H, C], and values as
 [B, K, C, H], so both matmuls (scores q·k over H, output p·v over C) take the buffers as they
@@ -62,25 +66,30 @@ def decode_attention(
     sliding_window: Int[Array, ""] | int | None = None,
     softmax_scale: float | None = None,
     block: int = 128,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "b 1 n h"]:
     """Attention of one query per row over the cache's live blocks (see the module doc).
 
     Args:
         q: Queries [B, 1, N, H].
-        k_cache: One layer's keys, transposed: [B, K, H, C], C a multiple of `block`.
-        v_cache: Its values [B, K, C, H].
+        k_cache: One layer's keys, transposed: [B, K, H, C], C a multiple of `block`; with
+            `layer`, every layer's, stacked: [L, B, K, H, C].
+        v_cache: Its values [B, K, C, H] ([L, B, K, C, H] with `layer`).
         kv_valid: [B, C] True where a real token's key is stored.
         query_index: [B] cache index of each row's query token.
         live: Read blocks up to this cache index (exclusive); >= max(query_index) + 1.
         sliding_window: Keys further back than this many positions are masked (None: off).
         softmax_scale: Score scale; default 1/sqrt(H).
         block: Keys per block; C: the whole cache in one pass.
+        layer: Which layer of stacked caches to read (only its live blocks are sliced out).
 
     Returns:
         [B, 1, N, H] in the dtype of `q`.
     """
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     b, t, n, h = q.shape
-    _, kv_heads, _, c = k_cache.shape
+    _, _, kv_heads, _, c = k_cache.shape
     if t != 1:
         raise ValueError(f"decode_attention takes one query per row, got {t}")
     if c % block:
@@ -96,15 +105,19 @@ def decode_attention(
             ok &= query_index[:, None] - idx[None] < sliding_window
         return ok
 
+    def keys(start: Array | int, size: int) -> tuple[Array, Array]:
+        """Keys [B, K, H, size] and values [B, K, size, H] of `layer` from cache index `start`."""
+        k = jax.lax.dynamic_slice(k_cache, (layer, 0, 0, 0, start), (1, b, kv_heads, h, size))
+        v = jax.lax.dynamic_slice(v_cache, (layer, 0, 0, start, 0), (1, b, kv_heads, size, h))
+        return k[0], v[0]
+
     if block == c:
-        _, l, o = _attend_block(q_bkgh, k_cache, v_cache, allowed(0, c))
+        _, l, o = _attend_block(q_bkgh, *keys(0, c), allowed(0, c))
     else:
 
         def body(i, carry):
             start = i * block
-            k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=3)
-            v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
-            return _merge(carry, _attend_block(q_bkgh, k, v, allowed(start, block)))
+            return _merge(carry, _attend_block(q_bkgh, *keys(start, block), allowed(start, block)))
 
         g = n // kv_heads
         init = (

@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrl.models.cached import KVCache, decode_weights, extend, init_cache, prefill
+from jaxrl.models.cached import KVCache, extend, init_cache, prefill
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import positions_from_mask
+from jaxrl.rollout.backends import DecodeBackend
 from jaxrl.rollout.generation import decode_tokens, is_end
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.sharding.layouts import Layout, use_layout
@@ -110,7 +111,7 @@ def decode(
     layout: Layout | None,
     steps: int,
     block: int,
-    cpu_kernels: bool,
+    backend: DecodeBackend,
     params: Any,
     cache: KVCache,
     pending: Pending,
@@ -134,7 +135,8 @@ def decode(
         tok, lp, cache = decode_tokens(
             config,
             params,
-            weights,
+            backend,
+            prepared,
             sp,
             st.last,
             pending.position + st.counts,
@@ -157,7 +159,7 @@ def decode(
         )
 
     with use_layout(layout):
-        weights = decode_weights(config, params, cpu_kernels)
+        prepared = backend.prepare(config, params)
         init = _Loop(
             cache=cache,
             last=pending.last,

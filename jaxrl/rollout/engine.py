@@ -43,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.data.batch import bucket
-from jaxrl.kernels import cpu_decode
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import param_shardings
 from jaxrl.rollout import conversation
+from jaxrl.rollout.backends import DecodeBackend, choose_backend
 from jaxrl.rollout.generation import GenerationOutput, cache_geometry, compile_generate, generate
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.sharding.layouts import Layout, placed_abstract
@@ -94,8 +94,8 @@ class RolloutEngine:
     """The rollout's weights, generation, and conversations.
 
     Args:
-        config: The rollout model: its weights are held in `param_dtype` (the actor's master
-            dtype, as they come from the trainer) and it computes in `dtype`.
+        config: The rollout model: its weights are held in `param_dtype` (the cluster sets
+            it to `rollout.dtype`, as verl's vLLM copy) and it computes in `dtype`.
         layout: The rollout layout (mesh `dp` x `tp`) its weights, batches and caches live
             in; None: one device.
         max_prompt_length: Refuse longer prompts (`data.max_prompt_length`).
@@ -105,6 +105,8 @@ class RolloutEngine:
             the model's context.
         tokenizer: Detokenizes turns for stop strings (`SamplingParams.stop`).
         stop_check_tokens: Tokens sampled between two stop-string checks.
+        decode_backend: How the decode step runs (`rollout.decode_backend`: "auto", "xla"
+            or "cpu_kernels"; `jaxrl.rollout.backends`).
     """
 
     def __init__(
@@ -117,12 +119,15 @@ class RolloutEngine:
         max_model_len: int | None = None,
         tokenizer: Any = None,
         stop_check_tokens: int = 16,
+        decode_backend: str = "auto",
     ):
         self.config, self.layout = config, layout
         self.max_prompt_length, self.max_num_seqs = max_prompt_length, max_num_seqs
         self.max_model_len = max_model_len or config.rope.max_position_embeddings
         self.tokenizer, self.stop_check_tokens = tokenizer, stop_check_tokens
         self.shardings = param_shardings(config, layout) if layout is not None else None
+        self.decode_backend = decode_backend
+        self.backend = choose_backend(decode_backend, config, layout)
         self.params: Any = None
         self._cache: Any = None
         self._pending: dict[str, np.ndarray] = {}
@@ -185,6 +190,7 @@ class RolloutEngine:
             layout=self.layout,
             max_prompt_length=self.max_prompt_length,
             max_num_seqs=self.max_num_seqs,
+            decode_backend=self.decode_backend,
         )
 
     def compile(self, like: Any, prompts: int, prompt_len: int, sampling: SamplingParams):
@@ -198,6 +204,7 @@ class RolloutEngine:
             sampling,
             layout=self.layout,
             max_num_seqs=self.max_num_seqs,
+            decode_backend=self.decode_backend,
         )
 
     # ---- conversations -------------------------------------------------------------------
@@ -319,8 +326,7 @@ class RolloutEngine:
         length, block = self._geometry()
         steps = min(sampling.max_tokens, self.stop_check_tokens) if sampling.stop else None
         steps = steps or sampling.max_tokens
-        kernels = cpu_decode.enabled(self.config.compute_dtype, self.layout)
-        program = _decode_program(self.config, sampling, self.layout, steps, block, kernels)
+        program = _decode_program(self.config, sampling, self.layout, steps, block, self.backend)
         turn = {s: ([], []) for s in slots}
         reasons: dict[int, str] = {}
         chunk = 0
@@ -461,9 +467,9 @@ def _decode_program(
     layout: Layout | None,
     steps: int,
     block: int,
-    cpu_kernels: bool,
+    backend: DecodeBackend,
 ):
-    fn = functools.partial(conversation.decode, config, sp, layout, steps, block, cpu_kernels)
+    fn = functools.partial(conversation.decode, config, sp, layout, steps, block, backend)
     return jax.jit(fn, donate_argnums=(1,))
 
 

@@ -5,20 +5,22 @@
 
 Prompts come left-padded (verl's layout). Each prompt is repeated `n` times (interleaved), the
 batch and prompt length are padded up to buckets (so a run compiles a bounded number of
-programs; every new program is logged), and one jitted program does the rest: it lays the
-weights out for decoding once (`decode_weights`: unstacked layers, each weight output-major
-[out, in] for the column-major decode step, or for the CPU kernels the stacked weights cut
-into panels of 16 output rows; either way a second copy of the weights for the call's
-duration), the rows are a queue and the KV cache has `max_num_seqs` slots; the first prompts
-are prefilled into the slots, then a `lax.while_loop` decodes one token for every busy slot
-per step (each slot at its own cache index; a long cache is read only up to its live prefix),
-and a slot whose row produced EOS or `max_tokens` tokens is refilled with the next queued
-prompt (continuous batching), until the queue is empty. `response_mask` covers the tokens up
-to and including EOS (with `ignore_eos`, all `max_tokens`).
+programs; every new program is logged), and one jitted program does the rest: the rows are a
+queue and the KV cache has `max_num_seqs` slots; the first prompts are prefilled into the
+slots (with n > 1, each prompt once, its keys and values copied into its n slots: prefix
+sharing), then a `lax.while_loop` decodes one token for every busy slot per step (each slot
+at its own cache index; a long cache is read only up to its live prefix), and a slot whose
+row produced an end token (EOS, `stop_token_ids`) or `max_tokens` tokens is refilled with the
+next queued prompt (continuous batching), until the queue is empty. `response_mask` covers
+the tokens up to and including the end token (with `ignore_eos`, all `max_tokens`).
+
+The decode step is a backend's (`jaxrl.rollout.backends`): the model's own step, scanned over
+the stacked parameters as they are (`xla`, every platform), or the C++ CPU kernels
+(`cpu_kernels`: float32 on one CPU device, which cut the weights into panels once per call);
+`decode_backend="auto"` takes the kernels where they apply.
 
 With a `layout` (the rollout layout), parameters are expected in it, the batch is split over
-its `dp` axis and the KV cache over batch and kv heads. float32 on one CPU device decodes
-through the C++ kernels of `jaxrl.kernels.cpu_decode` (one call per layer, and the LM head).
+its `dp` axis and the KV cache over batch and kv heads.
 """
 
 from __future__ import annotations
@@ -34,18 +36,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl.data.batch import bucket
-from jaxrl.kernels import cpu_decode
-from jaxrl.models.cached import (
-    DecodeWeights,
-    KVCache,
-    decode_logits,
-    decode_step,
-    decode_weights,
-    init_cache,
-    prefill,
-)
+from jaxrl.models.cached import KVCache, init_cache, prefill
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import lm_logits, positions_from_mask
+from jaxrl.rollout.backends import DecodeBackend, choose_backend
 from jaxrl.rollout.sampling import SamplingParams, sample
 from jaxrl.sharding.layouts import Layout, use_layout
 from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
@@ -141,7 +135,8 @@ def is_end(tokens: Array, end_ids: tuple[int, ...]) -> Array:
 def decode_tokens(
     config: DecoderConfig,
     params: Any,
-    weights: DecodeWeights,
+    backend: DecodeBackend,
+    prepared: Any,
     sp: SamplingParams,
     last: Int[Array, " s"],
     positions: Int[Array, " s"],
@@ -151,12 +146,12 @@ def decode_tokens(
     block: int,
     key: jax.Array,
 ) -> tuple[Int[Array, " s"], Float[Array, " s"], KVCache]:
-    """One decode step of every slot (`decode_step`: each slot's `last` token into the cache
+    """One decode step of every slot (the backend's: each slot's `last` token into the cache
     at its `write_index`) and the next token sampled: (tokens, their log-probs, the cache)."""
-    h, cache = decode_step(
-        config, params, weights, last, positions, cache, write_index, live, block
+    logits, cache = backend.step(
+        config, params, prepared, last, positions, cache, write_index, live, block
     )
-    tok, lp = sample(decode_logits(weights, h), sp, key)
+    tok, lp = sample(logits, sp, key)
     return tok, lp, cache
 
 
@@ -165,7 +160,7 @@ def _generate(
     sp: SamplingParams,
     layout: Layout | None,
     num_slots: int,
-    cpu_kernels: bool,
+    backend: DecodeBackend,
     prefix_sharing: bool,
     params: Any,
     input_ids: Int[Array, "q p"],
@@ -246,7 +241,7 @@ def _generate(
         )
         return retire(st)
 
-    def decode(st: _LoopState, weights: DecodeWeights) -> _LoopState:
+    def decode(st: _LoopState, prepared: Any) -> _LoopState:
         sl = st.slots
         busy = sl.row < q
         write_index = jnp.minimum(p + sl.step - 1, length - 1)
@@ -254,7 +249,18 @@ def _generate(
         positions = sl.start + sl.step - 1
         key, sub = jax.random.split(st.key)
         tok, lp, cache = decode_tokens(
-            config, params, weights, sp, sl.last, positions, st.cache, write_index, live, block, sub
+            config,
+            params,
+            backend,
+            prepared,
+            sp,
+            sl.last,
+            positions,
+            st.cache,
+            write_index,
+            live,
+            block,
+            sub,
         )
         out_row = jnp.where(busy, sl.row, q)
         column = jnp.minimum(sl.step, r - 1)
@@ -269,7 +275,7 @@ def _generate(
         return retire(st)
 
     with use_layout(layout):
-        weights = decode_weights(config, params, cpu_kernels)
+        prepared = backend.prepare(config, params)
         state = _LoopState(
             slots=_Slots(
                 row=jnp.full((s,), q, jnp.int32),
@@ -303,7 +309,7 @@ def _generate(
                     lambda x: x,
                     st,
                 )
-            return decode(st, weights)
+            return decode(st, prepared)
 
         state = jax.lax.while_loop(cond, body, state)
     lengths = state.lengths[:q]
@@ -335,7 +341,7 @@ def _compiled(
     b: int,
     p: int,
     slots: int,
-    cpu_kernels: bool,
+    backend: DecodeBackend,
     replicated_out: bool = False,
     prefix_sharing: bool = True,
 ):
@@ -346,9 +352,9 @@ def _compiled(
         sp.max_tokens,
         slots,
         "greedy" if not sp.do_sample else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}",
-        ", CPU decode kernels" if cpu_kernels else "",
+        f", {backend.name} decode backend",
     )
-    fn = functools.partial(_generate, config, sp, layout, slots, cpu_kernels, prefix_sharing)
+    fn = functools.partial(_generate, config, sp, layout, slots, backend, prefix_sharing)
     if layout is None:
         return jax.jit(fn)
     tokens = layout.tokens((b, p))
@@ -368,6 +374,7 @@ def generate(
     max_prompt_length: int | None = None,
     max_num_seqs: int | None = None,
     prefix_sharing: bool = True,
+    decode_backend: str = "auto",
 ) -> GenerationOutput:
     """Generate responses for left-padded prompts.
 
@@ -386,6 +393,8 @@ def generate(
             prompt (continuous batching); None: one slot per row.
         prefix_sharing: With n > 1, prefill each prompt once and copy its keys and values
             into its n slots (False: prefill every copy; the same outputs up to rounding).
+        decode_backend: How the decode step runs: "xla", "cpu_kernels" or "auto"
+            (`jaxrl.rollout.backends`).
 
     Several processes: every process calls `generate` with its own prompts (numpy, the same
     number on each), the same rng and the rollout `layout`; one program generates for all of
@@ -440,16 +449,43 @@ def generate(
         rng = jax.random.key(0 if sp.seed is None else sp.seed)
     if jax.process_count() > 1:
         return _generate_processes(
-            config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs, prefix_sharing
+            config,
+            params,
+            input_ids,
+            attention_mask,
+            sp,
+            rng,
+            layout,
+            max_num_seqs,
+            prefix_sharing,
+            decode_backend,
         )
     fn, args = _program(
-        config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs, prefix_sharing
+        config,
+        params,
+        input_ids,
+        attention_mask,
+        sp,
+        rng,
+        layout,
+        max_num_seqs,
+        prefix_sharing,
+        decode_backend,
     )
     return _rows(fn(*args), slice(0, b * sp.n))
 
 
 def _program(
-    config, params, input_ids, attention_mask, sp, rng, layout, max_num_seqs, prefix_sharing=True
+    config,
+    params,
+    input_ids,
+    attention_mask,
+    sp,
+    rng,
+    layout,
+    max_num_seqs,
+    prefix_sharing=True,
+    decode_backend="auto",
 ):
     """The jitted generation program for these prompts and its arguments (rows repeated `n`
     times and padded to the bucketed shapes the program is compiled for)."""
@@ -463,9 +499,9 @@ def _program(
     ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
     mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
     slots = _num_slots(max_num_seqs, padded_rows, dp)
-    kernels = cpu_decode.enabled(config.compute_dtype, layout)
+    backend = choose_backend(decode_backend, config, layout)
     fn = _compiled(
-        config, sp, layout, padded_rows, padded_len, slots, kernels, prefix_sharing=prefix_sharing
+        config, sp, layout, padded_rows, padded_len, slots, backend, prefix_sharing=prefix_sharing
     )
     order = jnp.arange(padded_rows, dtype=jnp.int32)
     return fn, (params, ids, mask, rng, jnp.int32(rows), order)
@@ -481,6 +517,7 @@ def compile_generate(
     layout: Layout | None = None,
     max_num_seqs: int | None = None,
     prefix_sharing: bool = True,
+    decode_backend: str = "auto",
 ) -> jax.stages.Compiled:
     """The compiled program `generate` runs for prompts of these shapes, without running it
     (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory and cost
@@ -496,6 +533,7 @@ def compile_generate(
         layout,
         max_num_seqs,
         prefix_sharing,
+        decode_backend,
     )
     return fn.lower(*args).compile()
 
@@ -527,6 +565,7 @@ def _generate_processes(
     layout: Layout,
     max_num_seqs: int | None,
     prefix_sharing: bool,
+    decode_backend: str,
 ) -> GenerationOutput:
     """`generate` in a multi-process run: every process passes its own prompts (the same
     number on each), one program generates for all of them over the whole rollout mesh, and
@@ -572,9 +611,9 @@ def _generate_processes(
     ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
     mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
     slots = _num_slots(max_num_seqs, global_rows, dp)
-    kernels = cpu_decode.enabled(config.compute_dtype, layout)
+    backend = choose_backend(decode_backend, config, layout)
     fn = _compiled(
-        config, sp, layout, global_rows, padded_len, slots, kernels, True, prefix_sharing
+        config, sp, layout, global_rows, padded_len, slots, backend, True, prefix_sharing
     )
     # The queue: every process's real rows in process order, then the padding rows (which sit
     # at the end of each process's block and are never decoded).

@@ -157,7 +157,10 @@ class Cluster:
         rollout_cfg = cfg.actor_rollout_ref.rollout
         rollout = RolloutEngine(
             learners["actor"].config.replace(
-                dtype=spec.compute_dtype, remat="none", attention_impl=spec.attention_impl
+                param_dtype=spec.param_dtype,
+                dtype=spec.compute_dtype,
+                remat="none",
+                attention_impl=spec.attention_impl,
             ),
             layouts["rollout"],
             max_prompt_length=cfg.data.max_prompt_length,
@@ -165,6 +168,7 @@ class Cluster:
             max_model_len=rollout_cfg.max_model_len
             or rollout_cfg.prompt_length + rollout_cfg.response_length,
             tokenizer=tokenizer,
+            decode_backend=rollout_cfg.decode_backend,
         )
         cluster = cls(specs, layouts, learners, frozen, rollout, reward_model)
         if not abstract:

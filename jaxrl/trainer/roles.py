@@ -111,11 +111,12 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             optimizer_offload=actor.optimizer_offload,
             **policy,
         ),
-        # The actor's weights as they are (its dtype), computing in the rollout dtype; the
+        # The actor's weights held in the rollout dtype (cast once per sync: the same values
+        # the per-use cast gives, at the rollout dtype's size, as verl's vLLM copy); the
         # rollout mesh has no `sp`, so ring attention becomes `auto`.
         "rollout": RoleSpec(
             "rollout",
-            param_dtype=master,
+            param_dtype=dtype_name(rollout.dtype, "rollout.dtype"),
             compute_dtype=dtype_name(rollout.dtype, "rollout.dtype"),
             **{**policy, "attention_impl": _without_ring(model.attention_impl)},
         ),

@@ -11,7 +11,8 @@ import pytest
 
 import jaxrl.models as M
 from jaxrl.kernels import cpu_decode
-from jaxrl.rollout import SamplingParams, generate
+from jaxrl.rollout import RolloutEngine, SamplingParams, generate
+from jaxrl.rollout.backends import CpuKernelsBackend, XlaBackend, choose_backend
 from jaxrl.rollout.generation import _compiled, bucket
 from jaxrl.testing.tiny import save_tiny
 
@@ -88,7 +89,7 @@ def variant(request, tmp_path_factory):
 def uses_layer_kernel(config, params, ids, mask, sp) -> bool:
     b, p = ids.shape
     rows = bucket(b * sp.n, 1)
-    fn = _compiled(config, sp, None, rows, bucket(p), rows, True)
+    fn = _compiled(config, sp, None, rows, bucket(p), rows, CpuKernelsBackend())
     ids = jnp.zeros((rows, bucket(p)), jnp.int32)
     text = fn.lower(
         params, ids, ids, jax.random.key(0), jnp.int32(rows), jnp.arange(rows)
@@ -102,13 +103,60 @@ def test_generation_with_kernels_equals_xla(variant, monkeypatch, max_num_seqs):
     ids, mask = prompts()
     sp = SamplingParams(max_tokens=14, do_sample=False, temperature=0.0, n=2, ignore_eos=True)
     assert uses_layer_kernel(config, params, ids, mask, sp)
-    out = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("JAXRL_CPU_KERNELS", flag)
-        out[flag] = generate(config, params, ids, mask, sp, max_num_seqs=max_num_seqs)
-    np.testing.assert_array_equal(out["1"].responses, out["0"].responses)
-    np.testing.assert_array_equal(out["1"].lengths, out["0"].lengths)
-    np.testing.assert_allclose(out["1"].log_probs, out["0"].log_probs, rtol=1e-4, atol=1e-5)
+    out = {
+        backend: generate(
+            config, params, ids, mask, sp, max_num_seqs=max_num_seqs, decode_backend=backend
+        )
+        for backend in ("xla", "cpu_kernels")
+    }
+    np.testing.assert_array_equal(out["cpu_kernels"].responses, out["xla"].responses)
+    np.testing.assert_array_equal(out["cpu_kernels"].lengths, out["xla"].lengths)
+    np.testing.assert_allclose(
+        out["cpu_kernels"].log_probs, out["xla"].log_probs, rtol=1e-4, atol=1e-5
+    )
+    # auto picks the kernels here (float32, one CPU device), unless they are turned off
+    assert choose_backend("auto", config, None) == CpuKernelsBackend()
+    monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
+    assert choose_backend("auto", config, None) == XlaBackend()
+    with pytest.raises(ValueError, match="decode_backend=cpu_kernels cannot run here"):
+        choose_backend("cpu_kernels", config, None)
+
+
+def test_conversation_with_kernels_equals_xla(variant):
+    """The conversation programs (decode, append a tool output, decode) on both backends."""
+    config, params = variant
+    ids, mask = prompts(b=3)
+    sp = SamplingParams(max_tokens=6, do_sample=False, temperature=0.0, ignore_eos=True)
+    turns = {}
+    for backend in ("xla", "cpu_kernels"):
+        engine = RolloutEngine(config, max_num_seqs=4, max_model_len=48, decode_backend=backend)
+        engine.load_weights(params)
+        slots = engine.start(ids, mask)
+        first = engine.decode(slots, sp)
+        engine.append(slots, [[3, 4, 5]] * 3)
+        turns[backend] = first.tokens + engine.decode(slots, sp).tokens
+    np.testing.assert_array_equal(turns["cpu_kernels"], turns["xla"])
+
+
+def test_backend_names_are_checked():
+    config = M.DecoderConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=24,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=12,
+    )
+    with pytest.raises(ValueError, match="one of"):
+        choose_backend("pallas", config, None)
+    with pytest.raises(ValueError, match="head_dim=12"):
+        choose_backend("cpu_kernels", config, None)
+    assert choose_backend("auto", config, None) == XlaBackend()
+    bf16 = config.replace(dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32"):
+        choose_backend("cpu_kernels", bf16.replace(head_dim=16), None)
 
 
 def test_sampled_log_probs_with_kernels_are_the_models(variant):
@@ -150,23 +198,21 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
 def test_layer_drops_writes_outside_the_cache_and_checks_its_length(variant):
     """A write index outside [0, C) leaves the cache untouched (XLA's scatter drops it too);
     a cache length that is not a multiple of 16 is refused with the fix in the message."""
-    from jaxrl.models.cached import decode_weights, init_cache
+    from jaxrl.models.cached import init_cache
 
     config, params = variant
-    weights = decode_weights(config, params, cpu_kernels=True)
+    layers = CpuKernelsBackend().prepare(config, params)["layers"]
     cache = init_cache(config, batch=2, length=32)
-    k0 = jax.random.normal(jax.random.key(0), cache.k[0].shape)
-    v0 = jax.random.normal(jax.random.key(1), cache.v[0].shape)
+    k0 = jax.random.normal(jax.random.key(0), cache.k.shape)
+    v0 = jax.random.normal(jax.random.key(1), cache.v.shape)
     x_db = jax.random.normal(jax.random.key(2), (config.hidden_size, 2))
     cos = sin = jnp.ones((2, config.head_dim))
     valid = jnp.ones((2, 32), jnp.int32)
     kw = dict(eps=1e-6, window=0, qk_norm=config.qk_norm)
     index = jnp.array([-1, 32], jnp.int32)
-    _, k1, v1 = cpu_decode.layer(weights.layers, 0, x_db, cos, sin, index, valid, k0, v0, **kw)
+    _, k1, v1 = cpu_decode.layer(layers, 1, x_db, cos, sin, index, valid, k0, v0, **kw)
     np.testing.assert_array_equal(k1, k0)
     np.testing.assert_array_equal(v1, v0)
     short = init_cache(config, batch=2, length=24)
     with pytest.raises(ValueError, match="cache_geometry"):
-        cpu_decode.layer(
-            weights.layers, 0, x_db, cos, sin, index, valid, short.k[0], short.v[0], **kw
-        )
+        cpu_decode.layer(layers, 0, x_db, cos, sin, index, valid, short.k, short.v, **kw)

@@ -410,3 +410,16 @@ def test_decode_attention_equals_dense_reference():
                 q_offset=i,
             )
             np.testing.assert_allclose(got[row], want[0], atol=1e-5)
+        # the same layer read out of stacked caches [L, ...] (as the decode step's scan does)
+        stacked = decode_attention(
+            q,
+            jnp.stack([-k_bkhc, k_bkhc, 2 * k_bkhc]),
+            jnp.stack([-v_bkch, v_bkch, 2 * v_bkch]),
+            valid,
+            query_index,
+            live=41,
+            sliding_window=window,
+            block=block,
+            layer=jnp.int32(1),
+        )
+        np.testing.assert_array_equal(stacked, got)

@@ -1,0 +1,88 @@
+"""Peak memory of the generation program against the parameter and KV-cache bytes.
+
+    python benchmarks/generate_memory.py [--sizes L] [--dtypes float32,bfloat16]
+        [--backend xla]
+
+W1's shapes (16 prompts x 64 tokens, 128 new tokens, one slot per row) on a workload model's
+shape, compiled but not run (abstract parameters: no checkpoint, no weights allocated). The
+figure is XLA's own account of the compiled program (`memory_analysis()`): argument bytes
+(the parameters and the prompts) plus temp bytes (everything the program allocates, the KV
+cache included), against params + KV cache; the goal is at most 10% above. JSON on the last
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import emit, machine, workload_hf_config
+
+
+def model_config(size: str, dtype: str):
+    """The workload model `size` as a jaxrl `DecoderConfig` (from its HF config alone)."""
+    import jaxrl.models as M
+
+    return M.from_hf_config(workload_hf_config(size)).replace(param_dtype=dtype, dtype=dtype)
+
+
+def measure(size: str, dtype: str, backend: str, batch=16, prompt=64, new=128) -> dict:
+    import numpy as np
+
+    from jaxrl.data import bucket
+    from jaxrl.models.params import abstract_params
+    from jaxrl.rollout import SamplingParams, compile_generate
+    from jaxrl.rollout.generation import cache_geometry
+
+    config = model_config(size, dtype)
+    params = abstract_params(config)
+    ids = np.ones((batch, prompt), np.int32)
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    compiled = compile_generate(config, params, ids, ids, sp, decode_backend=backend)
+    memory = compiled.memory_analysis()
+    param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _leaves(params))
+    cells, _ = cache_geometry(bucket(prompt), new)
+    kv_bytes = 2 * config.num_layers * batch * cells * config.num_kv_heads * config.head_dim
+    kv_bytes *= np.dtype(dtype).itemsize
+    peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+    return {
+        "param_bytes": param_bytes,
+        "kv_cache_bytes": kv_bytes,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes,
+        "peak_bytes": peak,
+        "peak_over_params_and_kv": peak / (param_bytes + kv_bytes),
+    }
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="L")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--backend", default="xla")
+    args = parser.parse_args()
+    results = {
+        size: {d: measure(size, d, args.backend) for d in args.dtypes.split(",")}
+        for size in args.sizes.split(",")
+    }
+    emit(
+        {
+            "workload": "generate_memory",
+            "batch": 16,
+            "prompt": 64,
+            "new_tokens": 128,
+            "backend": args.backend,
+            "results": results,
+            "machine": machine(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
