@@ -25,9 +25,10 @@ machine's 2 cores: the hardware prefetchers lose the short 2 KiB rows).
 
 The library is compiled once per source, jaxlib and CPU (`-O3 -march=native`) into
 `$JAXRL_CACHE/kernels/` (default `~/.cache/jaxrl`), written atomically so concurrent processes
-can share it. Without a C++ compiler, or when the build fails, a warning is logged once and the
-rollout uses XLA's kernels (the same results up to float rounding). `JAXRL_CPU_KERNELS=0` turns
-the kernels off; `CXX` names the compiler.
+can share it. Without a C++ compiler, or when the build fails, a warning is logged once and a
+rollout with `decode_backend: auto` decodes with XLA (the same results up to float rounding;
+`cpu_kernels` then refuses to start, naming why). `JAXRL_CPU_KERNELS=0` turns the kernels off;
+`CXX` names the compiler.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _library() -> Path | None:
     """Path of the built library, building it if needed; None (with a warning) if it cannot be."""
     cxx = _compiler()
     if cxx is None:
-        log.warning("no C++ compiler (set CXX): the rollout uses XLA's CPU decode kernels")
+        log.warning("no C++ compiler (set CXX): decode_backend=auto decodes with XLA")
         return None
     key = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), jaxlib.__version__, cxx, " ".join(_FLAGS), _cpu_signature()):
@@ -97,7 +98,7 @@ def _library() -> Path | None:
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning(
-            "building %s failed; the rollout uses XLA's CPU decode kernels:\n%s",
+            "building %s failed; decode_backend=auto decodes with XLA:\n%s",
             _SOURCE.name,
             detail[-2000:],
         )

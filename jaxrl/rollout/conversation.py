@@ -1,9 +1,10 @@
 """The device programs of conversations: KV-cache rows that live across calls.
 
-    cache = open_cache(config, slots=S, length=C)                 # once
-    cache = start(config, params, cache, slot_f, ids_fp, mask_fp)   # prompts into slots
-    cache, out = decode(config, sp, steps, params, cache, slots)    # sample until a stop
-    cache = append(config, params, cache, slot_f, ids_ft, index_ft, positions_ft)
+    cache = open_cache(config, layout, slots=S, length=C)                   # once
+    cache = start(config, layout, params, cache, slot_f, ids_fp, mask_fp)    # prompts in
+    cache, decoded = decode(config, sp, layout, steps, block, backend, params, cache,
+                            pending, budget_s, key)                          # sample
+    cache = append(config, layout, params, cache, slot_f, ids_ft, index_ft, positions_ft)
 
 A slot's sequence is in the cache up to its last token, which is *pending*: known, but its
 keys and values not yet computed. `start` prefills a prompt's tokens but the last (which
@@ -17,8 +18,9 @@ conversation's cache is the same whether its tokens were sampled or given, and o
 Slots not being decoded are left alone: a decode step writes every slot at its `write_index`,
 and for an idle slot that is the cell of its pending token, which it writes itself before it
 is next read (so a slot's `index` must stay below the cache length: `decode` stops a slot one
-cell before the end). The host (`jaxrl.rollout.engine.RolloutEngine`) keeps each slot's
-pending token, index and position; these programs take and return them as plain arrays.
+cell before the end). Only the host (`jaxrl.rollout.engine.RolloutEngine`) keeps each slot's
+pending token, index and position (`Pending`); the programs take them as arguments, and the
+host moves them on by what `decode` returns.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jaxrl.sharding.layouts import Layout, use_layout
 
 @flax.struct.dataclass
 class Pending:
-    """Each slot's pending token and where it goes (host mirrors of the device state).
+    """Each slot's pending token and where it goes (kept by the host, passed in).
 
     Attributes:
         last: [S] the pending token.

@@ -13,8 +13,8 @@
     engine.release()                              # free weights and cache (verl's sleep)
 
 `generate` is `jaxrl.rollout.generation.generate` on the loaded weights: its KV cache lives in
-its program. Conversations keep theirs: one cache of `max_num_seqs` slots x `max_model_len`
-cells, allocated on the first `start` and donated into and out of every conversation program
+its program. Conversations keep theirs: one cache of `max_num_seqs` slots of `max_model_len`
+tokens each, allocated on the first `start` and donated into and out of every conversation program
 (`jaxrl.rollout.conversation`), so a conversation's keys and values stay on the devices
 between turns while the host runs tools. The host keeps each slot's record (its tokens, their
 log-probs, and which were sampled) and its pending token (see `conversation`'s module doc).
@@ -32,10 +32,11 @@ program moves and casts every leaf, no host copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -49,7 +50,7 @@ from jaxrl.rollout import conversation
 from jaxrl.rollout.backends import DecodeBackend, choose_backend
 from jaxrl.rollout.generation import GenerationOutput, cache_geometry, compile_generate, generate
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.sharding.layouts import Layout, placed_abstract
+from jaxrl.sharding.layouts import ROLLOUT_RULES, Layout, placed_abstract, rollout_mesh
 from jaxrl.sharding.reshard import free, reshard
 
 log = logging.getLogger("jaxrl.rollout")
@@ -97,12 +98,12 @@ class RolloutEngine:
         config: The rollout model: its weights are held in `param_dtype` (the cluster sets
             it to `rollout.dtype`, as verl's vLLM copy) and it computes in `dtype`.
         layout: The rollout layout (mesh `dp` x `tp`) its weights, batches and caches live
-            in; None: one device.
+            in; None: the first device.
         max_prompt_length: Refuse longer prompts (`data.max_prompt_length`).
         max_num_seqs: KV-cache slots (`rollout.max_num_seqs`): rows `generate` decodes at
             once (None: one per row), and conversations open at once (required for them).
-        max_model_len: Cells of a conversation's cache (prompt padding included); None:
-            the model's context.
+        max_model_len: Tokens a conversation holds (its prompt bucket's padding included);
+            None: the model's context.
         tokenizer: Detokenizes turns for stop strings (`SamplingParams.stop`).
         stop_check_tokens: Tokens sampled between two stop-string checks.
         decode_backend: How the decode step runs (`rollout.decode_backend`: "auto", "xla"
@@ -121,11 +122,21 @@ class RolloutEngine:
         stop_check_tokens: int = 16,
         decode_backend: str = "auto",
     ):
+        if layout is None:
+            layout = Layout.create(rollout_mesh(1, jax.devices()[:1]), ROLLOUT_RULES)
+        context = config.rope.max_position_embeddings
+        if max_model_len is not None and not 2 < max_model_len <= context:
+            raise ValueError(
+                f"max_model_len={max_model_len}: must be in (2, {context}] (the model's "
+                "context, max_position_embeddings)"
+            )
+        if stop_check_tokens < 1:
+            raise ValueError(f"stop_check_tokens={stop_check_tokens}: must be >= 1")
         self.config, self.layout = config, layout
         self.max_prompt_length, self.max_num_seqs = max_prompt_length, max_num_seqs
-        self.max_model_len = max_model_len or config.rope.max_position_embeddings
+        self.max_model_len = max_model_len or context
         self.tokenizer, self.stop_check_tokens = tokenizer, stop_check_tokens
-        self.shardings = param_shardings(config, layout) if layout is not None else None
+        self.shardings = param_shardings(config, layout)
         self.decode_backend = decode_backend
         self.backend = choose_backend(decode_backend, config, layout)
         self.params: Any = None
@@ -140,11 +151,7 @@ class RolloutEngine:
         config's `param_dtype` if they differ), replacing (and freeing) the previous copy.
         Open conversations keep their caches (computed with the earlier weights)."""
         self._free_weights()
-        if self.shardings is None:
-            dtype = jnp.dtype(self.config.param_dtype)
-            self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-        else:
-            self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
+        self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
 
     def release(self) -> None:
         """Free the weights' and the conversation cache's device memory (verl's sleep mode
@@ -217,7 +224,7 @@ class RolloutEngine:
                 "conversations need KV-cache slots: set max_num_seqs "
                 "(actor_rollout_ref.rollout.max_num_seqs)"
             )
-        dp = 1 if self.layout is None else int(self.layout.mesh.shape.get("dp", 1))
+        dp = int(self.layout.mesh.shape.get("dp", 1))
         return max(self.max_num_seqs // dp, 1) * dp
 
     @property
@@ -226,8 +233,14 @@ class RolloutEngine:
         return self.slots - len(self._records)
 
     def _geometry(self) -> tuple[int, int]:
-        """(cache cells, attention block) of the conversation cache."""
+        """(cache cells, attention block) of the conversation cache: `max_model_len` cells
+        rounded up as `cache_geometry` needs (the cells past `max_model_len` stay unused)."""
         return cache_geometry(self.max_model_len, 0)
+
+    def _room(self, slot: int) -> int:
+        """Tokens the slot can still take: each needs a cell, and the pending one keeps its
+        own (so a slot's index stays below `max_model_len`)."""
+        return self.max_model_len - 1 - int(self._pending["index"][slot])
 
     def _ensure_cache(self) -> None:
         if jax.process_count() > 1:
@@ -244,16 +257,40 @@ class RolloutEngine:
                 "position": np.zeros(s, np.int32),
             }
 
+    @contextlib.contextmanager
+    def _ending_on_error(self, slots: Sequence[int]) -> Iterator[None]:
+        """Within the block, an error ends the conversations in `slots` (their host records
+        and cache rows may disagree), and every conversation if the cache itself was lost (a
+        program that failed after its cache was donated)."""
+        try:
+            yield
+        except BaseException:
+            for slot in slots:
+                self._records.pop(int(slot), None)
+            if self._cache is not None and self._cache.segments.is_deleted():
+                self._cache = None
+                self._records.clear()
+            raise
+
+    def _check_ids(self, ids: np.ndarray, what: str) -> None:
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            raise ValueError(
+                f"{what}: token id {int(ids[bad][0])} is outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Open one conversation per left-padded prompt [F, P]; returns their slot ids [F]."""
         params = self._weights()
-        ids = np.asarray(input_ids, np.int32)
-        mask = np.asarray(attention_mask, np.int32)
-        if ids.ndim != 2 or mask.shape != ids.shape:
+        ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
+        if ids.ndim != 2 or mask.shape != ids.shape or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(
-                f"start() takes left-padded prompts [F, P] and a mask of that shape; got "
-                f"{ids.shape} and {mask.shape}"
+                "start() takes left-padded integer prompts [F, P] and a mask of that shape; "
+                f"got {ids.dtype} {ids.shape} and {mask.shape}"
             )
+        ids, mask = ids.astype(np.int32), (mask > 0).astype(np.int32)
+        self._check_ids(ids[mask > 0], "start()")
         counts = mask.sum(axis=-1)
         if (counts == 0).any() or (mask[:, -1] == 0).any():
             row = int(np.flatnonzero((counts == 0) | (mask[:, -1] == 0))[0])
@@ -265,6 +302,12 @@ class RolloutEngine:
                 f"a prompt has {counts.max()} tokens, more than "
                 f"max_prompt_length={self.max_prompt_length}"
             )
+        width = max(bucket(ids.shape[1]), 2)
+        if width > self.max_model_len - 1:
+            raise ValueError(
+                f"prompts of {ids.shape[1]} tokens (padded to {width}) leave no room in a "
+                f"conversation of max_model_len={self.max_model_len} cells: raise max_model_len"
+            )
         self._ensure_cache()
         f = ids.shape[0]
         free_ids = [s for s in range(self.slots) if s not in self._records]
@@ -273,24 +316,18 @@ class RolloutEngine:
                 f"start(): {f} prompts but {len(free_ids)} free slots of {self.slots} "
                 "(max_num_seqs): end() finished conversations first"
             )
-        width = max(bucket(ids.shape[1]), 2)
-        length = self._geometry()[0]
-        if width > length - 1:
-            raise ValueError(
-                f"prompts of {ids.shape[1]} tokens (padded to {width}) leave no room in a "
-                f"conversation cache of {length} cells: raise max_model_len"
-            )
         slot_ids = np.asarray(free_ids[:f], np.int32)
         rows = bucket(f, 1)
         pad = ((0, rows - f), (width - ids.shape[1], 0))
         program = _start_program(self.config, self.layout)
-        self._cache = program(
-            params,
-            self._cache,
-            np.pad(slot_ids, (0, rows - f), constant_values=self.slots),
-            np.pad(ids, pad),
-            np.pad(mask, pad),
-        )
+        with self._ending_on_error([]):
+            self._cache = program(
+                params,
+                self._cache,
+                np.pad(slot_ids, (0, rows - f), constant_values=self.slots),
+                np.pad(ids, pad),
+                np.pad(mask, pad),
+            )
         self._pending["last"][slot_ids] = ids[:, -1]
         self._pending["index"][slot_ids] = width - 1
         self._pending["position"][slot_ids] = counts - 1
@@ -313,6 +350,7 @@ class RolloutEngine:
         """Sample each slot's next turn: until an end token (EOS, `stop_token_ids`), a stop
         string, `max_tokens`, or its cache is full. The slots' records grow by the turn."""
         slots = self._check_open(slots)
+        params = self._weights()
         if sampling.n != 1:
             raise ValueError(
                 f"decode() samples one continuation per slot (n={sampling.n}): start() the "
@@ -323,108 +361,114 @@ class RolloutEngine:
                 "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
             )
         rng = jax.random.key(sampling.seed or 0) if rng is None else rng  # as generate()
-        length, block = self._geometry()
         steps = min(sampling.max_tokens, self.stop_check_tokens) if sampling.stop else None
         steps = steps or sampling.max_tokens
+        block = self._geometry()[1]
         program = _decode_program(self.config, sampling, self.layout, steps, block, self.backend)
-        turn = {s: ([], []) for s in slots}
-        reasons: dict[int, str] = {}
+        turns = {s: _TurnSoFar() for s in slots}
         chunk = 0
-        while len(reasons) < len(slots):
-            budget = np.zeros(self.slots, np.int32)
-            for s in slots:
-                if s not in reasons:
-                    room = length - 1 - int(self._pending["index"][s])
-                    budget[s] = max(min(steps, sampling.max_tokens - len(turn[s][0]), room), 0)
-            pending = conversation.Pending(**{k: jnp.asarray(v) for k, v in self._pending.items()})
-            self._cache, out = program(
-                self._weights(), self._cache, pending, budget, jax.random.fold_in(rng, chunk)
-            )
-            chunk += 1
-            out = jax.tree.map(np.asarray, out)
-            for s in slots:
-                if s in reasons:
-                    continue
-                n = int(out.counts[s])
-                turn[s][0].extend(out.tokens[s, :n].tolist())
-                turn[s][1].extend(out.log_probs[s, :n].tolist())
-                self._advance(s, n, int(out.tokens[s, n - 1]) if n else None)
-                reasons.update(self._finished(s, turn[s][0], bool(out.ended[s]), sampling))
-        for s in slots:
-            tokens, log_probs = turn[s]
+        with self._ending_on_error(slots):
+            while not all(t.reason for t in turns.values()):
+                budget = np.zeros(self.slots, np.int32)
+                for s, turn in turns.items():
+                    if not turn.reason:
+                        left = sampling.max_tokens - len(turn.tokens)
+                        budget[s] = max(min(steps, left, self._room(s)), 0)
+                pending = conversation.Pending(
+                    **{k: jnp.asarray(v) for k, v in self._pending.items()}
+                )
+                key = jax.random.fold_in(rng, chunk)
+                self._cache, out = program(params, self._cache, pending, budget, key)
+                chunk += 1
+                out = jax.tree.map(np.asarray, out)
+                for s, turn in turns.items():
+                    if turn.reason:
+                        continue
+                    n = int(out.counts[s])
+                    turn.tokens += out.tokens[s, :n].tolist()
+                    turn.log_probs += out.log_probs[s, :n].tolist()
+                    self._move_pending(s, n, turn.tokens[-1] if n else None)
+                    turn.reason = self._finished(s, turn, bool(out.ended[s]), sampling)
+        for s, turn in turns.items():
             record = self._records[s]
-            record.response += tokens
-            record.log_probs += log_probs
-            record.sampled += [1] * len(tokens)
+            record.response += turn.tokens
+            record.log_probs += turn.log_probs
+            record.sampled += [1] * len(turn.tokens)
         return Turn(
-            tokens=[np.asarray(turn[s][0], np.int32) for s in slots],
-            log_probs=[np.asarray(turn[s][1], np.float32) for s in slots],
-            finish_reasons=[reasons[s] for s in slots],
+            tokens=[np.asarray(turns[s].tokens, np.int32) for s in slots],
+            log_probs=[np.asarray(turns[s].log_probs, np.float32) for s in slots],
+            finish_reasons=[turns[s].reason for s in slots],
         )
 
-    def _advance(self, slot: int, n: int, last: int | None) -> None:
-        """The slot's pending token moves `n` tokens on (to `last`)."""
+    def _move_pending(self, slot: int, n: int, last: int | None) -> None:
+        """The slot's pending token moves `n` tokens (back, for n < 0) to `last`."""
         if n:
             self._pending["last"][slot] = last
             self._pending["index"][slot] += n
             self._pending["position"][slot] += n
 
     def _finished(
-        self, slot: int, tokens: list[int], ended: bool, sampling: SamplingParams
-    ) -> dict[int, str]:
-        """{slot: finish reason} if the slot's turn `tokens` is over, else {}; a stop string
-        cuts `tokens` (in place) and moves the slot's pending token back."""
+        self, slot: int, turn: _TurnSoFar, ended: bool, sampling: SamplingParams
+    ) -> str | None:
+        """The finish reason if the slot's turn is over, else None; a stop string cuts the
+        turn (its tokens and log-probs) and moves the slot's pending token back with it."""
         if sampling.stop:
-            cut = _stop_string_end(self.tokenizer, tokens, sampling.stop)
+            cut = _stop_string_end(self.tokenizer, turn.tokens, sampling.stop)
             if cut is not None:
-                back = len(tokens) - cut
-                del tokens[cut:]
-                self._pending["last"][slot] = tokens[-1]
-                self._pending["index"][slot] -= back
-                self._pending["position"][slot] -= back
-                return {slot: "stop"}
+                back = len(turn.tokens) - cut
+                del turn.tokens[cut:], turn.log_probs[cut:]
+                self._move_pending(slot, -back, turn.tokens[-1])
+                return "stop"
         if ended:
-            return {slot: "stop"}
-        room = self._geometry()[0] - 1 - int(self._pending["index"][slot])
-        if len(tokens) >= sampling.max_tokens or room <= 0:
-            return {slot: "length"}
-        return {}
+            return "stop"
+        if len(turn.tokens) >= sampling.max_tokens or self._room(slot) <= 0:
+            return "length"
+        return None
 
     def append(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         """Append tokens (a tool's output, the next user message) to each slot's sequence,
         prefilled into its cache without sampling; they enter the records unsampled
         (log-prob 0, `sampled` 0)."""
         slots = self._check_open(slots)
+        params = self._weights()
         if len(tokens) != len(slots):
             raise ValueError(f"append(): {len(slots)} slots but {len(tokens)} token lists")
-        seqs = [np.asarray(t, np.int32).reshape(-1) for t in tokens]
-        length = self._geometry()[0]
+        seqs = [np.asarray(t) for t in tokens]
         for s, seq in zip(slots, seqs, strict=True):
-            if int(self._pending["index"][s]) + len(seq) > length - 1:
+            if seq.ndim != 1 or not (seq.size == 0 or np.issubdtype(seq.dtype, np.integer)):
                 raise ValueError(
-                    f"append(): slot {s} has {length - 1 - int(self._pending['index'][s])} "
-                    f"cache cells left, {len(seq)} tokens given: raise max_model_len"
+                    f"append(): slot {s} was given {seq.dtype} {seq.shape}; give a flat list "
+                    "of token ids per slot"
                 )
+            self._check_ids(seq, f"append() to slot {s}")
+            if len(seq) > self._room(s):
+                raise ValueError(
+                    f"append(): slot {s} has room for {self._room(s)} more tokens, "
+                    f"{len(seq)} given: raise max_model_len ({self.max_model_len})"
+                )
+        length = self._geometry()[0]
         f, t = bucket(len(slots), 1), bucket(max(len(q) for q in seqs), 1)
         fed = np.zeros((f, t), np.int32)  # the pending token, then all but the last given
-        index = np.full((f, t), length, np.int32)  # >= length: not written
+        index = np.full((f, t), length, np.int32)  # >= the cache's cells: not written
         positions = np.zeros((f, t), np.int32)
         slot_ids = np.full(f, self.slots, np.int32)
         for row, (s, seq) in enumerate(zip(slots, seqs, strict=True)):
-            if not len(seq):
-                continue
-            n = len(seq)
-            slot_ids[row] = s
-            fed[row, :n] = np.concatenate([[self._pending["last"][s]], seq[:-1]])
-            index[row, :n] = self._pending["index"][s] + np.arange(n)
-            positions[row, :n] = self._pending["position"][s] + np.arange(n)
-            self._advance(s, n, int(seq[-1]))
-            record = self._records[s]
-            record.response += seq.tolist()
-            record.log_probs += [0.0] * n
-            record.sampled += [0] * n
+            if len(seq):
+                n = len(seq)
+                slot_ids[row] = s
+                fed[row, :n] = np.concatenate([[self._pending["last"][s]], seq[:-1]])
+                index[row, :n] = self._pending["index"][s] + np.arange(n)
+                positions[row, :n] = self._pending["position"][s] + np.arange(n)
         program = _append_program(self.config, self.layout)
-        self._cache = program(self._weights(), self._cache, slot_ids, fed, index, positions)
+        with self._ending_on_error(slots):
+            self._cache = program(params, self._cache, slot_ids, fed, index, positions)
+        for s, seq in zip(slots, seqs, strict=True):
+            if len(seq):
+                self._move_pending(s, len(seq), int(seq[-1]))
+                record = self._records[s]
+                record.response += seq.astype(int).tolist()
+                record.log_probs += [0.0] * len(seq)
+                record.sampled += [0] * len(seq)
 
     def conversation(self, slot: int) -> Conversation:
         """The record of the conversation in `slot`."""
@@ -434,6 +478,15 @@ class RolloutEngine:
         """End the conversations in `slots` (their slots are free again); returns their
         records."""
         return [self._records.pop(s) for s in self._check_open(slots)]
+
+
+@dataclasses.dataclass
+class _TurnSoFar:
+    """One slot's turn while `decode` samples it (reason: None until it is over)."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    reason: str | None = None
 
 
 def _stop_string_end(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -> int | None:

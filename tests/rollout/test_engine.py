@@ -15,6 +15,7 @@ from jaxrl.models.cached import extend, init_cache, prefill
 from jaxrl.models.params import param_shardings
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.rollout import RolloutEngine, SamplingParams, generate
+from jaxrl.rollout.backends import XlaBackend, choose_backend
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.tiny import save_tiny
 
@@ -82,24 +83,32 @@ def test_decode_append_decode_equals_generate_over_the_concatenation(tiny, mesh)
 
 
 def test_extend_equals_a_prefill(tiny):
-    """Prefilling 5 tokens then extending by 4 (rows at different offsets) leaves the cache and
-    the hidden states of a 9-token prefill."""
+    """Rows prefilled to different lengths (5 and 3 tokens) and extended by 4 tokens each,
+    at their own offsets, hold the cache and the hidden states of prefills of 9 and 7."""
     config, params = tiny
     ids, _ = prompts(b=2, p=9)
-    mask = np.ones_like(ids)
-    h_all, k_all, v_all = prefill(config, params, ids, positions_from_mask(mask), mask)
     cache = init_cache(config, 2, 16)
-    _, k, v = prefill(config, params, ids[:, :5], positions_from_mask(mask[:, :5]), mask[:, :5])
-    cache = cache.write(np.arange(2), k, v, mask[:, :5])
-    index = np.broadcast_to(5 + np.arange(4), (2, 4))
-    h, cache = jax.jit(extend, static_argnums=0)(
-        config, params, ids[:, 5:], index, cache, np.asarray(index)
-    )
-    np.testing.assert_allclose(h, h_all[:, 5:], atol=2e-5)
-    np.testing.assert_allclose(cache.k[-1][..., :9], k_all[-1].transpose(0, 2, 3, 1), atol=2e-5)
-    np.testing.assert_allclose(cache.v[0][:, :, :9], v_all[0].transpose(0, 2, 1, 3), atol=2e-5)
-    np.testing.assert_array_equal(cache.segments[:, :9], 1)
-    np.testing.assert_array_equal(cache.segments[:, 9:], 0)
+    for row, start in enumerate((5, 3)):
+        one = np.ones((1, start), np.int32)
+        _, k, v = prefill(config, params, ids[row : row + 1, :start], positions_from_mask(one), one)
+        cache = cache.write(np.array([row]), k, v, one)
+    index = np.stack([5 + np.arange(4), 3 + np.arange(4)])
+    new_ids = np.stack([ids[0, 5:9], ids[1, 3:7]])
+    h, cache = jax.jit(extend, static_argnums=0)(config, params, new_ids, index, cache, index)
+    for row, total in enumerate((9, 7)):
+        one = np.ones((1, total), np.int32)
+        h_all, k_all, v_all = prefill(
+            config, params, ids[row : row + 1, :total], positions_from_mask(one), one
+        )
+        np.testing.assert_allclose(h[row], h_all[0, total - 4 :], atol=2e-5)
+        np.testing.assert_allclose(
+            cache.k[:, row, ..., :total], k_all[:, 0].transpose(0, 2, 3, 1), atol=2e-5
+        )
+        np.testing.assert_allclose(
+            cache.v[:, row, :, :total], v_all[:, 0].transpose(0, 2, 1, 3), atol=2e-5
+        )
+        np.testing.assert_array_equal(cache.segments[row, :total], 1)
+        np.testing.assert_array_equal(cache.segments[row, total:], 0)
 
 
 def test_idle_slots_are_left_alone(tiny):
@@ -136,7 +145,8 @@ def test_stop_tokens_and_stop_strings_end_a_turn(tiny):
     for seed in range(10):  # a prompt whose greedy run does not repeat one token
         ids, mask = prompts(b=1, seed=seed)
         free_run = engine(config, params)
-        tokens = free_run.decode(free_run.start(ids, mask), sp).tokens[0]
+        free = free_run.decode(free_run.start(ids, mask), sp)
+        tokens, free_log_probs = free.tokens[0], free.log_probs[0]
         if len(set(tokens[:7].tolist())) > 2:
             break
     else:
@@ -162,7 +172,10 @@ def test_stop_tokens_and_stop_strings_end_a_turn(tiny):
     slot = eng.start(ids, mask)
     turn = eng.decode(slot, SamplingParams(max_tokens=12, stop=(stop,), **GREEDY))
     np.testing.assert_array_equal(turn.tokens[0], tokens[:cut])
+    np.testing.assert_allclose(turn.log_probs[0], free_log_probs[:cut], atol=2e-5)
     assert turn.finish_reasons == ["stop"]
+    record = eng.conversation(int(slot[0]))
+    assert len(record.response) == len(record.log_probs) == len(record.sampled) == cut
     sp = SamplingParams(max_tokens=4, **GREEDY)
     after = eng.decode(slot, sp)
     record = eng.conversation(int(slot[0]))
@@ -207,9 +220,47 @@ def test_slots_are_reused_and_bad_calls_are_named(tiny):
         engine(config, params, max_num_seqs=None).start(ids, mask)
     with pytest.raises(ValueError, match="stop_token_ids"):
         generate(config, params, ids, mask, SamplingParams(stop=("x",)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.append(slots[2:], [[3, config.vocab_size]])
+    with pytest.raises(ValueError, match="flat list"):
+        eng.append(slots[2:], [[[3, 4]]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.start(np.full_like(ids[:1], -1), mask[:1])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        RolloutEngine(config, max_num_seqs=4, max_model_len=config.rope.max_position_embeddings + 1)
+    assert eng.free_slots == 3  # the refused calls opened nothing
     # A slot ended and started again holds only its new conversation.
     again = eng.start(ids[2:], mask[2:])
     sp = SamplingParams(max_tokens=4, **GREEDY)
     np.testing.assert_array_equal(
         eng.decode(again, sp).tokens[0], eng.decode(slots[2:], sp).tokens[0]
     )
+
+
+def test_the_engine_copies_the_weights_it_is_given(tiny):
+    """On one device too, the engine's weights are its own: releasing them leaves the
+    caller's arrays alive."""
+    config, params = tiny
+    eng = engine(config, params)
+    eng.release()
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
+def test_backend_names_are_checked():
+    config = M.DecoderConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=24,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=12,
+    )
+    with pytest.raises(ValueError, match="one of"):
+        choose_backend("pallas", config, None)
+    with pytest.raises(ValueError, match="head_dim=12"):
+        choose_backend("cpu_kernels", config, None)
+    assert choose_backend("auto", config, None) == XlaBackend()
+    with pytest.raises(ValueError, match="float32"):
+        choose_backend("cpu_kernels", config.replace(dtype="bfloat16", head_dim=16), None)
