@@ -263,6 +263,15 @@ def _decode(dry: bool, size: str) -> Records:
            **with_roof(figures, bandwidth)}  # fmt: skip
 
 
+def step_decode_memory(dry: bool) -> Records:
+    """The generation program's compiled peak (argument + temp bytes) against params + KV
+    cache, W1's shapes, bf16, XLA decode backend (model L; S dry): the goal is <= 1.10."""
+    from generate_memory import measure
+
+    size = "S" if dry else "L"
+    yield {"model": size, **measure(size, "bfloat16", "xla")}
+
+
 def _train(dry: bool, remat: str) -> Records:
     """W2 on the GPU: the 1.5B shape, 4 x 2048 tokens (tiny 2 x 64 dry), fp32 master weights,
     bf16 compute, the actor's update; MFU = 6 * N * tokens / step / bf16 peak (attention's
@@ -307,10 +316,11 @@ STEPS: dict[str, tuple[int, Callable[..., Records]]] = {  # name: (seconds, step
     "decode-M": (35, lambda dry: _decode(dry, "M")),
     "decode-L": (40, lambda dry: _decode(dry, "L")),
     "decode-1.5B": (50, lambda dry: _decode(dry, "1.5B")),
+    "decode-memory": (25, step_decode_memory),
     "train-none": (50, lambda dry: _train(dry, "none")),
     "train-full": (50, lambda dry: _train(dry, "full")),
     "grpo-L": (60, step_grpo),
-}  # 475 s in all
+}  # 500 s in all
 DRY_SCALE = 3  # a dry run's limits: a loaded 2-core CI machine, not an H100
 
 
@@ -384,7 +394,7 @@ def summary(out_dir: Path, outcomes: list[dict], run: str | None = None) -> str:
         "tokens_per_s", "fraction_of_roofline", "mfu", "step_s", "generation_s",
         "log_prob_s", "update_s", "fwd_bwd_tflops", "fwd_bwd_of_peak", "cudnn_fwd_bwd_tflops",
         "pallas_of_cudnn_fwd_bwd", "copy_bytes_per_s", "bf16_matmul_flops", "tests",
-        "failures", "errors",
+        "failures", "errors", "peak_over_params_and_kv",
     )  # fmt: skip
     lines = [f"{'step':<12} {'status':<34} {'s':>6}  figures"]
     for o in outcomes:

@@ -36,6 +36,7 @@ def test_dry_run_runs_every_step(tmp_path):
     assert by_step["tests"]["returncode"] == 0
     assert by_step["decode-M"]["fraction_of_roofline"] > 0  # model S through its checkpoint
     assert by_step["decode-1.5B"]["tokens_per_s"] > 0 and by_step["train-full"]["step_s"] > 0
+    assert by_step["decode-memory"]["peak_over_params_and_kv"] > 1  # XLA's own account
     assert by_step["grpo-L"]["log_prob_s"] > 0  # two mini-batches: the old-log-prob pass ran
     assert "decode-L" in (tmp_path / "out/summary.txt").read_text()
     assert "jax:" in (tmp_path / "out/env.txt").read_text()

@@ -100,10 +100,26 @@ inline void cpu_relax() {
 #endif
 }
 
+// Waits while `busy()`: pauses first, then yields the core (a waiter must not keep the
+// thread it waits for off the CPU when the pool has more threads than the machine has cores).
+template <typename Busy>
+inline void spin_while(Busy busy) {
+  for (int spins = 0; busy(); ++spins) {
+    if (spins < 2048) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
 // Work split into phases run in order, each a number of chunks: the calling thread and the
 // helpers claim chunks through atomic counters, and a phase starts when the previous one is
 // complete. The caller never waits for a helper that has not claimed work (one that starts
-// late finds the phases done), so a busy pool cannot cause a deadlock.
+// late finds the phases done), and a helper never waits on its own thread: XLA's pool runs a
+// task inline, on the scheduling thread, when that thread's queue is full, and such a helper
+// returns at once (it would otherwise wait for the caller it is blocking). So a busy pool
+// cannot cause a deadlock.
 class Phases {
  public:
   void add(int64_t chunks, std::function<void(int64_t)> fn) {
@@ -114,19 +130,21 @@ class Phases {
   void run() {
     for (size_t p = 0; p < phases_.size(); ++p) {
       claim(p);
-      while (phases_[p].done.load(std::memory_order_acquire) < phases_[p].chunks) cpu_relax();
+      Phase& phase = phases_[p];
+      spin_while([&] { return phase.done.load(std::memory_order_acquire) < phase.chunks; });
       current_.store(static_cast<int64_t>(p + 1), std::memory_order_release);
     }
   }
 
   // A helper's part: join whichever phase is open until the last one is complete.
   void help() {
+    if (std::this_thread::get_id() == caller_) return;  // run inline by Schedule: see above
     const int64_t last = static_cast<int64_t>(phases_.size());
     int64_t p = current_.load(std::memory_order_acquire);
     while (p < last) {
       claim(static_cast<size_t>(p));
-      int64_t now;
-      while ((now = current_.load(std::memory_order_acquire)) == p) cpu_relax();
+      int64_t now = p;
+      spin_while([&] { return (now = current_.load(std::memory_order_acquire)) == p; });
       p = now;
     }
   }
@@ -153,14 +171,20 @@ class Phases {
 
   std::vector<Phase> phases_;
   std::atomic<int64_t> current_{0};
+  const std::thread::id caller_ = std::this_thread::get_id();  // built on the caller's thread
 };
 
 // Runs `phases` on this thread and on helpers from XLA's pool. Each helper holds `owner` (the
 // phases and the buffers their chunks use), not the caller's frame: one that starts after the
 // call returned finds every phase complete and touches nothing else.
+// At most one helper per further core: the pool may have more threads than the machine has
+// cores (one per device with --xla_force_host_platform_device_count), and a waiting helper on
+// an oversubscribed core only slows the threads doing the work.
 template <typename Owner>
 void run_phases(ffi::ThreadPool& pool, const std::shared_ptr<Owner>& owner, Phases& phases) {
-  for (int64_t i = 1; i < pool.num_threads(); ++i) {
+  const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cores) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([owner, &phases]() { phases.help(); });
   }
   phases.run();
