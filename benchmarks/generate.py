@@ -76,9 +76,7 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
     import jax
     import numpy as np
 
-    from jaxrl.data import bucket
     from jaxrl.rollout import SamplingParams, generate
-    from jaxrl.rollout.generation import cache_geometry
 
     config = config.replace(dtype=dtype)
     rng = np.random.RandomState(0)
@@ -102,10 +100,7 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
     prefill = median_seconds(lambda: run(prefill_sp), warmup=0)
     decode_step = (total - prefill) / (new - 1)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    cache_len, _ = cache_geometry(bucket(PROMPT), new)
-    kv_bytes = (
-        2 * config.num_layers * BATCH * cache_len * config.num_kv_heads * config.head_dim
-    ) * np.dtype(dtype).itemsize
+    kv_bytes = kv_cache_bytes(config, BATCH, PROMPT, new)
     figures = {
         "tokens_per_s": BATCH * new / total,
         "seconds": total,
@@ -116,6 +111,19 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
         "compile_s": first_call - total,
     }
     return figures if bandwidth is None else with_roof(figures, bandwidth)
+
+
+def kv_cache_bytes(config, batch: int, prompt: int, new: int) -> int:
+    """Bytes of the KV cache `generate` allocates for `batch` rows of `prompt` + `new` tokens
+    (its length the engine's `cache_geometry`), in the compute dtype."""
+    import numpy as np
+
+    from jaxrl.data import bucket
+    from jaxrl.rollout.generation import cache_geometry
+
+    cells, _ = cache_geometry(bucket(prompt), new)
+    per_row = 2 * config.num_layers * cells * config.num_kv_heads * config.head_dim
+    return batch * per_row * np.dtype(config.compute_dtype).itemsize
 
 
 def with_roof(figures: dict, bandwidth: float) -> dict:

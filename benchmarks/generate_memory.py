@@ -26,12 +26,12 @@ def model_config(size: str, dtype: str):
 
 
 def measure(size: str, dtype: str, backend: str, batch=16, prompt=64, new=128) -> dict:
+    import jax
     import numpy as np
+    from generate import kv_cache_bytes
 
-    from jaxrl.data import bucket
     from jaxrl.models.params import abstract_params
     from jaxrl.rollout import SamplingParams, compile_generate
-    from jaxrl.rollout.generation import cache_geometry
 
     config = model_config(size, dtype)
     params = abstract_params(config)
@@ -39,10 +39,8 @@ def measure(size: str, dtype: str, backend: str, batch=16, prompt=64, new=128) -
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
     compiled = compile_generate(config, params, ids, ids, sp, decode_backend=backend)
     memory = compiled.memory_analysis()
-    param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _leaves(params))
-    cells, _ = cache_geometry(bucket(prompt), new)
-    kv_bytes = 2 * config.num_layers * batch * cells * config.num_kv_heads * config.head_dim
-    kv_bytes *= np.dtype(dtype).itemsize
+    param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_bytes = kv_cache_bytes(config, batch, prompt, new)
     peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     return {
         "param_bytes": param_bytes,
@@ -53,12 +51,6 @@ def measure(size: str, dtype: str, backend: str, batch=16, prompt=64, new=128) -
         "peak_bytes": peak,
         "peak_over_params_and_kv": peak / (param_bytes + kv_bytes),
     }
-
-
-def _leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 def main() -> None:

@@ -69,6 +69,11 @@ class KVCache:
         """The buffers constrained to the active layout (a no-op without one)."""
         return self.replace(k=shard(self.k, K_CACHE_AXES), v=shard(self.v, V_CACHE_AXES))
 
+    def mark_written(self, write_index: Int[Array, "b t"]) -> KVCache:
+        """The cache with `segments` 1 at each row's written indices (>= C: dropped)."""
+        rows = jnp.arange(write_index.shape[0])[:, None]
+        return self.replace(segments=self.segments.at[rows, write_index].set(1, mode="drop"))
+
     def rows(self, slots: Int[Array, " f"]) -> KVCache:
         """A copy of the rows `slots` (an id >= B reads the last row; `put_rows` drops it)."""
         i = jnp.minimum(slots, self.segments.shape[0] - 1)
@@ -218,12 +223,6 @@ def _cached_layers(
     return h, KVCache(k=k, v=v, segments=cache.segments).constrain()
 
 
-def _with_written(cache: KVCache, write_index: Int[Array, "b t"]) -> KVCache:
-    """The cache with `segments` 1 at every written index (>= C: dropped)."""
-    rows = jnp.arange(write_index.shape[0])[:, None]
-    return cache.replace(segments=cache.segments.at[rows, write_index].set(1, mode="drop"))
-
-
 def decode_step(
     config: DecoderConfig,
     params: Params,
@@ -250,7 +249,7 @@ def decode_step(
     Returns:
         (final-normed hidden states [B, D], the updated cache).
     """
-    cache = _with_written(cache, write_index[:, None])
+    cache = cache.mark_written(write_index[:, None])
     kv_valid = cache.segments > 0
 
     def attend(q, k_all, v_all, layer, window):
@@ -298,7 +297,7 @@ def extend(
     Returns:
         (final-normed hidden states [B, T, D], the updated cache).
     """
-    cache = _with_written(cache, write_index)
+    cache = cache.mark_written(write_index)
     kv_valid: Bool[Array, "b c"] = cache.segments > 0
 
     def attend(q, k_all, v_all, layer, window):

@@ -31,8 +31,6 @@ from jaxrl.models.rope import rope_cos_sin
 from jaxrl.models.transformer import lm_logits, rms_norm
 from jaxrl.sharding.layouts import Layout, shard
 
-BACKENDS = DECODE_BACKENDS
-
 
 @dataclasses.dataclass(frozen=True)
 class XlaBackend:
@@ -136,13 +134,12 @@ class CpuKernelsBackend:
     ) -> tuple[Float[Array, "b v"], KVCache]:
         """`XlaBackend.step`'s result through the kernels (each row reads its own prefix, so
         `live` and `block` are not needed)."""
-        rows = jnp.arange(tokens.shape[0])
         # Materialised once per step (left to fusion, XLA recomputes them per element).
         cos, sin = jax.lax.optimization_barrier(
             rope_cos_sin(config.rope, config.head_dim, positions[:, None])
         )
         cos, sin = cos[:, 0], sin[:, 0]
-        segments = cache.segments.at[rows, write_index].set(1)
+        segments = cache.mark_written(write_index[:, None]).segments
         x_db = embed(config, params, tokens).T
         k, v = cache.k, cache.v
         windows = config.window_per_layer
@@ -178,9 +175,9 @@ def choose_backend(name: str, config: DecoderConfig, layout: Layout | None) -> D
     Raises:
         ValueError: for an unknown name, or `cpu_kernels` where they cannot run (naming why).
     """
-    if name not in BACKENDS:
+    if name not in DECODE_BACKENDS:
         raise ValueError(
-            f"actor_rollout_ref.rollout.decode_backend={name!r}: must be one of {BACKENDS}"
+            f"actor_rollout_ref.rollout.decode_backend={name!r}: must be one of {DECODE_BACKENDS}"
         )
     if name == "xla":
         return XlaBackend()

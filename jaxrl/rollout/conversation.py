@@ -36,8 +36,8 @@ from jaxrl.models.cached import KVCache, extend, init_cache, prefill
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.rollout.backends import DecodeBackend
-from jaxrl.rollout.generation import decode_tokens, is_end
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.generation import is_end
+from jaxrl.rollout.sampling import SamplingParams, sample
 from jaxrl.sharding.layouts import Layout, use_layout
 
 
@@ -134,20 +134,12 @@ def decode(
         run = running(st)
         write_index = pending.index + st.counts
         key, sub = jax.random.split(st.key)
-        tok, lp, cache = decode_tokens(
-            config,
-            params,
-            backend,
-            prepared,
-            sp,
-            st.last,
-            pending.position + st.counts,
-            st.cache,
-            write_index,
-            jnp.max(write_index) + 1,
-            block,
-            sub,
+        positions = pending.position + st.counts
+        live = jnp.max(write_index) + 1
+        logits, cache = backend.step(
+            config, params, prepared, st.last, positions, st.cache, write_index, live, block
         )
+        tok, lp = sample(logits, sp, sub)
         out_row = jnp.where(run, rows, s)
         column = jnp.minimum(st.counts, steps - 1)
         return st.replace(

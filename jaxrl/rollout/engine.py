@@ -40,7 +40,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.data.batch import bucket
@@ -250,6 +249,7 @@ class RolloutEngine:
             )
         if self._cache is None:
             s, (length, _) = self.slots, self._geometry()
+            log.info("conversation cache: %d slots x %d cells", s, length)
             self._cache = _open_cache(self.config, self.layout, s, length)
             self._pending = {
                 "last": np.zeros(s, np.int32),
@@ -361,8 +361,9 @@ class RolloutEngine:
                 "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
             )
         rng = jax.random.key(sampling.seed or 0) if rng is None else rng  # as generate()
-        steps = min(sampling.max_tokens, self.stop_check_tokens) if sampling.stop else None
-        steps = steps or sampling.max_tokens
+        steps = sampling.max_tokens
+        if sampling.stop:  # chunks, with the text checked between them
+            steps = min(steps, self.stop_check_tokens)
         block = self._geometry()[1]
         program = _decode_program(self.config, sampling, self.layout, steps, block, self.backend)
         turns = {s: _TurnSoFar() for s in slots}
@@ -374,9 +375,7 @@ class RolloutEngine:
                     if not turn.reason:
                         left = sampling.max_tokens - len(turn.tokens)
                         budget[s] = max(min(steps, left, self._room(s)), 0)
-                pending = conversation.Pending(
-                    **{k: jnp.asarray(v) for k, v in self._pending.items()}
-                )
+                pending = conversation.Pending(**self._pending)
                 key = jax.random.fold_in(rng, chunk)
                 self._cache, out = program(params, self._cache, pending, budget, key)
                 chunk += 1
@@ -501,11 +500,7 @@ def _stop_string_end(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -
     return len(tokens)
 
 
-def _open_cache(config: DecoderConfig, layout: Layout | None, slots: int, length: int):
-    log.info("conversation cache: %d slots x %d cells", slots, length)
-    return jax.jit(conversation.open_cache, static_argnums=(0, 1, 2, 3))(
-        config, layout, slots, length
-    )
+_open_cache = jax.jit(conversation.open_cache, static_argnums=(0, 1, 2, 3))
 
 
 @functools.lru_cache(maxsize=8)

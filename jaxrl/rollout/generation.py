@@ -25,6 +25,7 @@ its `dp` axis and the KV cache over batch and kv heads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -132,29 +133,6 @@ def is_end(tokens: Array, end_ids: tuple[int, ...]) -> Array:
     return jnp.isin(tokens, jnp.asarray(end_ids, jnp.int32))
 
 
-def decode_tokens(
-    config: DecoderConfig,
-    params: Any,
-    backend: DecodeBackend,
-    prepared: Any,
-    sp: SamplingParams,
-    last: Int[Array, " s"],
-    positions: Int[Array, " s"],
-    cache: KVCache,
-    write_index: Int[Array, " s"],
-    live: Int[Array, ""],
-    block: int,
-    key: jax.Array,
-) -> tuple[Int[Array, " s"], Float[Array, " s"], KVCache]:
-    """One decode step of every slot (the backend's: each slot's `last` token into the cache
-    at its `write_index`) and the next token sampled: (tokens, their log-probs, the cache)."""
-    logits, cache = backend.step(
-        config, params, prepared, last, positions, cache, write_index, live, block
-    )
-    tok, lp = sample(logits, sp, key)
-    return tok, lp, cache
-
-
 def _generate(
     config: DecoderConfig,
     sp: SamplingParams,
@@ -187,18 +165,18 @@ def _generate(
         lengths = st.lengths.at[jnp.where(ended, sl.row, q)].set(sl.step)
         return st.replace(slots=sl.replace(row=jnp.where(ended, q, sl.row)), lengths=lengths)
 
-    def prefill_rows(next_row: Array, f: int, aligned: bool) -> tuple[Array, Array, Array]:
+    def prefill_rows(
+        next_row: Array, rows: Array, f: int, aligned: bool
+    ) -> tuple[Array, Array, Array]:
         """Logits of the first response token [f, V] and keys and values [L, f, T, K, H] of
-        the queue's rows next_row + [0, f). With n > 1 the queue holds each prompt's n copies
-        consecutively (real rows in groups of n), so the f rows hold at most
+        the queue's rows next_row + [0, f) (row ids `rows`). With n > 1 the queue holds each
+        prompt's n copies consecutively (real rows in groups of n), so the f rows hold at most
         (f - 1) // n + 2 distinct prompts (ceil(f / n) when `aligned`: next_row % n == 0);
         when that is fewer than f, each is prefilled once and its outputs copied to its rows
         (prefix sharing: a prompt's n samples pay one prefill)."""
         n = sp.n
         groups = -(-f // n) if aligned else (f - 1) // n + 2
-        queued = next_row + jnp.arange(f)
         if not (prefix_sharing and n > 1 and groups < f):
-            rows = order[jnp.minimum(queued, q - 1)]
             mask = attention_mask[rows]
             h, k, v = prefill(config, params, input_ids[rows], positions_from_mask(mask), mask)
             return lm_logits(config, params, h[:, -1:])[:, 0], k, v
@@ -206,7 +184,7 @@ def _generate(
         rep = order[jnp.minimum((first + jnp.arange(groups)) * n, q - 1)]
         mask = attention_mask[rep]
         h, k, v = prefill(config, params, input_ids[rep], positions_from_mask(mask), mask)
-        group = jnp.minimum(queued // n - first, groups - 1)
+        group = jnp.minimum((next_row + jnp.arange(f)) // n - first, groups - 1)
         logits = lm_logits(config, params, h[:, -1:])[:, 0]
         return logits[group], k[:, group], v[:, group]
 
@@ -219,7 +197,7 @@ def _generate(
         take = free[slot_ids] & (queued < num_rows)
         rows = order[jnp.minimum(queued, q - 1)]
         mask = attention_mask[rows] * take[:, None]
-        logits, k, v = prefill_rows(st.next_row, f, aligned)
+        logits, k, v = prefill_rows(st.next_row, rows, f, aligned)
         key, sub = jax.random.split(st.key)
         tok, lp = sample(logits, sp, sub)
         into = jnp.where(take, slot_ids, s)  # s: out of range, dropped
@@ -248,20 +226,10 @@ def _generate(
         live = jnp.max(jnp.where(busy, write_index + 1, 1))
         positions = sl.start + sl.step - 1
         key, sub = jax.random.split(st.key)
-        tok, lp, cache = decode_tokens(
-            config,
-            params,
-            backend,
-            prepared,
-            sp,
-            sl.last,
-            positions,
-            st.cache,
-            write_index,
-            live,
-            block,
-            sub,
+        logits, cache = backend.step(
+            config, params, prepared, sl.last, positions, st.cache, write_index, live, block
         )
+        tok, lp = sample(logits, sp, sub)
         out_row = jnp.where(busy, sl.row, q)
         column = jnp.minimum(sl.step, r - 1)
         st = st.replace(
@@ -447,61 +415,47 @@ def generate(
         raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: one per row)")
     if rng is None:
         rng = jax.random.key(0 if sp.seed is None else sp.seed)
-    if jax.process_count() > 1:
-        return _generate_processes(
-            config,
-            params,
-            input_ids,
-            attention_mask,
-            sp,
-            rng,
-            layout,
-            max_num_seqs,
-            prefix_sharing,
-            decode_backend,
-        )
-    fn, args = _program(
-        config,
-        params,
-        input_ids,
-        attention_mask,
-        sp,
-        rng,
-        layout,
-        max_num_seqs,
-        prefix_sharing,
-        decode_backend,
+    plan = _Plan(
+        layout, max_num_seqs, prefix_sharing, choose_backend(decode_backend, config, layout)
     )
+    if jax.process_count() > 1:
+        return _generate_processes(config, params, input_ids, attention_mask, sp, rng, plan)
+    fn, args = _program(config, params, input_ids, attention_mask, sp, rng, plan)
     return _rows(fn(*args), slice(0, b * sp.n))
 
 
-def _program(
-    config,
-    params,
-    input_ids,
-    attention_mask,
-    sp,
-    rng,
-    layout,
-    max_num_seqs,
-    prefix_sharing=True,
-    decode_backend="auto",
-):
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How `generate` runs, beyond the prompts and sampling (see its arguments)."""
+
+    layout: Layout | None
+    max_num_seqs: int | None
+    prefix_sharing: bool
+    backend: DecodeBackend
+
+
+def _program(config, params, input_ids, attention_mask, sp, rng, plan: _Plan):
     """The jitted generation program for these prompts and its arguments (rows repeated `n`
     times and padded to the bucketed shapes the program is compiled for)."""
     b, p = input_ids.shape
     ids = jnp.repeat(jnp.asarray(input_ids, jnp.int32), sp.n, axis=0)
     mask = jnp.repeat(jnp.asarray(attention_mask, jnp.int32), sp.n, axis=0)
-    rows = b * sp.n
+    rows, layout = b * sp.n, plan.layout
     dp = 1 if layout is None else int(layout.mesh.shape.get("dp", 1))
     padded_rows = -(-bucket(rows, 1) // dp) * dp
     padded_len = bucket(p)
     ids = jnp.pad(ids, ((0, padded_rows - rows), (padded_len - p, 0)))
     mask = jnp.pad(mask, ((0, padded_rows - rows), (padded_len - p, 0)))
-    slots = _num_slots(max_num_seqs, padded_rows, dp)
-    backend = choose_backend(decode_backend, config, layout)
+    slots = _num_slots(plan.max_num_seqs, padded_rows, dp)
     fn = _compiled(
-        config, sp, layout, padded_rows, padded_len, slots, backend, prefix_sharing=prefix_sharing
+        config,
+        sp,
+        layout,
+        padded_rows,
+        padded_len,
+        slots,
+        plan.backend,
+        prefix_sharing=plan.prefix_sharing,
     )
     order = jnp.arange(padded_rows, dtype=jnp.int32)
     return fn, (params, ids, mask, rng, jnp.int32(rows), order)
@@ -522,19 +476,10 @@ def compile_generate(
     """The compiled program `generate` runs for prompts of these shapes, without running it
     (`params` may be `jax.ShapeDtypeStruct`s with shardings): for its memory and cost
     analyses."""
+    backend = choose_backend(decode_backend, config, layout)
+    plan = _Plan(layout, max_num_seqs, prefix_sharing, backend)
     rng = jax.random.key(0)
-    fn, args = _program(
-        config,
-        params,
-        input_ids,
-        attention_mask,
-        sampling_params,
-        rng,
-        layout,
-        max_num_seqs,
-        prefix_sharing,
-        decode_backend,
-    )
+    fn, args = _program(config, params, input_ids, attention_mask, sampling_params, rng, plan)
     return fn.lower(*args).compile()
 
 
@@ -562,10 +507,7 @@ def _generate_processes(
     attention_mask: np.ndarray,
     sp: SamplingParams,
     rng: jax.Array,
-    layout: Layout,
-    max_num_seqs: int | None,
-    prefix_sharing: bool,
-    decode_backend: str,
+    plan: _Plan,
 ) -> GenerationOutput:
     """`generate` in a multi-process run: every process passes its own prompts (the same
     number on each), one program generates for all of them over the whole rollout mesh, and
@@ -585,6 +527,7 @@ def _generate_processes(
             "generate(): every process must pass the same number of prompts; got "
             + ", ".join(f"process {i}: {rows}" for i, (rows, _) in enumerate(shapes))
         )
+    layout = plan.layout
     dp = int(layout.mesh.shape.get("dp", 1))
     if dp % processes:
         raise ValueError(
@@ -610,10 +553,9 @@ def _generate_processes(
         )
     ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
     mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
-    slots = _num_slots(max_num_seqs, global_rows, dp)
-    backend = choose_backend(decode_backend, config, layout)
+    slots = _num_slots(plan.max_num_seqs, global_rows, dp)
     fn = _compiled(
-        config, sp, layout, global_rows, padded_len, slots, backend, True, prefix_sharing
+        config, sp, layout, global_rows, padded_len, slots, plan.backend, True, plan.prefix_sharing
     )
     # The queue: every process's real rows in process order, then the padding rows (which sit
     # at the end of each process's block and are never decoded).

@@ -147,8 +147,7 @@ def take(
     and [N, R] arrays to their first `response_len`, rows -1 all zeros; split over the
     layout's batch axes. One jitted gather on the devices, no host copy."""
     rows = np.asarray(mb.rows, np.int32)
-    rows = _place(rows, layout) if layout is not None else jnp.asarray(rows)
-    return _take(arrays, rows, mb.prompt_len, mb.response_len, layout)
+    return _take(arrays, _place(rows, layout), mb.prompt_len, mb.response_len, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -199,7 +198,7 @@ def scatter(
         out = jax.device_put(out, layout.replicated())
     for part, mb in zip(parts, plans, strict=True):
         idx = np.where(mb.rows >= 0, mb.rows, rows).astype(np.int32)  # row N: dropped
-        out = _scatter(out, part, _place(idx, layout) if layout is not None else idx)
+        out = _scatter(out, part, _place(idx, layout))
     return out
 
 
