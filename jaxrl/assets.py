@@ -62,17 +62,22 @@ def _single(files, key: str) -> Path:
     return Path(files[0]).expanduser()
 
 
-def write_quickstart_model(folder: Path, seed: int = 0) -> None:
-    """A tiny random Llama causal LM and its tokenizer, as an HF checkpoint folder."""
+def write_quickstart_model(
+    folder: Path, seed: int = 0, tools: bool = False, prior_steps: int = 600
+) -> None:
+    """A tiny random Llama causal LM and its tokenizer, as an HF checkpoint folder. With
+    `tools`, the tool task's tokenizer (`synthetic.write_tokenizer(tools=True)`) and weights
+    fitted to the call format by `prior_steps` steps (`jaxrl.assets_tools`)."""
     import jax
     from transformers import LlamaConfig
 
+    from jaxrl import assets_tools
     from jaxrl.data import load_tokenizer, synthetic
     from jaxrl.models import from_hf_config, init_params, save_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:  # write whole, then copy in
         staging = Path(tmp) / "model"
-        synthetic.write_tokenizer(staging)
+        synthetic.write_tokenizer(staging, tools=tools)
         tokenizer = load_tokenizer(str(staging))
         vocab = -(-len(tokenizer) // 8) * 8
         hf = LlamaConfig(
@@ -84,6 +89,9 @@ def write_quickstart_model(folder: Path, seed: int = 0) -> None:
         )
         config = from_hf_config(hf)
         params = init_params(config, jax.random.key(seed))
+        if tools:  # the tool demo starts from a policy that knows the call format
+            data = assets_tools.demonstrations(tokenizer, 2048, seed=seed)
+            params = assets_tools.imitate(config, params, data, steps=prior_steps, seed=seed)
         save_pretrained(config, params, staging, tokenizer, base_config=hf.to_dict())
         folder.mkdir(parents=True, exist_ok=True)  # may exist (without a config.json)
         shutil.copytree(  # config.json last: its presence means the folder is complete
@@ -110,7 +118,7 @@ def prepare(cfg) -> list[str]:
     }
     _refuse_outside(cfg, {key: path for key, (path, done) in wanted.items() if not done})
     if not (model / "config.json").is_file():
-        write_quickstart_model(model, seed=cfg.data.seed or 0)
+        write_quickstart_model(model, seed=cfg.data.seed or 0, tools=cfg.assets.task == "add")
         written.append(str(model))
     a = cfg.assets
     for path, split, size in ((train, "train", a.train_size), (val, "test", a.val_size)):

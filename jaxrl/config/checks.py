@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +34,9 @@ MODEL_ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "pallas_gpu
 
 # `jaxrl.rollout.backends`' decode backends (`actor_rollout_ref.rollout.decode_backend`).
 DECODE_BACKENDS = ("auto", "xla", "cpu_kernels")
+# `jaxrl.agent`'s tool-call formats and agent loops (it imports these).
+TOOL_FORMATS = ("hermes",)
+AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 
 log = logging.getLogger("jaxrl.config")
 
@@ -174,7 +178,7 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
             "null"
         )
     p.choice(cfg, "actor_rollout_ref.rollout.decode_backend", DECODE_BACKENDS)
-    p.choice(cfg, "assets.task", ("repeat", "copy", "reverse"))
+    p.choice(cfg, "assets.task", ("repeat", "copy", "reverse", "add"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))
     p.choice(cfg, "trainer.resume_mode", ("auto", "disable", "resume_path"))
     for role in ("actor_rollout_ref", "critic"):
@@ -493,11 +497,28 @@ def check(cfg: Config, *, num_devices: int | None = None) -> None:
     _check_ranges(cfg, p)
     _check_sampling(cfg, p)
     _check_algorithm(cfg, p)
+    _check_multi_turn(cfg, p)
     shards = _check_devices(cfg, p, num_devices) if num_devices is not None else None
     if not p:  # batch arithmetic assumes the ranges above hold
         _check_batches(cfg, p, shards)
     if p:
         raise ConfigError(p)
+
+
+def _check_multi_turn(cfg: Config, p: _Problems) -> None:
+    key = "actor_rollout_ref.rollout.multi_turn"
+    p.choice(cfg, f"{key}.format", TOOL_FORMATS)
+    p.choice(cfg, f"{key}.tool_response_truncate_side", ("left", "middle", "right"))
+    p.choice(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_LOOPS)
+    for name in ("max_assistant_turns", "max_user_turns"):
+        p.at_least(cfg, f"{key}.{name}", 1, optional=True)
+    for name in ("max_parallel_calls", "max_tool_response_length", "tool_workers", "decode_chunk"):
+        p.at_least(cfg, f"{key}.{name}", 1)
+    if cfg.actor_rollout_ref.rollout.multi_turn.tool_timeout <= 0:
+        p.append(f"{key}.tool_timeout must be > 0 seconds")
+    path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        p.append(f"{key}.tool_config_path={path}: no such file (a tool YAML: `tools: [...]`)")
 
 
 def check_model_context(cfg: Config, max_position_embeddings: int | None, model_key: str) -> None:

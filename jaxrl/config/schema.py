@@ -314,6 +314,57 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """`actor_rollout_ref.rollout.multi_turn.*`: agentic rollouts, where the policy calls tools
+    and reads their answers over several turns (`jaxrl.agent`). Only the policy's tokens are
+    trained on (`loss_mask`); a tool's answer is attended to, not trained on.
+
+    Attributes:
+        enable: Run rows through their agent loop (`agent_name`; `tool_agent` calls tools).
+        max_assistant_turns: Turns the policy may take; null: no limit but the response length.
+        max_user_turns: Tool (user) turns; null: no limit but the response length.
+        max_parallel_calls: Tool calls of one turn that run (the rest are dropped).
+        max_tool_response_length: Characters of a tool's answer kept.
+        tool_response_truncate_side: Where a long answer is cut: `left`, `middle`, `right`.
+        tool_config_path: The tool YAML (verl's: `tools: [{class_name, config,
+            tool_schema}]`); null: no tools.
+        format: The tool-call format: `hermes` (`<tool_call>{json}</tool_call>`, Qwen2.5/3).
+        tool_timeout: *jaxrl*. Seconds a tool call may run before its answer says it timed
+            out (the trajectory goes on).
+        tool_workers: *jaxrl*. Threads running plain (not async) tool methods at once.
+        decode_chunk: *jaxrl*. Tokens decoded between two looks at the tools: a finished tool
+            call's answer joins the batch within this many decode steps.
+    """
+
+    enable: bool = False
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    tool_config_path: str | None = None
+    format: str = "hermes"
+    tool_timeout: float = 30.0
+    tool_workers: int = 8
+    decode_chunk: int = 16
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """`actor_rollout_ref.rollout.agent.*`: which agent loop runs each row.
+
+    Attributes:
+        default_agent_loop: The loop of rows without an `agent_name` column (or with a null
+            one): `single_turn_agent` (one turn, no tools) or `tool_agent`.
+        num_workers: verl's agent-loop worker count; jaxrl runs every loop in the trainer
+            process (accepted, unused).
+    """
+
+    default_agent_loop: str = "single_turn_agent"
+    num_workers: int = 8
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """`actor_rollout_ref.rollout.*`: jaxrl's jitted generation engine (verl's vLLM/SGLang role).
 
@@ -331,8 +382,9 @@ class RolloutConfig:
             device factor is a data-parallel generation replica (verl's default is 2; jaxrl's is
             1 so that a single device works).
         max_num_seqs: Sequences decoded at once (KV-cache slots of continuous batching).
-        max_model_len: Cap on prompt + response tokens in the KV cache; null: their sum.
-            Also the cells of a multi-turn conversation's cache (its prompt bucket included).
+        max_model_len: Cells of a multi-turn conversation's KV cache (its prompt padded to
+            a length bucket, then every response token); null: the prompt length's bucket
+            (`jaxrl.data.bucket`) + the response length, within the model's context.
         decode_backend: *jaxrl*. How the decode step runs: `xla` (the model's own step on
             any platform), `cpu_kernels` (jaxrl's C++ CPU kernels: float32 on one CPU device),
             or `auto` (the kernels where they apply, else xla).
@@ -343,6 +395,8 @@ class RolloutConfig:
         log_prob_use_dynamic_bsz: Form those micro-batches by token budget.
         log_prob_max_token_len_per_gpu: Token budget per device with dynamic batch size.
         val_kwargs: Sampling for validation.
+        multi_turn: Agentic multi-turn rollouts with tools.
+        agent: The agent loop of each row.
     """
 
     temperature: float = 1.0
@@ -364,6 +418,8 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass(frozen=True)
@@ -789,7 +845,8 @@ class AssetsConfig:
             `configs/quickstart.yaml`). Existing files are never overwritten.
         dir: The only folder `quickstart` writes into: a missing path outside it is an error
             naming its key (a typo in a path must not train on made-up data).
-        task: The synthetic task: `repeat`, `copy` or `reverse`.
+        task: The synthetic task: `repeat`, `copy`, `reverse`, or the tool task `add`
+            (its own tokenizer; see `jaxrl.data.synthetic`).
         task_length: Digits in each answer.
         train_size: Training rows to write.
         val_size: Validation rows to write.

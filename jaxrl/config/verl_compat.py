@@ -111,18 +111,39 @@ IGNORED: dict[str, Ignored] = {
             "checkpoint_engine.*",
             "trace.*",
             "prometheus.*",
-            "agent.*",
             "qat",
             "mtp*",
             "enable_rollout_routing_replay",
             "moe_load_balance_metrics_interval",
             "router_config_path",
-            "multi_turn.*",
             "disaggregation.*",
         )
     },
-    "actor_rollout_ref.rollout.multi_turn.enable": Ignored(
-        "multi-turn / tool-calling rollouts are not implemented in jaxrl yet", (False,)
+    "actor_rollout_ref.rollout.multi_turn.function_tool_path": Ignored(
+        "@function_tool files are not supported yet: declare the tools in tool_config_path "
+        "(a BaseTool class each)",
+        (None,),
+    ),
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": Ignored(
+        "jaxrl trains on the token ids the policy produced (verl's default)", (False,)
+    ),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": Ignored(
+        "jaxrl's tool turns are the chat template's own tokens; tests check the whole "
+        "trajectory against the template"
+    ),
+    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts": Ignored(
+        "use actor_rollout_ref.rollout.n", (None,)
+    ),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": Ignored(
+        "interactions (a simulated user) are not implemented in jaxrl yet", (None,)
+    ),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": Ignored(
+        "custom agent loops are not supported yet: rows choose single_turn_agent or tool_agent",
+        (None,),
+    ),
+    "actor_rollout_ref.rollout.agent.custom_async_server.*": Ignored(_VLLM),
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": Ignored(
+        "jaxrl runs its agent loop in the trainer process", (None,)
     ),
     "actor_rollout_ref.rollout.disaggregation.enabled": Ignored(
         "prefill/decode disaggregation is a vLLM feature", (False,)

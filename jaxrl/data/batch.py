@@ -32,6 +32,8 @@ class PromptBatch:
         raw_prompt: object [B] of message tuples (verl's `raw_prompt`).
         is_padding: bool [B], true on rows added to fill the last, short batch of an epoch
             when `drop_last=False` (validation); their scores should be ignored.
+        agent_name: object [B], the row's agent loop (verl's `agent_name` column; None where
+            the row has none); None: no row has one.
     """
 
     input_ids: np.ndarray
@@ -45,6 +47,7 @@ class PromptBatch:
     extra_info: np.ndarray
     raw_prompt: np.ndarray
     is_padding: np.ndarray
+    agent_name: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -56,9 +59,8 @@ class PromptBatch:
 
     def select(self, idx: Any) -> PromptBatch:
         """The rows `idx` (an index array or slice) of every field."""
-        return dataclasses.replace(
-            self, **{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)}
-        )
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v[idx] for k, v in fields.items() if v is not None})
 
     def repeat(self, n: int) -> PromptBatch:
         """Each prompt `n` times in a row (verl's `repeat(n, interleave=True)`): rows

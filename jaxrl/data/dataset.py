@@ -245,6 +245,9 @@ class RLDataset:
             ability=object_array([r.ability for r in rows]),
             extra_info=object_array([r.extra_info for r in rows]),
             raw_prompt=object_array([r.messages for r in rows]),
+            agent_name=object_array([r.extra.get("agent_name") for r in rows])
+            if any(r.extra.get("agent_name") is not None for r in rows)
+            else None,
             is_padding=np.zeros(len(indices), bool)
             if is_padding is None
             else np.asarray(is_padding, bool),

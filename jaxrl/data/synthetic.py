@@ -5,6 +5,17 @@ Each prompt is one user message `"<task>: d d ..."` and the answer is a digit st
     repeat   "repeat: 7"       -> "7 7 7 7"    the digit `length` times (easiest: one lookup)
     copy     "copy: 3 1 4 1"   -> "3 1 4 1"    the digits as given
     reverse  "reverse: 3 1 4"  -> "4 1 3"      the digits reversed
+    add      "add: 123 + 456"  -> "579"        a tool task: the policy calls the calculator
+
+`add` is the tool-use demo (`configs/quickstart_tools.yaml`): two 3-digit numbers whose sum
+has 3 digits, rows with `agent_name: tool_agent`. A tiny policy cannot add, but it can copy:
+its best turn is the calculator call
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "123+456"}}</tool_call>
+
+(`write_tokenizer(tools=True)` has `<tool_call>`, `</tool_call>`, the JSON around the
+expression and every number below 1000 as single tokens, and decodes without spaces), then,
+after the tool's answer, that answer.
 
 `data_source` is `"jaxrl/synthetic_<task>"`, `reward_model.ground_truth` the answer; the
 scorer, with partial credit, is `jaxrl.rewards.scorers.synthetic`. `write_tokenizer` writes a
@@ -22,14 +33,31 @@ import numpy as np
 
 from jaxrl.data.rows import write_parquet
 
-TASKS = ("repeat", "copy", "reverse")
+DIGIT_TASKS = ("repeat", "copy", "reverse")
+TASKS = (*DIGIT_TASKS, "add")
 DATA_SOURCE_PREFIX = "jaxrl/synthetic_"
 DATA_SOURCES = tuple(DATA_SOURCE_PREFIX + t for t in TASKS)
 
 SPECIAL_TOKENS = ("<pad>", "<|im_start|>", "<|im_end|>", "<unk>")
 TOKENIZER_WORDS = (
-    *SPECIAL_TOKENS, "user", "assistant", "system", ":", *TASKS, *"0123456789",
+    *SPECIAL_TOKENS, "user", "assistant", "system", ":", *DIGIT_TASKS, *"0123456789",
 )  # fmt: skip
+# The tool tokenizer's extra words: hermes' tags and the JSON around a calculator expression.
+CALL_OPEN = '{"name": "calculator", "arguments": {"expression": "'
+CALL_CLOSE = '"}}'
+TOOL_WORDS = (
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "add", "+",
+    CALL_OPEN, CALL_CLOSE,
+)  # fmt: skip
+# ChatML with hermes tool turns (consecutive tool messages share one user turn, as Qwen2.5's).
+HERMES_CHATML_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
+    "{% endif %}\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -44,6 +72,8 @@ def answer(task: str, digits: list[int], length: int) -> str:
         return " ".join(map(str, digits))
     if task == "reverse":
         return " ".join(map(str, digits[::-1]))
+    if task == "add":
+        return str(digits[0] + digits[1])
     raise ValueError(f"unknown synthetic task {task!r}; use one of {', '.join(TASKS)}")
 
 
@@ -67,6 +97,8 @@ def make_records(
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; use one of {', '.join(TASKS)}")
     rng = np.random.default_rng([seed, sum(map(ord, split))])
+    if task == "add":
+        return [_add_record(rng, split, index) for index in range(num_rows)]
     records = []
     for index in range(num_rows):
         digits = rng.integers(0, 10, size=1 if task == "repeat" else length).tolist()
@@ -80,6 +112,20 @@ def make_records(
             }
         )
     return records
+
+
+def _add_record(rng: np.random.Generator, split: str, index: int) -> dict[str, Any]:
+    """A row of the `add` task: a + b with a, b >= 100 and a + b <= 999."""
+    a = int(rng.integers(100, 900))
+    b = int(rng.integers(100, 1000 - a))
+    return {
+        "data_source": DATA_SOURCE_PREFIX + "add",
+        "prompt": [{"role": "user", "content": f"add: {a} + {b}"}],
+        "ability": "synthetic",
+        "reward_model": {"style": "rule", "ground_truth": answer("add", [a, b], 0)},
+        "extra_info": {"split": split, "index": index, "task": "add", "expression": f"{a}+{b}"},
+        "agent_name": "tool_agent",
+    }
 
 
 def write_dataset(
@@ -99,31 +145,37 @@ def write_dataset(
     return out
 
 
-def write_tokenizer(folder: str | os.PathLike) -> Path:
+def write_tokenizer(folder: str | os.PathLike, tools: bool = False) -> Path:
     """Write a word-level HF tokenizer for the synthetic tasks (ChatML chat template, pad
-    `<pad>` = 0, eos `<|im_end|>`, one token per digit) to `folder`; load it with
+    `<pad>` = 0, eos `<|im_end|>`, one token per digit) to `folder`. With `tools`, for the
+    `add` task: one token per number below 1000 instead of per digit, `TOOL_WORDS` (the JSON
+    pieces as added tokens, matched before the pre-tokenizer splits), hermes tool turns in the
+    template, and a decoder that joins tokens without spaces (so a call's expression reads
+    `123+456`). Load it with
     `jaxrl.data.load_tokenizer`, or with transformers' `AutoTokenizer` next to a llama
     `config.json` (next to a qwen2 one, transformers 5 substitutes a byte-level BPE
     `Qwen2Tokenizer`, which drops the words).
-    Its vocabulary is `TOKENIZER_WORDS` (a tiny model needs `vocab_size >= len(...)`)."""
+    Its vocabulary is `TOKENIZER_WORDS` (+ `TOOL_WORDS`; a tiny model needs `vocab_size >=
+    len(tokenizer)`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(TOKENIZER_WORDS)}
+    plain = [w for w in TOOL_WORDS if w.isalpha() or w == "+"] if tools else []
+    numbers = [str(k) for k in range(10, 1000)] if tools else []  # one word per number
+    vocab = {w: i for i, w in enumerate((*TOKENIZER_WORDS, *plain, *numbers))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    digits = [] if tools else [pre_tokenizers.Digits(individual_digits=True)]
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.Punctuation(),
-        ]
+        [pre_tokenizers.WhitespaceSplit(), *digits, pre_tokenizers.Punctuation()]
     )
-    tok.decoder = decoders.WordPiece()  # joins tokens with spaces
+    tok.decoder = decoders.Fuse() if tools else decoders.WordPiece()  # WordPiece: spaces
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tools:
+        tok.add_tokens([t for t in TOOL_WORDS if t not in vocab])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>"
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = HERMES_CHATML_TEMPLATE if tools else CHATML_TEMPLATE
     folder = Path(folder)
     fast.save_pretrained(str(folder))
     return folder

@@ -3,7 +3,7 @@
     cache = open_cache(config, layout, slots=S, length=C)                   # once
     cache = start(config, layout, params, cache, slot_f, ids_fp, mask_fp)    # prompts in
     cache, decoded = decode(config, sp, layout, steps, block, backend, params, cache,
-                            pending, budget_s, key)                          # sample
+                            pending, budget_s, keys_s, offsets_s)            # sample
     cache = append(config, layout, params, cache, slot_f, ids_ft, index_ft, positions_ft)
 
 A slot's sequence is in the cache up to its last token, which is *pending*: known, but its
@@ -104,7 +104,6 @@ class _Loop:
     ended: Bool[Array, " s"]
     tokens: Int[Array, "s1 r"]  # [S + 1, R]: row S takes the writes of idle slots
     log_probs: Float[Array, "s1 r"]
-    key: jax.Array
 
 
 def decode(
@@ -118,11 +117,17 @@ def decode(
     cache: KVCache,
     pending: Pending,
     budget: Int[Array, " s"],
-    key: jax.Array,
+    keys: jax.Array,
+    offsets: Int[Array, " s"],
 ) -> tuple[KVCache, Decoded]:
     """Sample up to `budget[s]` (<= `steps`) tokens for each slot, a slot stopping early at an
     end token (`sp.end_ids`); slots with budget 0 are not decoded. The caller keeps
-    `index + budget` below the cache length (see the module doc)."""
+    `index + budget` below the cache length (see the module doc).
+
+    `keys` [S] (typed): slot s samples its k-th token of this call with
+    `fold_in(keys[s], offsets[s] + k)` (the engine passes each turn's key and the tokens
+    it has so far), so its draws depend on its own key only, not on which other slots
+    decode alongside it, or in which chunks."""
     s = budget.shape[0]
     end_ids = sp.end_ids(config.eos_token_id)
     rows = jnp.arange(s)
@@ -133,7 +138,7 @@ def decode(
     def body(st: _Loop) -> _Loop:
         run = running(st)
         write_index = pending.index + st.counts
-        key, sub = jax.random.split(st.key)
+        sub = jax.vmap(jax.random.fold_in)(keys, offsets + st.counts)
         positions = pending.position + st.counts
         live = jnp.max(write_index) + 1
         logits, cache = backend.step(
@@ -149,7 +154,6 @@ def decode(
             ended=st.ended | (run & is_end(tok, end_ids)),
             tokens=st.tokens.at[out_row, column].set(tok),
             log_probs=st.log_probs.at[out_row, column].set(lp),
-            key=key,
         )
 
     with use_layout(layout):
@@ -161,7 +165,6 @@ def decode(
             ended=jnp.zeros((s,), bool),
             tokens=jnp.zeros((s + 1, steps), jnp.int32),
             log_probs=jnp.zeros((s + 1, steps), jnp.float32),
-            key=key,
         )
         st = jax.lax.while_loop(lambda st: jnp.any(running(st)), body, init)
     return st.cache, Decoded(st.tokens[:s], st.log_probs[:s], st.counts, st.ended)

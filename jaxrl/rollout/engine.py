@@ -6,6 +6,8 @@
 
     slots = engine.start(ids, mask)               # conversations: prompts into KV-cache slots
     turn = engine.decode(slots, sampling, rng)    # sample until EOS / stop / max_tokens
+    turn = engine.decode(slots, sampling, keys, max_steps=16)   # or a chunk of it (None:
+                                                  # not over; the next decode continues it)
     engine.append(slots[:1], [tool_output_ids])   # a tool's output, prefilled (not sampled)
     turn = engine.decode(slots[:1], sampling, rng2)
     record = engine.conversation(slots[0])        # prompt, response, log-probs, sampled mask
@@ -81,8 +83,9 @@ class Turn:
     Attributes:
         tokens: The sampled tokens of the turn.
         log_probs: Their log-probs.
-        finish_reasons: "stop" (EOS, a stop token or a stop string) or "length"
-            (`max_tokens`, or the slot's cache is full).
+        finish_reasons: "stop" (EOS, a stop token or a stop string), "length"
+            (`max_tokens`, or the slot's cache is full), or None: not over yet (`decode`'s
+            `max_steps`).
     """
 
     tokens: list[np.ndarray]
@@ -142,6 +145,9 @@ class RolloutEngine:
         self._cache: Any = None
         self._pending: dict[str, np.ndarray] = {}
         self._records: dict[int, Conversation] = {}
+        self._turns: dict[int, _TurnSoFar] = {}  # turns a decode(max_steps=) left running
+        self._key_impl = jax.random.key_impl(jax.random.key(0))
+        self._keys: np.ndarray | None = None  # each slot's turn key (key data [S, ...])
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -160,6 +166,7 @@ class RolloutEngine:
             free(self._cache)
             self._cache = None
         self._records.clear()
+        self._turns.clear()
 
     def _free_weights(self) -> None:
         if self.params is not None:
@@ -236,9 +243,9 @@ class RolloutEngine:
         rounded up as `cache_geometry` needs (the cells past `max_model_len` stay unused)."""
         return cache_geometry(self.max_model_len, 0)
 
-    def _room(self, slot: int) -> int:
-        """Tokens the slot can still take: each needs a cell, and the pending one keeps its
-        own (so a slot's index stays below `max_model_len`)."""
+    def room(self, slot: int) -> int:
+        """Tokens the conversation in `slot` can still take: each needs a cell, and the
+        pending one keeps its own (so a slot's index stays below `max_model_len`)."""
         return self.max_model_len - 1 - int(self._pending["index"][slot])
 
     def _ensure_cache(self) -> None:
@@ -251,6 +258,8 @@ class RolloutEngine:
             s, (length, _) = self.slots, self._geometry()
             log.info("conversation cache: %d slots x %d cells", s, length)
             self._cache = _open_cache(self.config, self.layout, s, length)
+            data = np.asarray(jax.random.key_data(jax.random.key(0)))
+            self._keys = np.zeros((s, *data.shape), data.dtype)
             self._pending = {
                 "last": np.zeros(s, np.int32),
                 "index": np.zeros(s, np.int32),
@@ -267,9 +276,11 @@ class RolloutEngine:
         except BaseException:
             for slot in slots:
                 self._records.pop(int(slot), None)
+                self._turns.pop(int(slot), None)
             if self._cache is not None and self._cache.segments.is_deleted():
                 self._cache = None
                 self._records.clear()
+                self._turns.clear()
             raise
 
     def _check_ids(self, ids: np.ndarray, what: str) -> None:
@@ -345,10 +356,25 @@ class RolloutEngine:
         return slots
 
     def decode(
-        self, slots: Sequence[int], sampling: SamplingParams, rng: jax.Array | None = None
+        self,
+        slots: Sequence[int],
+        sampling: SamplingParams,
+        rng: jax.Array | None = None,
+        *,
+        max_steps: int | None = None,
     ) -> Turn:
         """Sample each slot's next turn: until an end token (EOS, `stop_token_ids`), a stop
-        string, `max_tokens`, or its cache is full. The slots' records grow by the turn."""
+        string, `max_tokens`, or its cache is full. The slots' records grow by the turn.
+
+        `rng`: one typed key (slot `slots[i]`'s turn samples with `fold_in(rng, i)`) or a key
+        per slot [len(slots)]; None: `sampling.seed`'s. A turn's k-th token is drawn with
+        `fold_in(turn key, k)`: the same tokens whichever slots decode alongside it.
+
+        `max_steps`: return after at most this many decode steps (about: stop-string
+        chunks round it up); a turn not over by then has finish reason None and its tokens
+        so far, and continues (with its own key and `sampling`; the call's `rng` is not
+        used for it) when its slot is next decoded. Its record grows when it is over.
+        """
         slots = self._check_open(slots)
         params = self._weights()
         if sampling.n != 1:
@@ -360,25 +386,43 @@ class RolloutEngine:
             raise ValueError(
                 "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
             )
-        rng = jax.random.key(sampling.seed or 0) if rng is None else rng  # as generate()
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"decode(max_steps={max_steps}): must be >= 1 (or None)")
+        other = [s for s in slots if s in self._turns and self._turns[s].sampling != sampling]
+        if other:
+            raise ValueError(
+                f"slots {other}: their turns started with other sampling parameters; continue "
+                "them with the same SamplingParams"
+            )
+        keys = _turn_keys(rng, sampling, len(slots), self._key_impl)
+        for s, key in zip(slots, keys, strict=True):
+            if s not in self._turns:
+                self._turns[s] = _TurnSoFar(sampling=sampling)
+                self._keys[s] = key
         steps = sampling.max_tokens
         if sampling.stop:  # chunks, with the text checked between them
             steps = min(steps, self.stop_check_tokens)
+        if max_steps is not None:
+            steps = min(steps, max_steps)
         block = self._geometry()[1]
         program = _decode_program(self.config, sampling, self.layout, steps, block, self.backend)
-        turns = {s: _TurnSoFar() for s in slots}
-        chunk = 0
+        turns = {s: self._turns[s] for s in slots}
+        taken = 0
         with self._ending_on_error(slots):
             while not all(t.reason for t in turns.values()):
+                if max_steps is not None and taken >= max_steps:
+                    break
                 budget = np.zeros(self.slots, np.int32)
+                offsets = np.zeros(self.slots, np.int32)
                 for s, turn in turns.items():
                     if not turn.reason:
                         left = sampling.max_tokens - len(turn.tokens)
-                        budget[s] = max(min(steps, left, self._room(s)), 0)
+                        budget[s] = max(min(steps, left, self.room(s)), 0)
+                        offsets[s] = len(turn.tokens)
                 pending = conversation.Pending(**self._pending)
-                key = jax.random.fold_in(rng, chunk)
-                self._cache, out = program(params, self._cache, pending, budget, key)
-                chunk += 1
+                keys = jax.random.wrap_key_data(self._keys, impl=self._key_impl)
+                self._cache, out = program(params, self._cache, pending, budget, keys, offsets)
+                taken += steps
                 out = jax.tree.map(np.asarray, out)
                 for s, turn in turns.items():
                     if turn.reason:
@@ -389,10 +433,12 @@ class RolloutEngine:
                     self._move_pending(s, n, turn.tokens[-1] if n else None)
                     turn.reason = self._finished(s, turn, bool(out.ended[s]), sampling)
         for s, turn in turns.items():
-            record = self._records[s]
-            record.response += turn.tokens
-            record.log_probs += turn.log_probs
-            record.sampled += [1] * len(turn.tokens)
+            if turn.reason:
+                del self._turns[s]
+                record = self._records[s]
+                record.response += turn.tokens
+                record.log_probs += turn.log_probs
+                record.sampled += [1] * len(turn.tokens)
         return Turn(
             tokens=[np.asarray(turns[s].tokens, np.int32) for s in slots],
             log_probs=[np.asarray(turns[s].log_probs, np.float32) for s in slots],
@@ -420,7 +466,7 @@ class RolloutEngine:
                 return "stop"
         if ended:
             return "stop"
-        if len(turn.tokens) >= sampling.max_tokens or self._room(slot) <= 0:
+        if len(turn.tokens) >= sampling.max_tokens or self.room(slot) <= 0:
             return "length"
         return None
 
@@ -430,6 +476,12 @@ class RolloutEngine:
         (log-prob 0, `sampled` 0)."""
         slots = self._check_open(slots)
         params = self._weights()
+        running = [s for s in slots if s in self._turns]
+        if running:
+            raise ValueError(
+                f"append(): slots {running} are in the middle of a turn (decode(max_steps=)); "
+                "decode them until it is over first"
+            )
         if len(tokens) != len(slots):
             raise ValueError(f"append(): {len(slots)} slots but {len(tokens)} token lists")
         seqs = [np.asarray(t) for t in tokens]
@@ -440,9 +492,9 @@ class RolloutEngine:
                     "of token ids per slot"
                 )
             self._check_ids(seq, f"append() to slot {s}")
-            if len(seq) > self._room(s):
+            if len(seq) > self.room(s):
                 raise ValueError(
-                    f"append(): slot {s} has room for {self._room(s)} more tokens, "
+                    f"append(): slot {s} has room for {self.room(s)} more tokens, "
                     f"{len(seq)} given: raise max_model_len ({self.max_model_len})"
                 )
         length = self._geometry()[0]
@@ -469,6 +521,10 @@ class RolloutEngine:
                 record.log_probs += [0.0] * len(seq)
                 record.sampled += [0] * len(seq)
 
+    def is_open(self, slot: int) -> bool:
+        """Whether `slot` holds a conversation (an error in a call ends those it touched)."""
+        return int(slot) in self._records
+
     def conversation(self, slot: int) -> Conversation:
         """The record of the conversation in `slot`."""
         return self._records[self._check_open([slot])[0]]
@@ -476,16 +532,40 @@ class RolloutEngine:
     def end(self, slots: Sequence[int]) -> list[Conversation]:
         """End the conversations in `slots` (their slots are free again); returns their
         records."""
-        return [self._records.pop(s) for s in self._check_open(slots)]
+        slots = self._check_open(slots)
+        for s in slots:
+            self._turns.pop(s, None)
+        return [self._records.pop(s) for s in slots]
 
 
 @dataclasses.dataclass
 class _TurnSoFar:
     """One slot's turn while `decode` samples it (reason: None until it is over)."""
 
+    sampling: SamplingParams
     tokens: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
     reason: str | None = None
+
+
+def _turn_keys(
+    rng: jax.Array | None, sampling: SamplingParams, count: int, impl: Any
+) -> np.ndarray:
+    """Each decoded slot's turn key, as key data [count, ...] (see `RolloutEngine.decode`'s
+    `rng`)."""
+    if rng is None:
+        rng = jax.random.key(sampling.seed or 0)  # as generate()
+    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        raise ValueError("decode(rng=...) takes typed keys (jax.random.key), not raw uint32 keys")
+    if jax.random.key_impl(rng) != impl:
+        raise ValueError(
+            f"decode(rng=...): keys of {jax.random.key_impl(rng)}; the engine uses {impl}"
+        )
+    if rng.ndim == 0:
+        rng = jax.vmap(jax.random.fold_in, (None, 0))(rng, np.arange(count, dtype=np.uint32))
+    elif rng.shape != (count,):
+        raise ValueError(f"decode(): {count} slots but rng holds {rng.shape} keys")
+    return np.asarray(jax.random.key_data(rng))
 
 
 def _stop_string_end(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -> int | None:

@@ -138,17 +138,24 @@ def first_argmax(z: Float[Array, "b v"]) -> Int[Array, " b"]:
 def inverse_cdf(weights: Float[Array, "b v"], key: jax.Array) -> Int[Array, " b"]:
     """A draw proportional to non-negative `weights` per row, by a two-level inverse CDF.
 
+    `key`: one typed key (the rows' uniforms drawn from it) or a typed key per row [B]
+    (each row's uniform from its own key: its draw does not depend on the other rows).
+
     One uniform u per row against the cumulative weights, found block by block: a cumsum over
     V / 256 block totals picks the block, a cumsum over its 256 entries the token. A full
     cumsum over V is a sequential scan on the CPU (~7 ms for [16, 32000]; this is ~0.4 ms).
     """
     b, v = weights.shape
+    if jnp.ndim(key) == 0:
+        u01 = jax.random.uniform(key, (b, 1))
+    else:  # one key per row (typed keys [B])
+        u01 = jax.vmap(jax.random.uniform)(key)[:, None]
     pad = -v % _BLOCK
     blocks = jnp.pad(weights, ((0, 0), (0, pad))).reshape(b, -1, _BLOCK)
     block_sums = jnp.sum(blocks, axis=-1)
     block_cdf = jnp.cumsum(block_sums, axis=-1)
     # u in (0, total]: u = 0 could select a leading zero-weight (filtered) token.
-    u = (1.0 - jax.random.uniform(key, (b, 1))) * block_cdf[:, -1:]
+    u = (1.0 - u01) * block_cdf[:, -1:]
     last_block = block_cdf.shape[-1] - 1
     block = jnp.minimum(jnp.sum(block_cdf < u, axis=-1), last_block)
     before = jnp.take_along_axis(block_cdf - block_sums, block[:, None], axis=-1)
@@ -164,7 +171,8 @@ def inverse_cdf(weights: Float[Array, "b v"], key: jax.Array) -> Int[Array, " b"
 def sample(
     logits: Float[Array, "b v"], params: SamplingParams, key: jax.Array
 ) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
-    """(token ids [B], their log-probs under the processed distribution [B])."""
+    """(token ids [B], their log-probs under the processed distribution [B]); `key` as
+    `inverse_cdf` takes it."""
     z = processed_logits(logits, params)
     top = jnp.max(z, axis=-1, keepdims=True)
     weights = jnp.exp(z - top)  # 0 for filtered tokens

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxrl.data.batch import bucket
 from jaxrl.models.config import DecoderConfig
 from jaxrl.rewards.reward_model import RewardModel
 from jaxrl.rollout.engine import RolloutEngine
@@ -155,6 +156,11 @@ class Cluster:
                 frozen[name] = Frozen(config, params, layout)
         spec = specs["rollout"]
         rollout_cfg = cfg.actor_rollout_ref.rollout
+        # A conversation's prompt is padded to its bucket: room for the whole response after it.
+        context = learners["actor"].config.rope.max_position_embeddings
+        max_model_len = rollout_cfg.max_model_len or min(
+            bucket(rollout_cfg.prompt_length) + rollout_cfg.response_length, context
+        )
         rollout = RolloutEngine(
             learners["actor"].config.replace(
                 param_dtype=spec.param_dtype,
@@ -165,8 +171,7 @@ class Cluster:
             layouts["rollout"],
             max_prompt_length=cfg.data.max_prompt_length,
             max_num_seqs=rollout_cfg.max_num_seqs,
-            max_model_len=rollout_cfg.max_model_len
-            or rollout_cfg.prompt_length + rollout_cfg.response_length,
+            max_model_len=max_model_len,
             tokenizer=tokenizer,
             decode_backend=rollout_cfg.decode_backend,
         )

@@ -201,8 +201,14 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
 
 
 def fit(cfg, devices=None) -> dict[str, float]:
-    """Run `cfg` to its last step; returns the last step's metrics."""
-    return train_run(cfg, build_run(cfg, devices))
+    """Run `cfg` to its last step; returns the last step's metrics. The trainer's `close()`
+    (if it has one: the tool runner's threads of a multi-turn run) runs at the end."""
+    run = build_run(cfg, devices)
+    try:
+        return train_run(cfg, run)
+    finally:
+        if callable(close := getattr(run.trainer, "close", None)):
+            close()
 
 
 def train_run(cfg, run: Run) -> dict[str, float]:

@@ -59,8 +59,11 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
 
 
 def data_metrics(batch: dict[str, np.ndarray], use_critic: bool) -> dict[str, float]:
-    """verl's `compute_data_metrics` for a batch of host arrays."""
+    """verl's `compute_data_metrics` for a batch of host arrays: lengths over the attended
+    response tokens, advantages, returns and values over the trained ones (`loss_mask`:
+    verl's multi-turn `response_mask`)."""
     mask = batch["response_mask"] > 0
+    trained = batch.get("loss_mask", batch["response_mask"]) > 0
     response_length = mask.sum(-1).astype(np.float64)
     prompt_length = batch["prompt_mask"].sum(-1).astype(np.float64)
     max_response = batch["responses"].shape[-1]
@@ -71,11 +74,11 @@ def data_metrics(batch: dict[str, np.ndarray], use_critic: bool) -> dict[str, fl
     out = {
         **_stats("critic/score", score),
         **_stats("critic/rewards", reward),
-        **_stats("critic/advantages", batch["advantages"][mask]),
-        **_stats("critic/returns", batch["returns"][mask]),
+        **_stats("critic/advantages", batch["advantages"][trained]),
+        **_stats("critic/returns", batch["returns"][trained]),
     }
     if use_critic:
-        values, returns = batch["values"][mask], batch["returns"][mask]
+        values, returns = batch["values"][trained], batch["returns"][trained]
         out.update(_stats("critic/values", values))
         explained = 1.0 - np.var(returns - values, ddof=1) / (np.var(returns, ddof=1) + 1e-5)
         out["critic/vf_explained_var"] = float(explained) if values.size > 1 else float("nan")

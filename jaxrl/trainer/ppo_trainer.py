@@ -46,6 +46,7 @@ from jaxrl.trainer.advantage import compute_advantage, gdpo_components, kl_in_re
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.fingerprint import step_fingerprints
+from jaxrl.trainer.generation import Generated, StepRollout
 from jaxrl.trainer.learner import compile_infer, infer
 from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
 from jaxrl.trainer.metrics import (
@@ -204,6 +205,7 @@ class PPOTrainer:
         self._advantage = jax.jit(functools.partial(compute_advantage, algorithm=cfg.algorithm))
         self.sampling = SamplingParams.from_config(rollout_cfg)
         self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
+        self._rollout = StepRollout(cfg, cluster, tokenizer)
 
     @classmethod
     def create(
@@ -236,37 +238,17 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------------------- rollout
 
-    def generate(
-        self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array
-    ) -> tuple[dict[str, np.ndarray], Any]:
-        """(host rows, rollout log-probs) of the generated batch (prompts repeated n times,
-        interleaved): the rows' prompts, prompt_mask, responses and response_mask on the host
-        (what the reward and the dumps read), and the rollout's log-probs [N, R] on the
-        devices. With several processes, the rows of this process's `prompts` (every process
-        calls this with its own prompts and the same rng: generation is one program over all
-        of them), log-probs included, on the host. The rollout gets the actor's weights first;
-        colocated, it frees them after (the step's passes need that memory), on its own
-        devices it keeps them."""
-        rollout = self.cluster.rollout
-        self.cluster.sync_weights()
-        try:
-            out = rollout.generate(prompts.input_ids, prompts.attention_mask, sampling, rng)
-            responses, response_mask = to_host((out.responses, out.response_mask))
-            log_probs = out.log_probs
-            if jax.process_count() > 1:
-                log_probs = np.asarray(log_probs)  # this process's rows (numpy already)
-            else:
-                jax.block_until_ready(log_probs)
-        finally:
-            if self.cluster.rollout_colocated:
-                rollout.release()
-        host = {
-            "prompts": np.repeat(prompts.input_ids, sampling.n, axis=0),
-            "prompt_mask": np.repeat(prompts.attention_mask, sampling.n, axis=0),
-            "responses": np.asarray(responses),
-            "response_mask": np.asarray(response_mask),
-        }
-        return host, log_probs
+    def generate(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
+        """The generated batch (prompts repeated n times, interleaved): host rows for the
+        reward and the dumps, the rollout's log-probs, and the agent loop's metrics and
+        conversations with `multi_turn.enable` (`jaxrl.trainer.generation`). With several
+        processes, the rows of this process's `prompts` (every process calls this with its
+        own prompts and the same rng: generation is one program over all of them)."""
+        return self._rollout.generate(prompts, sampling, rng)
+
+    def close(self) -> None:
+        """Stop the tool runner's threads (multi-turn runs)."""
+        self._rollout.close()
 
     # -------------------------------------------------------------------------------- step
 
@@ -288,8 +270,10 @@ class PPOTrainer:
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
         with timer("step", timing):
             with timer("gen", timing):
-                rows, log_probs = self.generate(prompts, self.sampling, rng)
-            repeated = prompts.repeat(n)
+                generated = self.generate(prompts, self.sampling, rng)
+                rows, log_probs = generated.rows, generated.log_probs
+                metrics.update(generated.metrics)
+            repeated = generated.scored(prompts.repeat(n))
             group_ids = repeated.group_ids
             with timer("reward", timing):
                 scores, reward_metrics, extra = self.reward_fn(
@@ -299,7 +283,7 @@ class PPOTrainer:
             if cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
                 with timer("gen_max", timing):
                     greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
-                    base, _ = self.generate(prompts, dataclasses.replace(greedy, n=1), rng)
+                    base = self.generate(prompts, dataclasses.replace(greedy, n=1), rng).rows
                     base_scores, _, _ = self.reward_fn(
                         prompts, base["responses"], base["response_mask"]
                     )
@@ -307,11 +291,12 @@ class PPOTrainer:
             device_fields: dict[str, jax.Array] = {}
             if jax.process_count() > 1:
                 with timer("gather", timing):
-                    rows["rollout_log_probs"] = log_probs
+                    if log_probs is not None:
+                        rows["rollout_log_probs"] = log_probs
                     rows, group_ids, extra, reward_metrics = gather_processes(
                         rows, group_ids, extra, reward_metrics
                     )
-            else:
+            elif log_probs is not None:
                 device_fields["rollout_log_probs"] = moved_to(log_probs, layout)
             batch = RLBatch.from_host({**rows, "group_ids": group_ids}, layout, **device_fields)
             metrics.update(reward_metrics)
@@ -383,7 +368,9 @@ class PPOTrainer:
         metrics["training/global_step"] = global_step
         metrics.update(step_fingerprints(host, self.cluster.param_hashes()))
         if cfg.trainer.rollout_data_dir:
-            self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir)
+            self._dump_rollout(
+                host, global_step, cfg.trainer.rollout_data_dir, generated.conversations
+            )
         return metrics
 
     def _advantages(
@@ -428,13 +415,19 @@ class PPOTrainer:
         if self.kl_ctrl is not None and meta.get("kl_coef") is not None:
             self.kl_ctrl.value = meta["kl_coef"]
 
-    def _dump_rollout(self, batch: dict[str, np.ndarray], step: int, folder: str) -> None:
+    def _dump_rollout(
+        self,
+        batch: dict[str, np.ndarray],
+        step: int,
+        folder: str,
+        conversations: list[dict[str, Any]] | None = None,
+    ) -> None:
         """verl's `rollout_data_dir`: the step's generations as JSON lines (process 0: every
-        process holds the whole batch)."""
+        process holds the whole batch), multi-turn ones with their whole conversation."""
         if self.tokenizer is None or jax.process_index() != 0:
             return
         scores = batch["token_level_scores"].sum(-1)
-        rows = generation_rows(self.tokenizer, batch, scores, step)
+        rows = generation_rows(self.tokenizer, batch, scores, step, conversations=conversations)
         write_jsonl(rows, Path(folder).expanduser() / f"{step}.jsonl")
 
     def _on_policy(self, rows: int) -> bool:

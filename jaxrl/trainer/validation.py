@@ -80,8 +80,9 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
     for prompts in loader.one_epoch():
         keep = ~prompts.is_padding
         before = offset * processes
-        batch, _ = trainer.generate(prompts, sampling, jax.random.fold_in(rng, before))
-        repeated = prompts.repeat(sampling.n)
+        generated = trainer.generate(prompts, sampling, jax.random.fold_in(rng, before))
+        batch, conversations = generated.rows, generated.conversations
+        repeated = generated.scored(prompts.repeat(sampling.n))
         scores, _, extra = trainer.val_reward_fn(
             repeated, batch["responses"], batch["response_mask"]
         )
@@ -94,7 +95,12 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
         dump = []
         if dump_dir is not None and trainer.tokenizer is not None:
             gts = [str(g) for g in repeated.ground_truth]
-            dump = generation_rows(trainer.tokenizer, batch, reward, step, gts, keep_rows)
+            dump = generation_rows(
+                trainer.tokenizer, batch, reward, step, gts, keep_rows, conversations
+            )
+        if conversations is not None:
+            infos["num_turns"] = [c["num_turns"] for c, k in zip(conversations, keep_rows,
+                                                                 strict=True) if k]  # fmt: skip
         sources = [str(s) for s in repeated.data_source[keep_rows]]
         records.append((sources, repeated.group_ids[keep_rows] + before, infos, dump))
         offset += len(prompts)
@@ -102,7 +108,12 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
         every = allgather_objects(records)
         records = [part[k] for k in range(len(records)) for part in every]
     sources, ids, infos, dump = _merge(records)
+    turns = infos.pop("num_turns", None)
     metrics = validation_metrics(sources, ids, infos)
+    if turns:  # verl's multi-turn validation statistics
+        turns = np.asarray(turns, np.float64)
+        metrics.update({f"val-aux/num_turns/{k}": float(getattr(turns, k)())
+                        for k in ("min", "max", "mean")})  # fmt: skip
     if dump_dir is not None:
         write_jsonl(dump, Path(dump_dir).expanduser() / f"{step}.jsonl")
     return metrics
@@ -131,9 +142,11 @@ def generation_rows(
     step: int,
     ground_truths: list[str] | None = None,
     keep: np.ndarray | None = None,
+    conversations: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One JSON row per kept sequence of `batch`: step, decoded input and output, score (and
-    ground truth) - verl's `rollout_data_dir` / `validation_data_dir` dumps."""
+    ground truth) - verl's `rollout_data_dir` / `validation_data_dir` dumps; a multi-turn
+    row adds its conversation (`messages`, `num_turns`, `tool_calls`, `finish`)."""
     keep = np.ones(len(scores), bool) if keep is None else keep
     rows = []
     for i in np.flatnonzero(keep):
@@ -147,6 +160,8 @@ def generation_rows(
         }
         if ground_truths is not None:
             row["gts"] = ground_truths[i]
+        if conversations is not None:
+            row.update(conversations[i])
         rows.append(row)
     return rows
 

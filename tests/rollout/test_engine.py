@@ -132,6 +132,36 @@ def test_idle_slots_are_left_alone(tiny):
     )
 
 
+def test_sampled_turns_do_not_depend_on_chunks_or_companions(tiny):
+    """A sampled turn drawn with its own key is the same token for token whether it is
+    decoded alone in one call or in `max_steps` chunks alongside other slots (the agent
+    loop's continuous batching across turns), and a chunked turn reports None until over."""
+    config, params = tiny
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True)
+    keys = jax.random.split(jax.random.key(3), 3)
+    whole = engine(config, params)
+    slots = whole.start(ids, mask)
+    alone = [whole.decode([s], sp, keys[i][None]) for i, s in enumerate(slots)]
+    chunked = engine(config, params)
+    slots = chunked.start(ids, mask)
+    first = chunked.decode(slots[:2], sp, keys[:2], max_steps=4)
+    assert first.finish_reasons == [None, None] and len(first.tokens[0]) == 4
+    chunked.decode(slots[2:], sp, keys[2:], max_steps=2)  # a third joins mid-way
+    last = chunked.decode(slots, sp, max_steps=20)  # running turns keep their keys
+    for i, s in enumerate(slots):
+        np.testing.assert_array_equal(last.tokens[i], alone[i].tokens[0])
+        np.testing.assert_allclose(last.log_probs[i], alone[i].log_probs[0], atol=2e-5)
+        assert chunked.conversation(s).response == whole.conversation(s).response
+    chunked.decode(slots[:1], sp, keys[:1], max_steps=1)
+    with pytest.raises(ValueError, match="middle of a turn"):
+        chunked.append(slots[:1], [[5]])
+    greedy = SamplingParams(max_tokens=9, **GREEDY)
+    with pytest.raises(ValueError, match="other sampling parameters"):
+        chunked.decode(slots, greedy, max_steps=1)  # slot 0's turn is sampled
+    assert chunked.decode(slots[1:], greedy, max_steps=1).finish_reasons == [None, None]
+
+
 class CharTokenizer:
     """Token t is the letter 'a' + t % 26 (enough to place stop strings)."""
 

@@ -118,7 +118,7 @@ def default_compute_score(
         data_source: The dataset name (the `data.reward_fn_key` column) that picks the scorer.
         solution_str: The decoded response.
         ground_truth: The reference answer (`reward_model.ground_truth` of the row).
-        extra_info: The row's `extra_info`; unused by the built-in scorers.
+        extra_info: The row's `extra_info` (read by the synthetic `add` task only).
         **kwargs: Accepted for verl's signature (sandbox settings); unused.
 
     Returns:
@@ -128,11 +128,14 @@ def default_compute_score(
         NotImplementedError: For a data source without a built-in scorer.
         TypeError: For a ground truth of the wrong type (`ground_truth_problem`).
     """
-    del extra_info, kwargs
+    del kwargs
     scorer = _select(data_source)
     if (problem := _type_problem(data_source, ground_truth)) is not None:
         raise TypeError(problem)
-    res = scorer(solution_str, ground_truth)
+    if synthetic.is_synthetic(data_source):
+        res = scorer(solution_str, ground_truth, data_source=data_source, extra_info=extra_info)
+    else:
+        res = scorer(solution_str, ground_truth)
     if isinstance(res, dict):
         return res
     if isinstance(res, int | float | bool):

@@ -1,0 +1,180 @@
+"""The step's generation: batch generation, or (`multi_turn.enable`) the agent loop.
+
+    rollout = StepRollout(cfg, cluster, tokenizer)
+    gen = rollout.generate(prompts, sampling, rng)   # Generated: rows, log-probs, metrics
+    rollout.close()                                  # stop the tool runner
+
+Either way the rollout gets the actor's weights first and, colocated, frees them after (the
+step's passes need that memory). Batch generation is `RolloutEngine.generate` over all
+processes' prompts at once. The agent loop runs each of the prompts' n samples as a
+conversation (`jaxrl.agent`): its rows carry a `loss_mask` (0 on tool turns) and the rollout's
+log-probs on the host, and it reports the agent metrics and the conversations for the dumps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.agent import (
+    AgentLoop,
+    ChatTokens,
+    Limits,
+    ToolRunner,
+    agent_metrics,
+    agent_requests,
+    conversation_rows,
+    load_tools,
+    trajectory_rows,
+)
+from jaxrl.data.batch import PromptBatch, object_array
+from jaxrl.rollout import SamplingParams
+from jaxrl.sharding.processes import to_host
+from jaxrl.trainer.cluster import Cluster
+
+log = logging.getLogger("jaxrl.train")
+
+
+@dataclasses.dataclass
+class Generated:
+    """One generation's results.
+
+    Attributes:
+        rows: Host rows (prompts repeated n times, interleaved): `prompts`, `prompt_mask`,
+            `responses`, `response_mask` and, from the agent loop, `loss_mask` and
+            `rollout_log_probs`.
+        log_probs: The rollout's log-probs [N, R] on the devices (single process), on the host
+            (several processes), or None when they are in `rows`.
+        metrics: The agent loop's metrics ({} for batch generation).
+        conversations: Per row, the agent loop's messages and turns (None for batch
+            generation).
+        extra_info: Per row, what verl's reward managers add to a multi-turn row's
+            `extra_info` before scoring it (`num_turns`, `tool_rewards`, `turn_scores`);
+            None for batch generation.
+    """
+
+    rows: dict[str, np.ndarray]
+    log_probs: Any = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    conversations: list[dict[str, Any]] | None = None
+    extra_info: list[dict[str, Any]] | None = None
+
+    def scored(self, repeated: PromptBatch) -> PromptBatch:
+        """`repeated` (the prompts repeated n times) with `extra_info` as the scorer sees it."""
+        if self.extra_info is None:
+            return repeated
+        rows = [{**(e or {}), **x} for e, x in zip(repeated.extra_info, self.extra_info,
+                                                    strict=True)]  # fmt: skip
+        return dataclasses.replace(repeated, extra_info=object_array(rows))
+
+
+class StepRollout:
+    """Generation for the trainer (see the module doc).
+
+    Args:
+        cfg: The run's config.
+        cluster: Its roles (the rollout engine and the actor).
+        tokenizer: The actor's tokenizer (the agent loop's chat template; required with
+            `multi_turn.enable`).
+    """
+
+    def __init__(self, cfg, cluster: Cluster, tokenizer: Any = None):
+        self.cfg, self.cluster = cfg, cluster
+        rollout = cfg.actor_rollout_ref.rollout
+        self.multi_turn = rollout.multi_turn
+        self.runner: ToolRunner | None = None
+        self._warned = False
+        if not self.multi_turn.enable:
+            return
+        if jax.process_count() > 1:
+            raise ValueError(
+                "actor_rollout_ref.rollout.multi_turn.enable runs in one process for now (this "
+                f"run has {jax.process_count()}): launch one process, or turn multi_turn off"
+            )
+        if tokenizer is None:
+            raise ValueError(
+                "actor_rollout_ref.rollout.multi_turn.enable: the trainer needs the tokenizer "
+                "(tokenizer=...) for the chat template of the turns"
+            )
+        path = self.multi_turn.tool_config_path
+        tools = load_tools(path) if path else {}
+        if tools:
+            self.runner = ToolRunner(
+                tools, timeout=self.multi_turn.tool_timeout, workers=self.multi_turn.tool_workers
+            )
+        eos = cluster.actor.config.eos_token_id
+        end_ids = SamplingParams.from_config(rollout).end_ids(eos)
+        self.chat = ChatTokens(tokenizer, end_ids, cfg.data.apply_chat_template_kwargs)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+    def generate(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
+        """The rows of `prompts` (this process's) repeated `sampling.n` times (see the module
+        doc); every process calls this with its own prompts and the same rng."""
+        rollout = self.cluster.rollout
+        self.cluster.sync_weights()
+        try:
+            if self.multi_turn.enable:
+                return self._agent(prompts, sampling, rng)
+            return self._batch(prompts, sampling, rng)
+        finally:
+            if self.cluster.rollout_colocated:
+                rollout.release()
+
+    def _batch(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
+        names = prompts.agent_name if prompts.agent_name is not None else ()
+        if not self._warned and any(name == "tool_agent" for name in names):
+            self._warned = True
+            log.warning(
+                "rows name agent_name=tool_agent but actor_rollout_ref.rollout.multi_turn."
+                "enable is false: they are generated in one turn, without tools"
+            )
+        out = self.cluster.rollout.generate(
+            prompts.input_ids, prompts.attention_mask, sampling, rng
+        )
+        responses, response_mask = to_host((out.responses, out.response_mask))
+        log_probs = out.log_probs
+        if jax.process_count() > 1:
+            log_probs = np.asarray(log_probs)  # this process's rows (numpy already)
+        else:
+            jax.block_until_ready(log_probs)
+        rows = {
+            "prompts": np.repeat(prompts.input_ids, sampling.n, axis=0),
+            "prompt_mask": np.repeat(prompts.attention_mask, sampling.n, axis=0),
+            "responses": np.asarray(responses),
+            "response_mask": np.asarray(response_mask),
+        }
+        return Generated(rows, log_probs)
+
+    def _agent(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
+        default = self.cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+        requests = agent_requests(prompts.repeat(sampling.n), default)
+        p = prompts.input_ids.shape[1]
+        loop = AgentLoop(
+            self.cluster.rollout,
+            self.chat,
+            self.runner,
+            Limits.from_config(self.multi_turn),
+            response_length=sampling.max_tokens,
+            max_prompt_length=p,
+        )
+        trajectories = loop.run(requests, sampling, rng)
+        rows = trajectory_rows(
+            trajectories, prompt_length=p, response_length=sampling.max_tokens, pad_id=self.pad_id
+        )
+        return Generated(
+            rows,
+            metrics=agent_metrics(trajectories, loop.stats),
+            conversations=conversation_rows(trajectories),
+            extra_info=[
+                {"num_turns": t.num_turns, "tool_rewards": t.tool_rewards, "turn_scores": []}
+                for t in trajectories
+            ],
+        )

@@ -1,0 +1,118 @@
+"""The shipped tools and the tool YAML: the calculator computes arithmetic and refuses
+everything else (no eval), verl's gsm8k answer check, and the registry's loading and errors."""
+
+import asyncio
+
+import pytest
+
+from jaxrl.agent import ToolCall, ToolRunner, load_tools
+from jaxrl.agent.tools.calculator import CalculationError, Calculator, calculate, format_number
+from jaxrl.agent.tools.gsm8k import Gsm8kTool
+from jaxrl.agent.tools.registry import ToolConfigError
+from jaxrl.testing.reference import import_reference
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [("123 + 456", 579), ("2*(3+4)", 14), ("7 / 2", 3.5), ("-2 ** 3", -8), ("17 // 5 % 3", 0),
+     ("1.5e3 - 0.5", 1499.5), ("((((1))))", 1)],
+)  # fmt: skip
+def test_the_calculator_computes(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, problem",
+    [("__import__('os').system('true')", "not Call"), ("x + 1", "not Name"),
+     ("(1).real", "not Attribute"), ("'a' * 3", "not 'a'"), ("1 < 2", "not Compare"),
+     ("9 ** 9 ** 9", "exponents are limited"), ("10 ** 99 * 10 ** 99", "limited to 100 digits"),
+     ("1 / 0", "division by zero"), ("2 +", "cannot read"), ("", "give an arithmetic"),
+     ("1" * 300, "longer than 200"), ("(-8) ** 0.5", "not a real number")],
+)  # fmt: skip
+def test_the_calculator_refuses(expression, problem):
+    with pytest.raises(CalculationError, match=problem):
+        calculate(expression)
+
+
+def test_the_calculator_tool_answers_errors_in_text():
+    tool = Calculator({})
+    assert asyncio.run(tool.execute("i", {"expression": "6*7"}))[0].text == "42"
+    response, _, metrics = asyncio.run(tool.execute("i", {"expression": "os"}))
+    assert response.text.startswith("Error: only numbers") and metrics == {"calculator/errors": 1.0}
+    assert format_number(2.0) == "2" and format_number(1 / 3) == "0.333333333333"
+
+
+def test_gsm8k_tool_scores_answers_as_verl():
+    tool = Gsm8kTool({})
+    instance, _ = asyncio.run(tool.create(create_kwargs={"ground_truth": "72"}))
+    response, step_reward, _ = asyncio.run(tool.execute(instance, {"answer": "71"}))
+    assert step_reward == -0.05 and "reward=0.0" in response.text
+    response, step_reward, _ = asyncio.run(tool.execute(instance, {"answer": "72"}))
+    assert step_reward == 0.0 and "reward=1.0" in response.text
+    assert asyncio.run(tool.calc_reward(instance)) == 1.0
+    asyncio.run(tool.release(instance))
+    with pytest.raises(ValueError, match=r"tools_kwargs\.calc_gsm8k_reward"):
+        asyncio.run(tool.create())
+
+
+def write(tmp_path, text):
+    path = tmp_path / "tools.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_yaml_and_verl_class_paths_load(tmp_path):
+    tools = load_tools("configs/tools/calculator.yaml")
+    assert list(tools) == ["calculator"] and isinstance(tools["calculator"], Calculator)
+    path = write(tmp_path, "tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n"
+                           "    config: {type: native}\n")  # fmt: skip
+    assert isinstance(load_tools(path)["calc_gsm8k_reward"], Gsm8kTool)
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [("tools: 3", "top-level `tools:` list"), ("tools:\n  - config: {}", "needs class_name"),
+     ("tools:\n  - class_name: Calculator", "not a dotted path"),
+     ("tools:\n  - class_name: nowhere.Calc", "cannot import 'nowhere'"),
+     ("tools:\n  - class_name: jaxrl.agent.tools.calculator.Nope", "has no class 'Nope'"),
+     ("tools:\n  - class_name: jaxrl.agent.tools.base.BaseTool", "has no default schema"),
+     ("tools:\n  - class_name: jaxrl.agent.tools.calculator.Calculator\n    config: {type: mcp}",
+      "native"),
+     ("tools:\n  - class_name: jaxrl.agent.tools.calculator.Calculator\n"
+      "  - class_name: jaxrl.agent.tools.calculator.Calculator", "a second tool named"),
+     ("tools:\n  - class_name: jaxrl.agent.tools.calculator.Calculator\n"
+      "    tool_schema: {type: function, function: {description: x}}", "has no name"),
+     ("tools: [", "not valid YAML")],
+)  # fmt: skip
+def test_bad_tool_yaml_is_named(tmp_path, text, problem):
+    with pytest.raises(ToolConfigError, match=problem) as info:
+        load_tools(write(tmp_path, text))
+    assert "tools.yaml" in str(info.value)
+    with pytest.raises(ToolConfigError, match="no such file"):
+        load_tools(tmp_path / "missing.yaml")
+
+
+VERL_TOOL = """
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import ToolResponse
+
+
+class Echo(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(text=str(parameters.get("text"))), 0.5, {}
+"""
+
+
+def test_a_tool_written_for_verl_runs_as_it_is(tmp_path, monkeypatch):
+    """A subclass of verl's own BaseTool (pydantic schema, async methods, verl's
+    ToolResponse) loads from the YAML and answers through the runner."""
+    import_reference("verl.tools.base_tool")
+    (tmp_path / "verl_echo.py").write_text(VERL_TOOL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, "tools:\n  - class_name: verl_echo.Echo\n    config: {type: native}\n"
+                           "    tool_schema: {type: function, function: {name: echo, description:"
+                           " e, parameters: {type: object, properties: {text: {type: string}},"
+                           " required: [text]}}}\n")  # fmt: skip
+    with ToolRunner(load_tools(path)) as runner:
+        result = runner.submit(ToolCall("echo", {"text": "hi"})).result(timeout=30)
+    assert (result.text, result.reward, result.error) == ("hi", 0.5, None)

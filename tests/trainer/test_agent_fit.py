@@ -1,0 +1,74 @@
+"""Multi-turn GRPO end to end on 8 fake devices (the tool quickstart's task, model and
+calculator): the step runs the agent loop (tool calls made, tool tokens in the responses),
+reports the agent metrics and dumps whole conversations; a run resumed from a checkpoint logs
+the same metrics step for step as a straight one (each turn samples with its own key,
+whatever the tools' timing). That only the policy's tokens are trained on is
+tests/agent/test_trajectory_batch.py and tests/trainer/test_batch.py's."""
+
+import json
+
+import jax
+import pytest
+from _quickstart import assert_same_metrics
+
+from jaxrl.assets import prepare, write_quickstart_model
+from jaxrl.config import load_config
+from jaxrl.trainer.fit import fit
+from jaxrl.trainer.loggers import read_metrics
+
+
+def tools_config(root, run_dir, *overrides):
+    paths = [
+        f"actor_rollout_ref.model.path={root}/model",
+        f"assets.dir={root}",
+        f"data.train_files={root}/train.parquet",
+        f"data.val_files={root}/test.parquet",
+        f"trainer.default_local_dir={run_dir}",
+        "assets.train_size=64",
+        "assets.val_size=8",
+    ]
+    small = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.max_num_seqs=8",  # 16 trajectories through 8 slots
+        "trainer.logger=[]",
+        "trainer.save_freq=1",
+        "trainer.test_freq=2",
+        "trainer.val_before_train=false",
+    ]
+    return load_config("configs/quickstart_tools.yaml", [*paths, *small, *overrides],
+                       num_devices=jax.device_count())  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tool_assets")
+    write_quickstart_model(root / "model", tools=True, prior_steps=100)  # a short prior
+    prepare(tools_config(root, root / "run"))  # the data
+    return root
+
+
+@pytest.mark.entry
+def test_multi_turn_training_resumes_exactly(tool_assets, tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    dump = tmp_path / "dump"
+    fit(tools_config(tool_assets, straight, "trainer.total_training_steps=2",
+                     f"trainer.rollout_data_dir={dump}"))  # fmt: skip
+    fit(tools_config(tool_assets, stopped, "trainer.total_training_steps=1"))
+    fit(tools_config(tool_assets, stopped, "trainer.total_training_steps=2"))
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert_same_metrics(a, b, [1, 2])
+    for key in (
+        "num_turns/mean",
+        "agent/tool_calls/total",
+        "agent/policy_tokens/mean",
+        "val-core/jaxrl/synthetic_add/acc/mean@1",
+        "val-aux/num_turns/mean",
+    ):
+        assert key in a[1], key  # fmt: skip
+    rows = [json.loads(line) for line in (dump / "1.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and rows[0]["messages"][0]["content"].startswith("add: ")
+    assert {"num_turns", "tool_calls", "finish"} <= set(rows[0])
+    tool_turns = [r for r in rows if any(m["role"] == "tool" for m in r["messages"])]
+    assert tool_turns and "<tool_response>" in tool_turns[0]["output"]
