@@ -95,7 +95,7 @@ class Trajectory:
         user_turns: Tool turns appended.
         tool_calls: Calls made (run or answered with an error).
         tool_errors: Calls by error kind (`jaxrl.agent.runner.ERRORS`).
-        tool_seconds: Wall time of the calls, summed.
+        tool_seconds: Wall time of its tool turns (a turn's calls run at once: the slowest).
         tool_rewards: The calls' step rewards.
         finish: Why it ended: "stop" (a turn without a tool call), "length" (the response
             length or the slot's room), or "turns" (a turn limit).
@@ -346,8 +346,8 @@ class AgentLoop:
             state.calls = []
             record = state.record
             messages = [{"role": "tool", "content": self._truncated(r.text)} for r in results]
+            record.tool_seconds += max(r.seconds for r in results)  # they ran at once
             for r in results:
-                record.tool_seconds += r.seconds
                 record.tool_rewards.append(r.reward)
                 if r.error:
                     record.tool_errors[r.error] += 1

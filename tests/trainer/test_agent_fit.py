@@ -44,7 +44,7 @@ def tools_config(root, run_dir, *overrides):
 @pytest.fixture(scope="module")
 def tool_assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_assets")
-    write_quickstart_model(root / "model", tools=True, prior_steps=100)  # a short prior
+    write_quickstart_model(root / "model", tools=True, prior_steps=60)  # a short prior
     prepare(tools_config(root, root / "run"))  # the data
     return root
 
