@@ -7,7 +7,8 @@
 
 A row's agent is its `agent_name` column (verl's), else `rollout.agent.default_agent_loop`;
 its tools' `create_kwargs` come from `extra_info.tools_kwargs` (verl's layout:
-`{tool name: {"create_kwargs": {...}}}`).
+`{tool name: {"create_kwargs": {...}}}`), and `extra_info.tool_selection` (a list of tool
+names) limits the tools it sees and may call, as verl's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def agent_requests(prompts: PromptBatch, default_agent: str) -> list[AgentReques
                 f"extra_info.tools_kwargs must map tool names to {{'create_kwargs': {{...}}}}, "
                 f"got {tools_kwargs!r}"
             )
-        requests.append(AgentRequest(list(messages), name or default_agent, tools_kwargs))
+        selection = (extra or {}).get("tool_selection")
+        names = None if not selection else tuple(str(n) for n in selection)
+        requests.append(AgentRequest(list(messages), name or default_agent, tools_kwargs, names))
     return requests
 
 

@@ -74,11 +74,14 @@ class AgentRequest:
         agent_name: `single_turn_agent` or `tool_agent`.
         tools_kwargs: The row's `extra_info.tools_kwargs` ({tool name: {"create_kwargs":
             {...}}}).
+        tool_names: The tools this request may use (verl's `extra_info.tool_selection`);
+            None: all of the runner's.
     """
 
     messages: Sequence[dict[str, Any]]
     agent_name: str = "tool_agent"
     tools_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tool_names: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -188,8 +191,7 @@ class AgentLoop:
         self.engine, self.chat, self.runner, self.limits = engine, chat, runner, limits
         self.response_length, self.max_prompt_length = response_length, max_prompt_length
         self.stats = LoopStats()
-        schemas = runner.schemas if runner is not None else {}
-        self._schemas = list(schemas.values()) or None
+        self._schemas = runner.schemas if runner is not None else {}
 
     def run(
         self, requests: Sequence[AgentRequest], sampling: SamplingParams, rng: jax.Array
@@ -247,7 +249,7 @@ class AgentLoop:
     def _admit(self, queue: collections.deque, requests, running: dict[int, _Running]) -> list[int]:
         """Start as many queued requests as there are free slots; returns their slots."""
         take = [queue.popleft() for _ in range(min(len(queue), self.engine.free_slots))]
-        tools = [self._schemas if requests[i].agent_name == "tool_agent" else None for i in take]
+        tools = [self._tools_of(requests[i]) for i in take]
         prompts = []
         for i, schemas in zip(take, tools, strict=True):
             ids = self.chat.prompt(requests[i].messages, schemas)
@@ -271,6 +273,13 @@ class AgentLoop:
             record = Trajectory(prompt_ids=prompt, messages=[dict(m) for m in requests[i].messages])
             running[int(slot)] = _Running(i, requests[i], record, schemas)
         return [int(s) for s in slots]
+
+    def _tools_of(self, request: AgentRequest) -> list[dict[str, Any]] | None:
+        """The schemas a request's prompt shows (None: no tools)."""
+        if request.agent_name != "tool_agent":
+            return None
+        names = self._schemas if request.tool_names is None else request.tool_names
+        return [self._schemas[n] for n in names if n in self._schemas] or None
 
     def _decode(
         self,
@@ -329,8 +338,10 @@ class AgentLoop:
         record.tool_calls += len(calls)
         runner = self.runner or _NO_TOOLS
         kwargs = state.request.tools_kwargs or {}
+        allowed = state.request.tool_names
         state.calls = [
-            runner.submit(c, (kwargs.get(c.name) or {}).get("create_kwargs")) for c in calls
+            runner.submit(c, (kwargs.get(c.name) or {}).get("create_kwargs"), allowed=allowed)
+            for c in calls
         ]
         return None
 
@@ -404,7 +415,7 @@ def _turn_keys(rng: jax.Array, index: jax.Array, turn: jax.Array) -> jax.Array:
 class _NoTools:
     """The runner of a loop without tools: every call is answered "unknown tool"."""
 
-    def submit(self, call, create_kwargs=None) -> concurrent.futures.Future:
+    def submit(self, call, create_kwargs=None, allowed=None) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if call.error:
             result = ToolResult(call.name, f"Error: {call.error}", error="malformed")

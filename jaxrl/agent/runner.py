@@ -29,7 +29,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrl.agent.parser import ToolCall, argument_problems
@@ -83,12 +83,18 @@ class ToolRunner:
         self._thread.start()
 
     def submit(
-        self, call: ToolCall, create_kwargs: Mapping[str, Any] | None = None
+        self,
+        call: ToolCall,
+        create_kwargs: Mapping[str, Any] | None = None,
+        allowed: Sequence[str] | None = None,
     ) -> concurrent.futures.Future[ToolResult]:
-        """Start `call` (with the row's `create_kwargs` for its tool); returns at once."""
+        """Start `call` (with the row's `create_kwargs` for its tool; `allowed`: the tools the
+        row may use, None: all); returns at once."""
         if not self._loop.is_running():
             raise RuntimeError("ToolRunner.submit after close()")
-        coroutine = self._run(call, dict(create_kwargs or {}))
+        tools = self.tools if allowed is None else {n: self.tools[n] for n in allowed
+                                                    if n in self.tools}  # fmt: skip
+        coroutine = self._run(call, dict(create_kwargs or {}), tools)
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def close(self) -> None:
@@ -105,18 +111,22 @@ class ToolRunner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    async def _run(self, call: ToolCall, create_kwargs: dict[str, Any]) -> ToolResult:
+    async def _run(
+        self, call: ToolCall, create_kwargs: dict[str, Any], tools: Mapping[str, Any]
+    ) -> ToolResult:
         start = time.perf_counter()
-        result = await self._checked(call, create_kwargs)
+        result = await self._checked(call, create_kwargs, tools)
         result.seconds = time.perf_counter() - start
         return result
 
-    async def _checked(self, call: ToolCall, create_kwargs: dict[str, Any]) -> ToolResult:
+    async def _checked(
+        self, call: ToolCall, create_kwargs: dict[str, Any], tools: Mapping[str, Any]
+    ) -> ToolResult:
         if call.error:
             return ToolResult(call.name, f"Error: {call.error}", error="malformed")
-        tool = self.tools.get(call.name)
+        tool = tools.get(call.name)
         if tool is None:
-            available = ", ".join(sorted(self.tools)) or "none"
+            available = ", ".join(sorted(tools)) or "none"
             text = f"Error: unknown tool {call.name!r} (available: {available})"
             return ToolResult(call.name, text, error="unknown_tool")
         problems = argument_problems(call.arguments, self.schemas[call.name])

@@ -66,5 +66,7 @@ def test_rows_choose_their_agent_and_tool_kwargs():
     assert (first.agent_name, first.tools_kwargs) == ("tool_agent", kwargs)
     assert (second.agent_name, second.tools_kwargs) == ("single_turn_agent", {})
     assert agent_requests(prompts(None, [{}]), "tool_agent")[0].agent_name == "tool_agent"
+    (req,) = agent_requests(prompts(None, [{"tool_selection": ["calculator"]}]), "tool_agent")
+    assert req.tool_names == ("calculator",)
     with pytest.raises(ValueError, match="tools_kwargs must map"):
         agent_requests(prompts(None, [{"tools_kwargs": ["calculator"]}]), "tool_agent")
