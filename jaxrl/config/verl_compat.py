@@ -233,9 +233,14 @@ IGNORED: dict[str, Ignored] = {
             "image_patch_size",
             "return_multi_modal_inputs",
             "mm_processor_kwargs*",
-            "tool_config_path",
-            "function_tool_path",
         )
+    },
+    **{
+        f"data.{k}": Ignored(
+            "jaxrl measures and renders prompts with the tools of "
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+        )
+        for k in ("tool_config_path", "function_tool_path")
     },
     "data.custom_cls.path": Ignored("custom torch Dataset classes cannot be used", (None,)),
     "data.custom_cls.name": Ignored("custom torch Dataset classes cannot be used"),

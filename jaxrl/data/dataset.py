@@ -155,9 +155,15 @@ class RLDataset:
         return dataset
 
     @classmethod
-    def from_config(cls, data: Any, tokenizer: Any, split: str = "train") -> RLDataset:
-        """The `train` or `val` dataset described by a `DataConfig` (`data.*`)."""
+    def from_config(
+        cls, data: Any, tokenizer: Any, split: str = "train", tools: list[dict] | None = None
+    ) -> RLDataset:
+        """The `train` or `val` dataset described by a `DataConfig` (`data.*`); `tools`: the
+        OpenAI schemas a multi-turn run's prompts show, so that their lengths (filtering,
+        truncation) are those the agent loop renders."""
         options = selection(data, split)
+        if tools:
+            options["chat_template_kwargs"] = {**options["chat_template_kwargs"], "tools": tools}
         files = data.train_files if split == "train" else data.val_files
         return cls.from_files(
             files,

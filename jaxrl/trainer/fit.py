@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from jaxrl.agent import load_tools
+from jaxrl.agent.tools.base import schema_dict
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
@@ -172,8 +174,13 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
         trust_remote_code=model.trust_remote_code,
         custom_chat_template=model.custom_chat_template,
     )
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = None
+    if multi_turn.enable and multi_turn.tool_config_path:
+        tools = load_tools(multi_turn.tool_config_path)
+    schemas = [schema_dict(t.tool_schema) for t in tools.values()] if tools else None
     train_loader = PromptIterator(
-        RLDataset.from_config(cfg.data, tokenizer, "train"),
+        RLDataset.from_config(cfg.data, tokenizer, "train", schemas),
         cfg.data.train_batch_size,
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,
@@ -181,7 +188,7 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
     val_loader = None
     if cfg.data.val_files and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train):
         val_loader = PromptIterator.for_validation(
-            RLDataset.from_config(cfg.data, tokenizer, "val"), cfg.data.val_batch_size
+            RLDataset.from_config(cfg.data, tokenizer, "val", schemas), cfg.data.val_batch_size
         )
     steps = total_steps(cfg, train_loader)
     cluster = Cluster.load(
@@ -196,6 +203,7 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
         total_steps=steps,
         val_reward_fn=reward_fn_from(val_manager, cluster.reward_model),
         tokenizer=tokenizer,
+        tools=tools,
     )
     return Run(tokenizer, train_loader, val_loader, steps, trainer)
 

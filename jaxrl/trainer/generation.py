@@ -80,9 +80,13 @@ class StepRollout:
         cluster: Its roles (the rollout engine and the actor).
         tokenizer: The actor's tokenizer (the agent loop's chat template; required with
             `multi_turn.enable`).
+        tools: The tools by name (loaded once by `fit.build_run`); None: those of
+            `multi_turn.tool_config_path`.
     """
 
-    def __init__(self, cfg, cluster: Cluster, tokenizer: Any = None):
+    def __init__(
+        self, cfg, cluster: Cluster, tokenizer: Any = None, tools: dict[str, Any] | None = None
+    ):
         self.cfg, self.cluster = cfg, cluster
         rollout = cfg.actor_rollout_ref.rollout
         self.multi_turn = rollout.multi_turn
@@ -101,7 +105,8 @@ class StepRollout:
                 "(tokenizer=...) for the chat template of the turns"
             )
         path = self.multi_turn.tool_config_path
-        tools = load_tools(path) if path else {}
+        if tools is None:
+            tools = load_tools(path) if path else {}
         if tools:
             self.runner = ToolRunner(
                 tools, timeout=self.multi_turn.tool_timeout, workers=self.multi_turn.tool_workers

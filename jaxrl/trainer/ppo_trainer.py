@@ -139,6 +139,8 @@ class PPOTrainer:
         val_reward_fn: Scores validation responses; default `reward_fn`.
         tokenizer: Decodes the rollout and validation dumps (`rollout_data_dir`,
             `validation_data_dir`); None: no dumps.
+        tools: The multi-turn run's tools by name; None: those of
+            `multi_turn.tool_config_path`.
 
     A cluster loaded with `abstract=True` only compiles (`compile_step`, `memory_plan`).
     """
@@ -152,6 +154,7 @@ class PPOTrainer:
         total_steps: int,
         val_reward_fn: RewardFn | None = None,
         tokenizer: Any = None,
+        tools: dict[str, Any] | None = None,
     ):
         if cfg.algorithm.adv_estimator in (
             AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
@@ -205,7 +208,7 @@ class PPOTrainer:
         self._advantage = jax.jit(functools.partial(compute_advantage, algorithm=cfg.algorithm))
         self.sampling = SamplingParams.from_config(rollout_cfg)
         self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
-        self._rollout = StepRollout(cfg, cluster, tokenizer)
+        self._rollout = StepRollout(cfg, cluster, tokenizer, tools)
 
     @classmethod
     def create(

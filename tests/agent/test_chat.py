@@ -11,7 +11,9 @@ import pytest
 
 from jaxrl.agent import ChatTokens
 from jaxrl.agent.tools.calculator import Calculator
-from jaxrl.data import load_tokenizer, synthetic
+from jaxrl.config import load_config
+from jaxrl.data import RLDataset, load_tokenizer, synthetic
+from jaxrl.data.rows import write_parquet
 
 QWEN25 = (Path(__file__).parent / "fixtures" / "qwen2_5_tools.jinja").read_text()
 
@@ -119,3 +121,20 @@ def test_a_template_that_rewrites_earlier_turns_still_gets_the_tool_turn(smollm2
                "<|im_start|>assistant\n"  # fmt: skip
     assert tokenizer.decode(after) == expected
     assert "differently once messages follow" in caplog.text
+
+
+def test_the_dataset_measures_prompts_with_the_tools_schemas(smollm2, tmp_path):
+    """A multi-turn run's dataset renders prompts with the tools (as the agent loop does), so
+    data.filter_overlong_prompts and truncation see the lengths the loop will start."""
+    tokenizer = copy.copy(smollm2)
+    tokenizer.chat_template = QWEN25
+    write_parquet(synthetic.make_records(3, task="add"), tmp_path / "t.parquet")
+    data = load_config(None, ["actor_rollout_ref.model.path=unused",
+                              f"data.train_files={tmp_path}/t.parquet",
+                              "data.max_prompt_length=400"]).data  # fmt: skip
+    tools = [Calculator({}).tool_schema]
+    plain = RLDataset.from_config(data, tokenizer).prompt_lengths()
+    with_tools = RLDataset.from_config(data, tokenizer, tools=tools).prompt_lengths()
+    chat = ChatTokens(tokenizer, [tokenizer.eos_token_id])
+    first = synthetic.make_records(3, task="add")[0]["prompt"]
+    assert with_tools[0] == len(chat.prompt(first, tools)) > plain[0] + 50
