@@ -192,6 +192,7 @@ class AgentLoop:
         self.response_length, self.max_prompt_length = response_length, max_prompt_length
         self.stats = LoopStats()
         self._schemas = runner.schemas if runner is not None else {}
+        self._active_runner = runner  # run() makes an empty one when there are no tools
 
     def run(
         self, requests: Sequence[AgentRequest], sampling: SamplingParams, rng: jax.Array
@@ -211,6 +212,8 @@ class AgentLoop:
         running: dict[int, _Running] = {}
         decoding: list[int] = []
         done: dict[int, Trajectory] = {}
+        # Without tools an empty runner answers every call ("unknown tool", or the parse error).
+        self._active_runner = self.runner or ToolRunner({})
         try:
             while queue or running:
                 ready = [s for s in running if running[s].calls and
@@ -226,6 +229,8 @@ class AgentLoop:
         finally:  # an engine error has ended the slots it touched already
             if still_open := [s for s in running if self.engine.is_open(s)]:
                 self.engine.end(still_open)
+            if self.runner is None:
+                self._active_runner.close()
         stats.seconds = time.perf_counter() - start
         return [done[i] for i in range(len(requests))]
 
@@ -336,7 +341,7 @@ class AgentLoop:
             return "stop"
         calls = calls[: limits.max_parallel_calls]
         record.tool_calls += len(calls)
-        runner = self.runner or _NO_TOOLS
+        runner = self._active_runner
         kwargs = state.request.tools_kwargs or {}
         allowed = state.request.tool_names
         state.calls = [
@@ -410,20 +415,3 @@ class AgentLoop:
 def _turn_keys(rng: jax.Array, index: jax.Array, turn: jax.Array) -> jax.Array:
     """Turn `turn[k]` of request `index[k]`'s key: fold_in(fold_in(rng, index), turn)."""
     return jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(rng, i), t))(index, turn)
-
-
-class _NoTools:
-    """The runner of a loop without tools: every call is answered "unknown tool"."""
-
-    def submit(self, call, create_kwargs=None, allowed=None) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if call.error:
-            result = ToolResult(call.name, f"Error: {call.error}", error="malformed")
-        else:
-            text = f"Error: unknown tool {call.name!r} (available: none)"
-            result = ToolResult(call.name, text, error="unknown_tool")
-        future.set_result(result)
-        return future
-
-
-_NO_TOOLS = _NoTools()

@@ -394,11 +394,12 @@ class RolloutEngine:
                 f"slots {other}: their turns started with other sampling parameters; continue "
                 "them with the same SamplingParams"
             )
-        keys = _turn_keys(rng, sampling, len(slots), self._key_impl)
-        for s, key in zip(slots, keys, strict=True):
-            if s not in self._turns:
-                self._turns[s] = _TurnSoFar(sampling=sampling)
-                self._keys[s] = key
+        new = [i for i, s in enumerate(slots) if s not in self._turns]
+        if new:  # continuing turns keep their keys: no key work (a host copy) per chunk
+            keys = _turn_keys(rng, sampling, len(slots), self._key_impl)
+            for i in new:
+                self._turns[slots[i]] = _TurnSoFar(sampling=sampling)
+                self._keys[slots[i]] = keys[i]
         steps = sampling.max_tokens
         if sampling.stop:  # chunks, with the text checked between them
             steps = min(steps, self.stop_check_tokens)
