@@ -5,6 +5,10 @@ DIR is a step folder of a run's checkpoints (`.../checkpoints/40`), a run's `che
 folder, or a run directory (both: the newest step). The folder written has the original
 checkpoint's `config.json` entries, the trained weights (safetensors) and the tokenizer, and
 loads with `transformers.AutoModelForCausalLM.from_pretrained`.
+
+A LoRA run's checkpoint is written as a PEFT adapter folder (`adapter_config.json` +
+`adapter_model.safetensors`, loaded onto the base by `peft.PeftModel.from_pretrained`), or with
+`--merge` as a whole HF checkpoint with the adapters merged into the weights.
 """
 
 from __future__ import annotations
@@ -34,26 +38,45 @@ def resolve_step(path: Path) -> tuple[Path, int]:
     )
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
-    """Write the actor of `checkpoint` to the HF folder `out`; returns `out`."""
+def export(
+    checkpoint: str | Path, out: str | Path, dtype: str | None = None, merge: bool = False
+) -> Path:
+    """Write the actor of `checkpoint` to `out`: an HF folder, or for a LoRA run a PEFT adapter
+    folder (`merge`: the HF folder of the base with the adapters merged in); returns `out`."""
     import jax
 
-    from jaxrl.models import abstract_params, load_config, save_pretrained
+    from jaxrl.models import abstract_params, from_pretrained, load_config, save_pretrained
+    from jaxrl.models.config import LoraSpec
+    from jaxrl.models.lora import merge as merge_trees
+    from jaxrl.models.lora import split
+    from jaxrl.models.peft_io import save_adapter
     from jaxrl.trainer.checkpoint import Checkpoints
 
     folder, step = resolve_step(Path(checkpoint))
     ckpts = Checkpoints(folder)
     meta = ckpts.read_meta(step)
     source = Path(meta["model_path"])
-    config = load_config(
-        source, param_dtype=meta["param_dtype"], override_config=meta.get("override_config") or None
-    )
+    options = dict(override_config=meta.get("override_config") or None)
+    config = load_config(source, param_dtype=meta["param_dtype"], **options)
+    adapter = meta.get("actor_lora")
+    if adapter is not None:
+        spec = LoraSpec(adapter["rank"], adapter["alpha"], tuple(adapter["targets"]))
+        config = config.replace(lora=spec)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_params(config)
     )
+    if adapter is not None:
+        target = split(target)[1]
     params = ckpts.restore_item(step, "actor_params", target)
     ckpts.close()
+    if adapter is not None and not merge:
+        out = save_adapter(config, params, out, base_model=str(source))
+        _save_tokenizer(source, out)
+        return out
+    if adapter is not None:  # the base as it was loaded, the adapters merged into it
+        _, base = from_pretrained(source, dtype=meta["param_dtype"], **options)
+        params = merge_trees(base, params)
     tokenizer = None
     try:
         from jaxrl.data import load_tokenizer
@@ -66,6 +89,16 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     if tokenizer is not None:
         check_auto_tokenizer(out, tokenizer)
     return out
+
+
+def _save_tokenizer(source: Path, out: Path) -> None:
+    """The base's tokenizer beside an adapter (as PEFT users save it), when it has one."""
+    try:
+        from jaxrl.data import load_tokenizer
+
+        load_tokenizer(str(source)).save_pretrained(str(out))
+    except (OSError, ValueError):
+        pass
 
 
 def check_auto_tokenizer(folder: Path, tokenizer) -> bool:
@@ -101,11 +134,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, required=True, help="HF folder to write")
     parser.add_argument("--dtype", default=None, help="storage dtype (default: the parameters')")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA run: write the base with the adapters merged (default: a PEFT adapter folder)",
+    )
     args = parser.parse_args(argv)
     from jaxrl.trainer.checkpoint import CheckpointError  # jax and orbax: after --help
 
     try:
-        path = export(args.checkpoint, args.out, args.dtype)
+        path = export(args.checkpoint, args.out, args.dtype, merge=args.merge)
     except (FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -150,6 +150,11 @@ def critic_enabled(cfg: Config) -> bool:
     return cfg.algorithm.adv_estimator == "gae" if enable is None else enable
 
 
+def lora_enabled(model: Any) -> bool:
+    """verl's rule for LoRA on a model group: `lora_rank > 0` or a `lora_adapter_path`."""
+    return model.lora_rank > 0 or bool(model.lora_adapter_path)
+
+
 def reference_enabled(cfg: Config) -> bool:
     """verl's rule for loading the reference policy: a KL loss or KL in the reward."""
     return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
@@ -209,6 +214,10 @@ def _check_ranges(cfg: Config, p: _Problems) -> None:
         "trainer.total_epochs",
     ):
         p.at_least(cfg, key, 1)
+    for model in ("actor_rollout_ref.model", "critic.model"):
+        p.at_least(cfg, f"{model}.lora_rank", 0)
+        if get(cfg, f"{model}.lora_rank") > 0 and get(cfg, f"{model}.lora_alpha") <= 0:
+            p.append(f"{model}.lora_alpha must be > 0, got {get(cfg, f'{model}.lora_alpha')}")
     for key in ("ppo_mini_batch_size", "ppo_epochs"):  # unless they follow the actor's
         if get(cfg, f"critic.{key}") != get(cfg, f"actor_rollout_ref.actor.{key}"):
             p.at_least(cfg, f"critic.{key}", 1)
@@ -421,6 +430,12 @@ def _check_placement(cfg: Config, p: _Problems, num_devices: int) -> dict[str, i
             "reward_model.enable_resource_pool needs reward_model.nnodes x n_gpus_per_node = "
             f"{rm.nnodes} x {rm.n_gpus_per_node} >= 1 devices (and "
             f"mesh.placement.reward.devices, if set, the same); got {counts['reward']}"
+        )
+    if counts["ref"] and lora_enabled(cfg.actor_rollout_ref.model):
+        p.append(
+            f"mesh.placement.ref.devices={counts['ref']} with LoRA on the actor "
+            "(actor_rollout_ref.model.lora_rank): the reference is the actor's base without "
+            "adapters, on the actor's devices; unset mesh.placement.ref"
         )
     for role, count in counts.items():
         if count and not _role_in_use(cfg, role):

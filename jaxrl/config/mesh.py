@@ -29,6 +29,7 @@ LOGICAL_AXES = (
     "batch",
     "seq",
     "cache_seq",
+    "lora_rank",
 )
 
 TRAIN_MESH_AXES = ("dp", "fsdp", "tp", "sp")

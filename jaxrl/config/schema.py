@@ -100,6 +100,17 @@ class ModelConfig:
         attention_impl: *jaxrl*. `jaxrl.kernels.attention`'s implementation: `auto` (ring over
             `mesh.sp` > 1; Pallas on a GPU; blockwise for long sequences on a CPU; else
             dense), `reference`, `blockwise`, `pallas_gpu` or `ring` (needs `mesh.sp` > 1).
+        lora_rank: LoRA adapters' rank r; 0 trains the whole model. With LoRA the base stays
+            frozen in `model_dtype`, only the adapters (float32) are trained and moved to the
+            rollout after the first step, and the reference policy is the base without them.
+        lora_alpha: The adapters' scale numerator: the update is (lora_alpha / r) · x A B.
+        target_modules: The projections LoRA adapts: `all-linear` (q, k, v, o, gate, up,
+            down), a list of module names (`q_proj`, ..., `down_proj`; PEFT's matching), or a
+            regex over full module names (`model.layers.{i}.self_attn.q_proj`).
+        exclude_modules: Modules left without adapters (a list of names or a regex, as
+            `target_modules`).
+        lora_adapter_path: A PEFT adapter folder to start from (its `adapter_config.json`
+            sets rank, alpha and targets); turns LoRA on by itself, as in verl.
     """
 
     path: str = MISSING
@@ -111,6 +122,11 @@ class ModelConfig:
     remat_policy: str = "full"
     use_remove_padding: bool = True
     attention_impl: str = "auto"
+    lora_rank: int = 0
+    lora_alpha: float = 16
+    target_modules: Any = "all-linear"
+    exclude_modules: Any = None
+    lora_adapter_path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,10 @@ _RAY = "a Ray/cluster setting; jaxrl is one JAX program (see launch/ for several
 _PROFILER = "a verl profiler setting; use JAX's profiler (jax.profiler) instead"
 _DEPRECATED_MICRO = "deprecated in verl; use the matching `*_per_gpu` key (per device in jaxrl)"
 _NO_DAPO = "dynamic sampling (DAPO `filter_groups`) is not implemented in jaxrl yet"
-_NO_LORA = "LoRA is not implemented in jaxrl yet; full fine-tuning only"
+_MEGATRON_LORA = (
+    "Megatron's LoRA group; jaxrl takes verl's FSDP keys: model.lora_rank, lora_alpha, "
+    "target_modules, exclude_modules, lora_adapter_path"
+)
 
 
 @dataclass(frozen=True)
@@ -209,13 +212,14 @@ IGNORED: dict[str, Ignored] = {
     "*.model.external_lib": Ignored(
         "jaxrl implements its model families itself (llama, qwen2, qwen3, mistral)", (None,)
     ),
-    "*.model.lora_rank": Ignored(_NO_LORA, (0,)),
-    "*.model.lora.rank": Ignored(_NO_LORA, (0,)),
-    "*.model.lora_adapter_path": Ignored(_NO_LORA, (None,)),
-    "*.model.lora_alpha": Ignored(_NO_LORA),
-    "*.model.target_modules": Ignored(_NO_LORA),
-    "*.model.exclude_modules": Ignored(_NO_LORA),
-    "*.model.lora.*": Ignored(_NO_LORA),
+    "*.model.lora.rank": Ignored(_MEGATRON_LORA, (0,)),
+    "*.model.lora.adapter_path": Ignored(_MEGATRON_LORA, (None,)),
+    "*.model.lora.*": Ignored(_MEGATRON_LORA),
+    "*.model.target_parameters": Ignored(
+        "LoRA on bare parameters (MoE experts) is not implemented in jaxrl; the dense "
+        "families' projections are modules (target_modules)",
+        (None,),
+    ),
     "*.model.mtp.enable": Ignored("multi-token prediction is not implemented in jaxrl", (False,)),
     "*.model.mtp.*": Ignored("multi-token prediction is not implemented in jaxrl"),
     # data

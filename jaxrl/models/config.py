@@ -57,6 +57,34 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters on the model's projections (`jaxrl.models.lora`).
+
+    Attributes:
+        rank: r, the adapters' inner width (> 0).
+        alpha: The update's scale numerator: the update is (alpha / r) · x A B.
+        targets: The adapted projections by HF module name (`q_proj`, ..., `down_proj`).
+        dtype: Storage dtype of the adapters (float32: they are the trained weights, whatever
+            the frozen base's dtype).
+    """
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise ValueError(f"LoRA rank={self.rank}: must be > 0 (lora_rank=0 turns LoRA off)")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha={self.alpha}: must be > 0")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """A llama-family decoder: what the weights are and how to run them.
 
@@ -87,6 +115,8 @@ class DecoderConfig:
         dtype: Compute dtype (parameters are cast to it on use; norms and softmax in float32).
         remat: `none`, `full` or `save_dots`: what the scanned layer keeps for the backward pass.
         attention_impl: Passed to `jaxrl.kernels.attention`.
+        lora: LoRA adapters the parameter tree carries (`jaxrl.models.lora`); None: none.
+            A tree without them (the frozen base) runs as the plain model.
     """
 
     model_type: str
@@ -114,6 +144,7 @@ class DecoderConfig:
     dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    lora: LoraSpec | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

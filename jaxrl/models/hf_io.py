@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, from_hf_config
 from jaxrl.models.hf_names import IGNORABLE_SUFFIXES, Entry, entries, hf_names
 from jaxrl.models.params import Params, param_shapes
@@ -293,8 +294,14 @@ def save_pretrained(
         dtype: Storage dtype; default the parameters' own.
         max_shard_bytes: Split into `model-0000i-of-0000n.safetensors` + index past this size.
         base_config: The original `config.json` as a dict, to keep its extra entries.
+
+    A tree with LoRA adapters is written merged (`lora.fold`: W + (alpha/r)·A B): the same
+    function as a plain checkpoint (`jaxrl.models.peft_io.save_adapter` writes the adapters).
     """
     from safetensors.numpy import save_file
+
+    if lora.has_adapters(params):
+        params = lora.fold(config, params)
 
     out = Path(path).expanduser()
     out.mkdir(parents=True, exist_ok=True)

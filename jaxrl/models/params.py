@@ -15,6 +15,7 @@ array under `layers` has a leading L axis (layers are stacked and run with `lax.
     final_norm_d                             [D]
     lm_head_dv                               [D, V]        (untied causal LM)
     score/w_dc  (b_c)                        [D, C]        (classification heads)
+    layers/{attn,mlp}/lora/<weight>/{a, b}   LoRA adapters (`config.lora`; `jaxrl.models.lora`)
 
 `logical_axes(config)` gives the same tree with a tuple of logical names per array (DESIGN §3):
 `vocab, embed, mlp, heads, kv_heads, head_dim, layers, labels`.
@@ -27,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig
 from jaxrl.sharding.layouts import Layout
 
@@ -78,7 +80,7 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
         tree["score"] = {"w_dc": ((D, c.num_labels), ("embed", "labels"))}
         if c.score_bias:
             tree["score"]["b_c"] = ((c.num_labels,), ("labels",))
-    return tree
+    return lora.merge(tree, lora.adapter_shapes(c))
 
 
 def _is_spec(x: Any) -> bool:
@@ -91,11 +93,18 @@ def logical_axes(config: DecoderConfig) -> dict[str, Any]:
 
 
 def abstract_params(config: DecoderConfig) -> dict[str, Any]:
-    """The parameter tree as `jax.ShapeDtypeStruct`s in `config.param_dtype`."""
-    dtype = jnp.dtype(config.param_dtype)
-    return jax.tree.map(
-        lambda spec: jax.ShapeDtypeStruct(spec[0], dtype), param_shapes(config), is_leaf=_is_spec
-    )
+    """The parameter tree as `jax.ShapeDtypeStruct`s in `config.param_dtype` (LoRA adapters
+    in `config.lora.dtype`)."""
+
+    def abstract(shapes, dtype):
+        return jax.tree.map(
+            lambda spec: jax.ShapeDtypeStruct(spec[0], jnp.dtype(dtype)), shapes, is_leaf=_is_spec
+        )
+
+    base = abstract(param_shapes(config.replace(lora=None)), config.param_dtype)
+    if config.lora is None:
+        return base
+    return lora.merge(base, abstract(lora.adapter_shapes(config), config.lora.dtype))
 
 
 def param_shardings(config: DecoderConfig, layout: Layout) -> dict[str, Any]:
@@ -105,7 +114,11 @@ def param_shardings(config: DecoderConfig, layout: Layout) -> dict[str, Any]:
 
 
 def init_params(config: DecoderConfig, key: jax.Array, std: float = 0.02) -> Params:
-    """Random parameters: normal(0, std) weights, zero biases, unit norm scales (as HF inits)."""
+    """Random parameters: normal(0, std) weights, zero biases, unit norm scales (as HF inits);
+    with `config.lora`, fresh adapters (`lora.init_adapters`)."""
+    if config.lora is not None:
+        base = init_params(config.replace(lora=None), key, std)
+        return lora.merge(base, lora.init_adapters(config, jax.random.fold_in(key, 1)))
     specs = param_shapes(config)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(specs, _is_spec)[0]]

@@ -8,6 +8,9 @@ One pre-norm block per layer, scanned over the stacked layer axis:
     x += W_o · attention(rope(W_q · rms(x)), rope(W_k · rms(x)), W_v · rms(x))
     x += W_down · (silu(W_gate · rms(x)) * (W_up · rms(x)))
 
+Each projection W adds its LoRA update (alpha/r)·(x A) B when the parameter tree carries an
+adapter for it (`jaxrl.models.lora`); the tree without adapters is the plain model.
+
 Positions follow verl: `cumsum(attention_mask) - 1` clipped at 0 (left or right padding), or
 restarting at 0 in every segment of a packed row. Padding is its own attention segment, so real
 tokens never see it.
@@ -28,6 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl.kernels import attention
 from jaxrl.kernels.ring import unzigzag, zigzag
+from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import apply_rope, rope_cos_sin
@@ -69,6 +73,14 @@ def _linear(x: Array, w: Array, b: Array | None, eq: str) -> Array:
     return y if b is None else y + b.astype(x.dtype)
 
 
+def _project(config: DecoderConfig, x: Array, group: Params, weight: str, bias: str, eq: str):
+    """`group[weight]` applied as `einsum(eq, ...)` plus its bias, plus the LoRA update
+    (alpha/r)·(x A) B when the tree carries an adapter for it (`jaxrl.models.lora`)."""
+    y = _linear(x, group[weight], group.get(bias), eq)
+    pair = group.get(lora.ADAPTERS, {}).get(weight)
+    return y if pair is None else y + lora.low_rank(x, pair, config.lora.scale, eq)
+
+
 def _block(
     config: DecoderConfig,
     cos: Array,
@@ -81,18 +93,19 @@ def _block(
     """One pre-norm layer; `attend(q, k, v, window)` does the attention (plain or cached)."""
     a, m, eps = p["attn"], p["mlp"], config.rms_norm_eps
     h = rms_norm(x_btd, p["ln_attn_d"], eps)
-    q = _linear(h, a["w_q_dnh"], a.get("b_q_nh"), "btd,dnh->btnh")
-    k = _linear(h, a["w_k_dkh"], a.get("b_k_kh"), "btd,dkh->btkh")
-    v = _linear(h, a["w_v_dkh"], a.get("b_v_kh"), "btd,dkh->btkh")
+    q = _project(config, h, a, "w_q_dnh", "b_q_nh", "btd,dnh->btnh")
+    k = _project(config, h, a, "w_k_dkh", "b_k_kh", "btd,dkh->btkh")
+    v = _project(config, h, a, "w_v_dkh", "b_v_kh", "btd,dkh->btkh")
     if config.qk_norm:
         q, k = rms_norm(q, a["q_norm_h"], eps), rms_norm(k, a["k_norm_h"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = attend(q, k, v, window)
-    x_btd = x_btd + _linear(o, a["w_o_nhd"], a.get("b_o_d"), "btnh,nhd->btd")
+    x_btd = x_btd + _project(config, o, a, "w_o_nhd", "b_o_d", "btnh,nhd->btd")
     h = rms_norm(x_btd, p["ln_mlp_d"], eps)
-    gate = _linear(h, m["w_gate_df"], m.get("b_gate_f"), "btd,df->btf")
-    up = _linear(h, m["w_up_df"], m.get("b_up_f"), "btd,df->btf")
-    return x_btd + _linear(jax.nn.silu(gate) * up, m["w_down_fd"], m.get("b_down_d"), "btf,fd->btd")
+    gate = _project(config, h, m, "w_gate_df", "b_gate_f", "btd,df->btf")
+    up = _project(config, h, m, "w_up_df", "b_up_f", "btd,df->btf")
+    down = _project(config, jax.nn.silu(gate) * up, m, "w_down_fd", "b_down_d", "btf,fd->btd")
+    return x_btd + down
 
 
 def hidden_states(

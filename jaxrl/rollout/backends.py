@@ -10,7 +10,8 @@
 - `cpu_kernels`: the C++ CPU kernels of `jaxrl.kernels.cpu_decode`: each layer one kernel
   call, the LM head one, reading the weights as panels of 16 output rows that `prepare` cuts
   once per generation call (a second copy of the weights for the call: the price of ~2x the
-  XLA step's speed on a CPU). float32 on one CPU device, head_dim a multiple of 16.
+  XLA step's speed on a CPU). float32 on one CPU device, head_dim a multiple of 16. LoRA
+  adapters are merged into the weights as the panels are cut.
 - `auto`: `cpu_kernels` where it applies (and its library builds), else `xla`.
 """
 
@@ -25,6 +26,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl.config.checks import DECODE_BACKENDS
 from jaxrl.kernels import NO_WINDOW, cpu_decode
+from jaxrl.models import lora
 from jaxrl.models.cached import KVCache, decode_step, embed
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.rope import rope_cos_sin
@@ -95,6 +97,8 @@ class CpuKernelsBackend:
 
     def prepare(self, config: DecoderConfig, params: Any) -> dict[str, Any]:
         n_layers, f32 = config.num_layers, jnp.float32
+        if lora.has_adapters(params):  # LoRA: the panels are cut from W + (alpha/r)·A B
+            params = lora.fold(config, params)
         stacked = params["layers"]
         tree = {**stacked["attn"], **stacked["mlp"]}
         out = {"ln_attn_d": stacked["ln_attn_d"], "ln_mlp_d": stacked["ln_mlp_d"]}

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from jaxrl.data.batch import bucket
+from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import param_shardings
 from jaxrl.rollout import conversation
@@ -142,6 +143,10 @@ class RolloutEngine:
         self.decode_backend = decode_backend
         self.backend = choose_backend(decode_backend, config, layout)
         self.params: Any = None
+        # LoRA (`load_weights(..., frozen_base=True)`): the base's rollout copy, kept across
+        # loads and releases, and which of its leaves are the source's own arrays (not freed)
+        self._base: Any = None
+        self._aliased: set[int] = set()
         self._cache: Any = None
         self._pending: dict[str, np.ndarray] = {}
         self._records: dict[int, Conversation] = {}
@@ -151,16 +156,54 @@ class RolloutEngine:
 
     # ---- weights -------------------------------------------------------------------------
 
-    def load_weights(self, params: Any) -> None:
+    def load_weights(self, params: Any, *, frozen_base: bool = False) -> None:
         """Copy `params` (any layout, any devices) into the rollout layout (cast to the
         config's `param_dtype` if they differ), replacing (and freeing) the previous copy.
-        Open conversations keep their caches (computed with the earlier weights)."""
+        Open conversations keep their caches (computed with the earlier weights).
+
+        `frozen_base` (LoRA): everything but the adapters is the same at every call: the
+        first call copies it (a leaf already in the rollout's sharding and dtype is used as
+        it is, not copied), later calls move only the adapters, and the decode step applies
+        them (`transformer._block`)."""
         self._free_weights()
-        self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
+        if not frozen_base:
+            self._drop_base()
+            self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
+            return
+        base, adapters = lora.split(params)
+        base_shardings, adapter_shardings = lora.split(self.shardings)
+        if self._base is None:
+            self._base = self._copy_base(base, base_shardings)
+        adapters = reshard(adapters, adapter_shardings, dtype=self.config.param_dtype)
+        self.params = lora.merge(self._base, adapters)
+
+    def _copy_base(self, base: Any, shardings: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(base)
+        targets = treedef.flatten_up_to(shardings)
+        dtype = np.dtype(self.config.param_dtype)
+        kept = [
+            x.dtype == dtype and x.sharding.is_equivalent_to(s, x.ndim)
+            for x, s in zip(leaves, targets, strict=True)
+        ]
+        moved = reshard(
+            [x for x, k in zip(leaves, kept, strict=True) if not k],
+            [s for s, k in zip(targets, kept, strict=True) if not k],
+            dtype=dtype,
+        )
+        moved_iter = iter(moved)
+        out = [x if k else next(moved_iter) for x, k in zip(leaves, kept, strict=True)]
+        self._aliased = {id(x) for x, k in zip(out, kept, strict=True) if k}
+        return jax.tree.unflatten(treedef, out)
+
+    def _drop_base(self) -> None:
+        if self._base is not None:
+            free([x for x in jax.tree.leaves(self._base) if id(x) not in self._aliased])
+            self._base, self._aliased = None, set()
 
     def release(self) -> None:
         """Free the weights' and the conversation cache's device memory (verl's sleep mode
-        between rollouts); open conversations are ended."""
+        between rollouts); open conversations are ended. A LoRA base is kept (the next load
+        moves only the adapters)."""
         self._free_weights()
         if self._cache is not None:
             free(self._cache)
@@ -169,8 +212,9 @@ class RolloutEngine:
         self._turns.clear()
 
     def _free_weights(self) -> None:
+        """Free the weights, except a LoRA base (kept for the next load)."""
         if self.params is not None:
-            free(self.params)
+            free(self.params if self._base is None else lora.split(self.params)[1])
             self.params = None
 
     def _weights(self) -> Any:

@@ -127,10 +127,14 @@ def reshard_report(
     `params_before` (source shards), `params_after` (target shards), `max_bucket_temp` (the
     largest XLA temporary of one bucket program), `peak` = before + after + max_bucket_temp
     (the source stays alive: training continues after generation), and `bytes_moved` (all
-    devices, received bytes) and `bytes_moved_per_device` (the largest).
+    devices, received bytes) and `bytes_moved_per_device` (the largest), and
+    `bytes_written_per_device`: the outputs of the compiled re-layout programs (XLA's
+    analysis; the copy the rollout receives, per device). `tree` may be abstract
+    (`jax.ShapeDtypeStruct`s with shardings).
     """
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(target_shardings)
+    sizes = [math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves]
     before = sum(_per_device_bytes(x.shape, x.dtype, x.sharding) for x in leaves)
     out_dtypes = [_target_dtype(x, dtype) or x.dtype for x in leaves]
     after = sum(
@@ -146,16 +150,19 @@ def reshard_report(
             got = (_overlap(index, index, x.shape) - have) * jnp.dtype(d).itemsize
             moved_per_device[device] = moved_per_device.get(device, 0) + got
             moved += got
-    temps = []
-    for group in _buckets([x.nbytes for x in leaves], bucket_bytes):
+    temps, written = [], 0
+    for group in _buckets(sizes, bucket_bytes):
         xs = [leaves[i] for i in group]
         shardings = tuple(targets[i] for i in group)
         if not all(_devices(x.sharding) == _devices(s) for x, s in zip(xs, shardings, strict=True)):
             temps.append(0)  # device_put: no XLA program, buffers copied directly
+            written += sum(_per_device_bytes(x.shape, d, s) for x, d, s in zip(
+                xs, [out_dtypes[i] for i in group], shardings, strict=True))  # fmt: skip
             continue
         dtypes = tuple(_target_dtype(x, dtype) for x in xs)
         compiled = _relayout_fn(shardings, dtypes).lower(*xs).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
+        written += compiled.memory_analysis().output_size_in_bytes
     max_temp = max(temps, default=0)
     return {
         "params_before": before,
@@ -164,5 +171,6 @@ def reshard_report(
         "peak": before + after + max_temp,
         "bytes_moved": moved,
         "bytes_moved_per_device": max(moved_per_device.values(), default=0),
+        "bytes_written_per_device": written,
         "buckets": len(temps),
     }

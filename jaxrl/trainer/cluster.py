@@ -37,6 +37,7 @@ import optax
 
 from jaxrl.data.batch import bucket
 from jaxrl.models.config import DecoderConfig
+from jaxrl.models.lora import split
 from jaxrl.rewards.reward_model import RewardModel
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.sharding.layouts import Layout, role_layouts
@@ -110,10 +111,14 @@ class Cluster:
         frozen: dict[str, Frozen],
         rollout: RolloutEngine,
         reward_model: RewardModel | None = None,
+        *,
+        shared_ref: bool = False,
     ):
         self.specs, self.layouts = specs, layouts
         self.learners, self.frozen = learners, frozen
         self.rollout, self.reward_model = rollout, reward_model
+        # LoRA on the actor: the reference is the actor's frozen base (no copy of its own)
+        self.shared_ref = shared_ref
         self._on_device: set[tuple[str, str]] = set()  # (role, "params" | "opt") brought back
 
     @classmethod
@@ -139,15 +144,23 @@ class Cluster:
             )
         layouts = cluster_layouts(cfg, specs, devices)
         learners, frozen, reward_model = {}, {}, None
+        shared_ref = "ref" in specs and specs["actor"].lora is not None
+        if shared_ref:
+            _warn_ref_settings(specs["ref"])
         for name, spec in specs.items():
             layout = layouts[name]
-            if name == "rollout" or (name == "reward" and abstract):
+            if (
+                name == "rollout"
+                or (name == "reward" and abstract)
+                or (name == "ref" and shared_ref)
+            ):
                 continue
             if spec.trainable and name not in training:
                 raise ValueError(f"the {name} role is trainable but the algorithm gave no Training")
             config, params = load_role(spec, layout, abstract=abstract)
             if spec.trainable:
-                learners[name] = _learner(config, params, training[name], layout)
+                keep = ("score",) if spec.head == "value" else ()
+                learners[name] = _learner(config, params, training[name], layout, keep)
             elif name == "reward":
                 reward_model = RewardModel.from_config(
                     cfg.reward_model, tokenizer, layout, model=(config, params)
@@ -175,7 +188,9 @@ class Cluster:
             tokenizer=tokenizer,
             decode_backend=rollout_cfg.decode_backend,
         )
-        cluster = cls(specs, layouts, learners, frozen, rollout, reward_model)
+        cluster = cls(
+            specs, layouts, learners, frozen, rollout, reward_model, shared_ref=shared_ref
+        )
         if not abstract:
             for name, spec in specs.items():
                 if name in learners or name in frozen:
@@ -188,7 +203,10 @@ class Cluster:
     def on_device(self, name: str, *, optimizer: bool = False) -> Iterator[None]:
         """Within the block, role `name`'s offloaded parameters (and with `optimizer` its
         offloaded optimizer state) are in device memory; after it, back in host memory
-        (verl's load/offload around each use). Nothing moves for a role not offloaded."""
+        (verl's load/offload around each use). Nothing moves for a role not offloaded. The
+        reference shared with a LoRA actor is the actor's base: the actor's offload applies."""
+        if name == "ref" and self.shared_ref:
+            name = "actor"
         spec = self.specs[name]
         params = spec.param_offload and (name, "params") not in self._on_device
         opt = optimizer and spec.optimizer_offload and (name, "opt") not in self._on_device
@@ -216,6 +234,8 @@ class Cluster:
                 params=move(state.params) if params else state.params,
                 opt_state=move(state.opt_state) if opt else state.opt_state,
             )
+            if params and learner.frozen is not None:
+                learner.frozen = move(learner.frozen)
         elif params:
             self.frozen[name].params = move(self.frozen[name].params)
 
@@ -228,6 +248,8 @@ class Cluster:
             out["step"] = state.step
             if not spec.param_offload:
                 out["params"] = state.params
+                if self.learners[name].frozen is not None:
+                    out["base"] = self.learners[name].frozen
             if not spec.optimizer_offload:
                 out["opt_state"] = state.opt_state
         elif name in self.frozen and not spec.param_offload:
@@ -244,6 +266,11 @@ class Cluster:
 
     @property
     def ref(self) -> Frozen | None:
+        """The reference policy: a frozen role, or with a LoRA actor its base (the same
+        arrays: the actor's weights without adapters)."""
+        if self.shared_ref:
+            actor = self.actor
+            return Frozen(actor.config, actor.frozen, actor.layout)
         return self.frozen.get("ref")
 
     @property
@@ -270,9 +297,11 @@ class Cluster:
         return len(devices)
 
     def sync_weights(self) -> None:
-        """The actor's current weights into the rollout (its layout and dtype)."""
+        """The actor's current weights into the rollout (its layout and dtype); with LoRA,
+        after the first sync only the adapters move (the rollout keeps the base)."""
         with self.on_device("actor"):
-            self.rollout.load_weights(self.actor.params)
+            actor = self.actor
+            self.rollout.load_weights(actor.params, frozen_base=actor.frozen is not None)
 
     def param_hashes(self) -> dict[str, jax.Array]:
         """`fingerprint.tree_hash` of each trainable role's parameters (on the devices, one
@@ -280,7 +309,7 @@ class Cluster:
         hashes = {}
         for name, learner in self.learners.items():
             with self.on_device(name):
-                hashes[name] = tree_hash(learner.params)
+                hashes[name] = tree_hash(learner.state.params)
         return hashes
 
     def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -289,9 +318,11 @@ class Cluster:
         (`{role}_steps`) and what `jaxrl.export` needs to write the actor as an HF model."""
         items, meta = {}, {}
         for name, learner in self.learners.items():
-            items[f"{name}_params"] = learner.state.params
+            items[f"{name}_params"] = learner.state.params  # with LoRA: the adapters
             items[f"{name}_opt"] = learner.state.opt_state
             meta[f"{name}_steps"] = int(to_host(learner.state.step))
+            if learner.config.lora is not None:
+                meta[f"{name}_lora"] = _lora_meta(learner.config)
         actor = self.specs["actor"]
         meta["model_path"] = str(Path(actor.path).expanduser().absolute())
         meta["param_dtype"] = actor.param_dtype
@@ -300,8 +331,20 @@ class Cluster:
 
     def restore(self, items: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         """Put back what `state_items` returned (`items` restored in the roles' shardings,
-        their memory kinds included: offloaded state comes back to host memory)."""
+        their memory kinds included: offloaded state comes back to host memory).
+
+        Raises:
+            ValueError: for a checkpoint of other LoRA settings (rank, alpha, targets).
+        """
         for name, learner in self.learners.items():
+            saved, now = meta.get(f"{name}_lora"), _lora_meta(learner.config)
+            if saved != now:
+                key = {"actor": "actor_rollout_ref.model"}.get(name, f"{name}.model")
+                raise ValueError(
+                    f"the checkpoint's {name} was trained with LoRA {saved}, this run asks for "
+                    f"{now} (None: no LoRA): set {key}.lora_rank / lora_alpha / target_modules "
+                    "as the checkpoint has them"
+                )
             step = global_array(np.asarray(meta[f"{name}_steps"], learner.state.step.dtype),
                                 learner.state.step.sharding)  # fmt: skip
             learner.state = UpdateState(items[f"{name}_params"], items[f"{name}_opt"], step)
@@ -321,7 +364,14 @@ def _offload_supported(specs: dict[str, RoleSpec]) -> dict[str, RoleSpec]:
     return {n: dataclasses.replace(s, **off) if n in offloading else s for n, s in specs.items()}
 
 
-def _learner(config: DecoderConfig, params: Any, training: Training, layout) -> Learner:
+def _learner(
+    config: DecoderConfig, params: Any, training: Training, layout, keep: tuple[str, ...] = ()
+) -> Learner:
+    """A `Learner` over `params`; with LoRA it trains the adapters (and the `keep` entries:
+    a critic's fresh value head) and holds the rest frozen."""
+    frozen = None
+    if config.lora is not None:
+        frozen, params = split(params, keep)
     state = init_state(params, training.optimizer, layout, shardings_of(params))
     return Learner(
         config,
@@ -330,4 +380,23 @@ def _learner(config: DecoderConfig, params: Any, training: Training, layout) -> 
         training.loss(config),
         layout=layout,
         grad_clip=training.grad_clip,
+        frozen=frozen,
     )
+
+
+def _lora_meta(config: DecoderConfig) -> dict[str, Any] | None:
+    """A role's LoRA settings as a checkpoint's manifest records them (None: no LoRA)."""
+    spec = config.lora
+    if spec is None:
+        return None
+    return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+
+
+def _warn_ref_settings(ref: RoleSpec) -> None:
+    """The reference of a LoRA actor is its base: the ref's own offload has nothing to apply
+    to; say so when it is set (a placement of its own is a config error, `config.checks`)."""
+    if ref.param_offload:
+        log.warning(
+            "LoRA: the reference policy is the actor's base without adapters (no copy of its "
+            "own); actor_rollout_ref.ref.param_offload does not apply (the actor's does)"
+        )

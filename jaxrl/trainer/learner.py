@@ -25,6 +25,7 @@ import optax
 
 from jaxrl.core_algos.aggregation import global_batch_info
 from jaxrl.models.config import DecoderConfig
+from jaxrl.models.lora import merge
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import to_host
 from jaxrl.trainer.batch import SEQUENCE_FIELDS, RLBatch, moved_to, scatter, take, take_abstract
@@ -87,7 +88,12 @@ def infer(
 
 
 class Learner:
-    """Parameters and optimizer state of one role in the train layout, and its update."""
+    """Parameters and optimizer state of one role in the train layout, and its update.
+
+    With LoRA, `state.params` holds only what is trained (the adapters, and a critic's fresh
+    value head) and `frozen` the base: the loss sees their union, gradients and optimizer
+    moments exist for the trained part alone, and the base is never copied or cast per step.
+    """
 
     def __init__(
         self,
@@ -98,13 +104,17 @@ class Learner:
         *,
         layout: Layout | None,
         grad_clip: float | None,
+        frozen: Any = None,
     ):
         self.config, self.state, self.optimizer, self.layout = config, state, optimizer, layout
-        self.grad_clip = grad_clip
+        self.grad_clip, self.frozen = grad_clip, frozen
 
-        def accumulate(params, acc, mb, info):
+        def accumulate(params, acc, mb, info, frozen):
+            def loss(trained, mb, info):
+                return loss_fn(trained if frozen is None else merge(frozen, trained), mb, info)
+
             with use_layout(layout):
-                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, info)
+                (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, mb, info)
             return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), metrics
 
         def apply(state, grads):
@@ -123,7 +133,10 @@ class Learner:
 
     @property
     def params(self) -> Any:
-        return self.state.params
+        """The whole model: the trained parameters (and, with LoRA, the frozen base)."""
+        if self.frozen is None:
+            return self.state.params
+        return merge(self.frozen, self.state.params)
 
     def update(
         self,
@@ -156,7 +169,7 @@ class Learner:
                 micro = []
                 for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
                     acc, m = self._accumulate(
-                        self.state.params, acc, take(arrays, mb, self.layout), info
+                        self.state.params, acc, take(arrays, mb, self.layout), info, self.frozen
                     )
                     micro.append(m)
                 self.state, applied = self._apply(self.state, acc)
@@ -189,7 +202,9 @@ class Learner:
         grads = placed_abstract(grads, shardings_of(self.state.params))
         info = jax.eval_shape(_mini_batch_info, arrays["loss_mask"], rows)
         return {
-            "micro-batch": self._accumulate.lower(self.state.params, grads, mb, info).compile(),
+            "micro-batch": self._accumulate.lower(
+                self.state.params, grads, mb, info, self.frozen
+            ).compile(),
             "optimizer": self._apply.lower(self.state, grads).compile(),
         }
 

@@ -39,6 +39,7 @@ from jaxrl.config.checks import critic_enabled
 from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
+from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
 from jaxrl.trainer import losses
@@ -518,14 +519,17 @@ class PPOTrainer:
         groups = {name: cluster.device_group(name) for name in (*roles, "rollout")}
         for name in roles:
             kept = resident[name]
-            arguments[passes[name]] = kept.get("params")
+            model = {k: kept[k] for k in ("params", "base") if k in kept} or None  # LoRA: base
+            arguments[passes[name]] = model
             groups[passes[name]] = groups[name]
             if name in cluster.learners:
                 state = cluster.learners[name].state
                 whole = {"params": state.params, "opt_state": state.opt_state}
+                if cluster.learners[name].frozen is not None:
+                    whole["base"] = cluster.learners[name].frozen
                 for program in ("micro-batch", "optimizer"):
                     groups[f"{name} {program}"] = groups[name]
-                arguments[f"{name} micro-batch"] = kept.get("params")
+                arguments[f"{name} micro-batch"] = model
                 arguments[f"{name} optimizer"] = kept
                 if "opt_state" not in kept:  # back on the devices for the whole update
                     reloaded[f"{name} micro-batch"] = state.opt_state
@@ -536,9 +540,16 @@ class PPOTrainer:
         # The rollout's copy of the weights: made for each generation when colocated, kept
         # between steps on a group of its own. The weight sync holds the copy (colocated) and
         # the actor's offloaded parameters, which it copies from, on the trainer's group.
+        if cluster.shared_ref:  # LoRA: the reference pass reads the actor's base
+            arguments["ref log-probs"] = resident["actor"].get("base")
+            groups["ref log-probs"] = groups["actor"]
         copy = cluster.rollout.copy_of(cluster.actor.params)
         sync = [] if "params" in resident["actor"] else [cluster.actor.params]
-        if cluster.rollout_colocated:
+        if cluster.actor.frozen is not None:  # LoRA: the base copy stays, adapters move
+            base_copy, adapters_copy = split(copy)
+            resident["rollout"] = {"params": base_copy}
+            sync.append(adapters_copy)
+        elif cluster.rollout_colocated:
             sync.append(copy)
         else:
             resident["rollout"] = {"params": copy}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config.checks import critic_enabled, reference_enabled
-from jaxrl.models.config import DecoderConfig
+from jaxrl.config.checks import critic_enabled, lora_enabled, reference_enabled
+from jaxrl.models import lora
+from jaxrl.models.config import DecoderConfig, LoraSpec
 from jaxrl.models.hf_io import from_pretrained, load_config
 from jaxrl.models.params import abstract_params, param_shardings
+from jaxrl.models.peft_io import load_adapter, read_spec
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.trainer.sequences import response_log_probs, response_values
+
+log = logging.getLogger("jaxrl.train")
 
 DTYPES = {
     "fp32": "float32",
@@ -62,6 +67,7 @@ class RoleSpec:
             head) or `reward` (a sequence-classification checkpoint, used as it is).
         param_offload: Parameters live in host memory between the passes that use them.
         optimizer_offload: The optimizer state lives in host memory outside the update.
+        lora: LoRA adapters on a trainable role (its base frozen), or None.
     """
 
     name: str
@@ -75,6 +81,43 @@ class RoleSpec:
     head: str = "causal_lm"
     param_offload: bool = False
     optimizer_offload: bool = False
+    lora: LoraOptions | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraOptions:
+    """A role's LoRA keys (verl's `model.lora_*`), resolved against the model at load.
+
+    Attributes:
+        key: The config group they came from (`actor_rollout_ref.model`), for messages.
+        rank: `lora_rank`.
+        alpha: `lora_alpha`.
+        target_modules: `target_modules`.
+        exclude_modules: `exclude_modules`.
+        adapter_path: `lora_adapter_path`: a PEFT folder to start from (its config rules).
+    """
+
+    key: str
+    rank: int
+    alpha: float
+    target_modules: Any = "all-linear"
+    exclude_modules: Any = None
+    adapter_path: str | None = None
+
+    @classmethod
+    def from_config(cls, model, key: str) -> LoraOptions | None:
+        """The options of a `model` group, or None when LoRA is off (rank 0, no adapter)."""
+        if not lora_enabled(model):
+            return None
+        plain = lambda v: v if v is None or isinstance(v, str) else [str(x) for x in v]  # noqa: E731
+        return cls(
+            key,
+            model.lora_rank,
+            float(model.lora_alpha),
+            plain(model.target_modules),
+            plain(model.exclude_modules),
+            model.lora_adapter_path,
+        )
 
 
 def _remat(model) -> str:
@@ -109,6 +152,7 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             trainable=True,
             param_offload=actor.param_offload,
             optimizer_offload=actor.optimizer_offload,
+            lora=LoraOptions.from_config(model, "actor_rollout_ref.model"),
             **policy,
         ),
         # The actor's weights held in the rollout dtype (cast once per sync: the same values
@@ -144,6 +188,7 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             head="value",
             param_offload=c.param_offload,
             optimizer_offload=c.optimizer_offload,
+            lora=LoraOptions.from_config(c.model, "critic.model"),
         )
     if cfg.reward_model.enable:
         rm = cfg.reward_model
@@ -174,7 +219,49 @@ def load_role(
     )
     if spec.head == "value":
         config, params = critic_from_policy(spec.path, config, params, layout)
+    if spec.lora is not None:
+        config, params = attach_lora(spec.lora, config, params, layout)
     return config, params
+
+
+def lora_spec(options: LoraOptions, config: DecoderConfig) -> LoraSpec:
+    """The adapters `options` ask for on this model: a PEFT folder's own (rank, alpha and
+    targets from its `adapter_config.json`, as verl's `PeftModel.from_pretrained`), or fresh
+    ones from the keys (targets checked against the family's modules)."""
+    if options.adapter_path:
+        spec = read_spec(options.adapter_path, config)
+        if options.rank > 0 and (options.rank, options.alpha) != (spec.rank, spec.alpha):
+            log.warning(
+                "%s.lora_adapter_path: the adapter's rank %d and alpha %g are used, not "
+                "lora_rank=%d / lora_alpha=%g", options.key, spec.rank, spec.alpha,
+                options.rank, options.alpha,
+            )  # fmt: skip
+        return spec
+    targets = lora.resolve_targets(
+        config, options.target_modules, options.exclude_modules, f"{options.key}.target_modules"
+    )
+    return LoraSpec(options.rank, options.alpha, targets)
+
+
+def attach_lora(
+    options: LoraOptions, config: DecoderConfig, params: Any, layout: Layout | None, seed: int = 0
+) -> tuple[DecoderConfig, Any]:
+    """The model with LoRA adapters beside its (frozen) weights, in `layout`: fresh (A
+    kaiming-uniform, B zero; `lora.init_adapters`) or read from `options.adapter_path`.
+    Abstract parameters get abstract adapters."""
+    config = config.replace(lora=lora_spec(options, config))
+    _, shardings = lora.split(param_shardings(config, layout)) if layout else (None, None)
+    if is_abstract(params):
+        adapters = lora.split(abstract_params(config))[1]
+        if shardings is not None:
+            adapters = placed_abstract(adapters, shardings)
+    elif options.adapter_path:
+        _, host = load_adapter(options.adapter_path, config)
+        adapters = jax.device_put(host, shardings) if shardings else jax.tree.map(jnp.asarray, host)
+    else:
+        init = jax.jit(lora.init_adapters, static_argnums=0, out_shardings=shardings)
+        adapters = init(config, jax.random.key(seed))
+    return config, lora.merge(params, adapters)
 
 
 def load_model(

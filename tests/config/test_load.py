@@ -282,10 +282,27 @@ def test_ignored_verl_key_with_result_changing_value_is_an_error():
     assert "mesh.sp" in msg
     (msg,) = problems("algorithm.filter_groups.enable=true")
     assert "not supported by jaxrl" in msg and "False" in msg
-    (msg,) = problems("actor_rollout_ref.model.lora_rank=8")
-    assert "LoRA" in msg
+    (msg,) = problems("actor_rollout_ref.model.lora.rank=8")
+    assert "Megatron's LoRA" in msg and "lora_rank" in msg
     # The accepted value itself passes.
-    load("actor_rollout_ref.model.lora_rank=0", "algorithm.filter_groups.enable=false")
+    load("actor_rollout_ref.model.lora.rank=0", "algorithm.filter_groups.enable=false")
+
+
+def test_lora_keys():
+    """verl's FSDP LoRA keys load as given; a negative rank or non-positive alpha is named."""
+    cfg = load(
+        "actor_rollout_ref.model.lora_rank=16",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "critic.model.lora_rank=8",
+    )
+    assert cfg.actor_rollout_ref.model.lora_rank == 16
+    assert list(cfg.actor_rollout_ref.model.target_modules) == ["q_proj", "v_proj"]
+    assert cfg.critic.model.lora_rank == 8 and cfg.critic.model.target_modules == "all-linear"
+    (msg,) = problems("actor_rollout_ref.model.lora_rank=-1")
+    assert "actor_rollout_ref.model.lora_rank must be >= 0" in msg
+    (msg,) = problems("critic.model.lora_rank=4", "critic.model.lora_alpha=0")
+    assert "critic.model.lora_alpha must be > 0" in msg
 
 
 VERL_PPO_DEEPSEEK = """
@@ -355,3 +372,10 @@ def test_schema_index_covers_every_field():
     assert len(leaves) > 150
     assert all(dataclasses.is_dataclass(i.type) for i in index.values() if i.kind == "group")
     assert Config.__dataclass_params__.frozen
+    (msg,) = problems(
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "mesh.placement.ref.devices=2",
+        num_devices=8,
+    )
+    assert "mesh.placement.ref.devices=2 with LoRA" in msg and "unset mesh.placement.ref" in msg
