@@ -71,7 +71,7 @@ def export(
     params = ckpts.restore_item(step, "actor_params", target)
     ckpts.close()
     if adapter is not None and not merge:
-        out = save_adapter(config, params, out, base_model=str(source))
+        out = save_adapter(config, params, out, base_model=str(source), dtype=dtype)
         _save_tokenizer(source, out)
         return out
     if adapter is not None:  # the base as it was loaded, the adapters merged into it

@@ -5,12 +5,20 @@ Markers: `slow` (long, still run in CI), `multiprocess` (several JAX processes o
 """
 
 import os
+import tempfile
 
 # Must happen before anything imports jax: the CPU device count is fixed at backend start.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache for the session (and the processes its tests start): the many
+# runs of the same tiny models compile the same programs, and each is compiled once. Only the
+# compile is shared; every test still runs its programs. A fresh folder per session.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-test-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import pytest
 from hypothesis import HealthCheck, settings

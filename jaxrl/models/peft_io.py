@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.models import lora
@@ -35,6 +36,12 @@ _UNSUPPORTED = {
     "alpha_pattern": {},
     "modules_to_save": None,
     "target_parameters": None,
+    "lora_bias": False,
+    "trainable_token_indices": None,
+    "layer_replication": None,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+    "use_bdlora": None,
 }
 
 
@@ -53,8 +60,10 @@ def save_adapter(
     path: str | os.PathLike,
     *,
     base_model: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
-    """Write the adapters of `params` (a LoRA tree of `config`) as a PEFT folder (float32)."""
+    """Write the adapters of `params` (a LoRA tree of `config`) as a PEFT folder, in `dtype`
+    (default float32)."""
     from safetensors.numpy import save_file
 
     spec = config.lora
@@ -66,8 +75,9 @@ def save_adapter(
     for proj in spec.targets:
         group, weight, _ = lora.PROJECTIONS[proj]
         pair = params["layers"][group][lora.ADAPTERS][weight]
-        a = np.asarray(jax.device_get(pair["a"]), np.float32)
-        b = np.asarray(jax.device_get(pair["b"]), np.float32)
+        np_dtype = np.dtype(jnp.dtype(dtype or "float32"))
+        a = np.asarray(jax.device_get(pair["a"])).astype(np_dtype)
+        b = np.asarray(jax.device_get(pair["b"])).astype(np_dtype)
         r = spec.rank
         for i in range(config.num_layers):
             tensors[_tensor_name(proj, i, "A")] = np.ascontiguousarray(a[i].reshape(-1, r).T)
@@ -143,24 +153,33 @@ def load_adapter(path: str | os.PathLike, config: DecoderConfig) -> tuple[LoraSp
     adapted = lora.with_lora(config, spec)
     shapes = lora.adapter_shapes(adapted)
     out: dict[str, Any] = {"layers": {}}
+    used = set()
     for proj in spec.targets:
         group, weight, _ = lora.PROJECTIONS[proj]
         pair_shapes = shapes["layers"][group][lora.ADAPTERS][weight]
         pair = {}
         for which, key in (("A", "a"), ("B", "b")):
-            shape = pair_shapes[key][0]
+            shape = pair_shapes[key][0]  # [L, *in, r] or [L, r, *out]
+            r, rest = spec.rank, int(np.prod(shape[1:])) // spec.rank
+            expected = (r, rest) if which == "A" else (rest, r)  # PEFT's [r, in] / [out, r]
             layers = []
             for i in range(config.num_layers):
                 name = _tensor_name(proj, i, which)
                 if name not in tensors:
                     raise AdapterError(f"{weights}: no tensor {name}")
-                t = np.asarray(tensors[name], np.float32).T  # A: [in, r]; B: [r, out]
-                if t.size != np.prod(shape[1:]):
+                if tuple(tensors[name].shape) != expected:
                     raise AdapterError(
-                        f"{weights}: {name} has shape {tensors[name].shape}, the model needs "
-                        f"{int(np.prod(shape[1:]))} values (rank {spec.rank})"
+                        f"{weights}: {name} has shape {tuple(tensors[name].shape)}; this model "
+                        f"with rank {spec.rank} needs {expected}"
                     )
-                layers.append(t.reshape(shape[1:]))
+                used.add(name)
+                layers.append(np.asarray(tensors[name], np.float32).T.reshape(shape[1:]))
             pair[key] = np.stack(layers)
         out["layers"].setdefault(group, {lora.ADAPTERS: {}})[lora.ADAPTERS][weight] = pair
+    if extra := sorted(set(tensors) - used):
+        raise AdapterError(
+            f"{weights}: tensors jaxrl would not use ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}): an adapter with more than LoRA's A and B of "
+            "its target_modules cannot load exactly"
+        )
     return spec, out

@@ -196,6 +196,7 @@ class RolloutEngine:
         return jax.tree.unflatten(treedef, out)
 
     def _drop_base(self) -> None:
+        """Forget the kept LoRA base (freeing what was copied, not the source's arrays)."""
         if self._base is not None:
             free([x for x in jax.tree.leaves(self._base) if id(x) not in self._aliased])
             self._base, self._aliased = None, set()

@@ -70,6 +70,26 @@ class Frozen:
     layout: Layout | None
 
 
+class BaseOf:
+    """The reference policy of a LoRA actor: the actor's frozen base, read at each use (an
+    offload moves it between host and device memory)."""
+
+    def __init__(self, learner: Learner):
+        self._learner = learner
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self._learner.config
+
+    @property
+    def params(self) -> Any:
+        return self._learner.frozen
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._learner.layout
+
+
 def cluster_layouts(cfg, specs: Mapping[str, RoleSpec], devices=None) -> dict[str, Layout | None]:
     """Each role's layout: its own group's when placed (`mesh.placement`), else colocated:
     the train layout (actor, ref, critic), the rollout layout over the trainer's devices, and
@@ -146,7 +166,7 @@ class Cluster:
         learners, frozen, reward_model = {}, {}, None
         shared_ref = "ref" in specs and specs["actor"].lora is not None
         if shared_ref:
-            _warn_ref_settings(specs["ref"])
+            _warn_ref_settings(specs["ref"], specs["actor"])
         for name, spec in specs.items():
             layout = layouts[name]
             if (
@@ -265,12 +285,11 @@ class Cluster:
         return self.learners.get("critic")
 
     @property
-    def ref(self) -> Frozen | None:
+    def ref(self) -> Frozen | BaseOf | None:
         """The reference policy: a frozen role, or with a LoRA actor its base (the same
         arrays: the actor's weights without adapters)."""
         if self.shared_ref:
-            actor = self.actor
-            return Frozen(actor.config, actor.frozen, actor.layout)
+            return BaseOf(self.actor)
         return self.frozen.get("ref")
 
     @property
@@ -298,10 +317,14 @@ class Cluster:
 
     def sync_weights(self) -> None:
         """The actor's current weights into the rollout (its layout and dtype); with LoRA,
-        after the first sync only the adapters move (the rollout keeps the base)."""
+        after the first sync only the adapters move (the rollout keeps the base), unless the
+        actor's parameters are offloaded: then the rollout keeps no base on the devices
+        between steps (it could be the offloaded arrays themselves) and each sync copies the
+        whole model, as without LoRA."""
         with self.on_device("actor"):
             actor = self.actor
-            self.rollout.load_weights(actor.params, frozen_base=actor.frozen is not None)
+            keep_base = actor.frozen is not None and not self.specs["actor"].param_offload
+            self.rollout.load_weights(actor.params, frozen_base=keep_base)
 
     def param_hashes(self) -> dict[str, jax.Array]:
         """`fingerprint.tree_hash` of each trainable role's parameters (on the devices, one
@@ -392,11 +415,17 @@ def _lora_meta(config: DecoderConfig) -> dict[str, Any] | None:
     return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
 
 
-def _warn_ref_settings(ref: RoleSpec) -> None:
-    """The reference of a LoRA actor is its base: the ref's own offload has nothing to apply
-    to; say so when it is set (a placement of its own is a config error, `config.checks`)."""
+def _warn_ref_settings(ref: RoleSpec, actor: RoleSpec) -> None:
+    """The reference of a LoRA actor is its base: the ref's own dtypes and offload have
+    nothing to apply to; say so when they are set (a placement of its own is a config error,
+    `config.checks`)."""
+    ignored = []
+    if (ref.param_dtype, ref.compute_dtype) != (actor.param_dtype, actor.compute_dtype):
+        ignored.append("actor_rollout_ref.ref.model_dtype / dtype (the actor's apply)")
     if ref.param_offload:
+        ignored.append("actor_rollout_ref.ref.param_offload (the actor's applies)")
+    if ignored:
         log.warning(
             "LoRA: the reference policy is the actor's base without adapters (no copy of its "
-            "own); actor_rollout_ref.ref.param_offload does not apply (the actor's does)"
-        )
+            "own); %s do not apply", "; ".join(ignored),
+        )  # fmt: skip

@@ -545,7 +545,9 @@ class PPOTrainer:
             groups["ref log-probs"] = groups["actor"]
         copy = cluster.rollout.copy_of(cluster.actor.params)
         sync = [] if "params" in resident["actor"] else [cluster.actor.params]
-        if cluster.actor.frozen is not None:  # LoRA: the base copy stays, adapters move
+        keeps_base = cluster.actor.frozen is not None and not cluster.specs["actor"].param_offload
+        if keeps_base and cluster.rollout_colocated:
+            # LoRA: the base copy stays between steps, the adapters are made for each sync
             base_copy, adapters_copy = split(copy)
             resident["rollout"] = {"params": base_copy}
             sync.append(adapters_copy)

@@ -30,6 +30,7 @@ from jaxrl.models.hf_io import from_pretrained, load_config
 from jaxrl.models.params import abstract_params, param_shardings
 from jaxrl.models.peft_io import load_adapter, read_spec
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
+from jaxrl.sharding.processes import global_array
 from jaxrl.trainer.sequences import response_log_probs, response_values
 
 log = logging.getLogger("jaxrl.train")
@@ -257,7 +258,8 @@ def attach_lora(
             adapters = placed_abstract(adapters, shardings)
     elif options.adapter_path:
         _, host = load_adapter(options.adapter_path, config)
-        adapters = jax.device_put(host, shardings) if shardings else jax.tree.map(jnp.asarray, host)
+        adapters = jax.tree.map(global_array, host, shardings) if shardings else host
+        adapters = jax.tree.map(jnp.asarray, adapters)
     else:
         init = jax.jit(lora.init_adapters, static_argnums=0, out_shardings=shardings)
         adapters = init(config, jax.random.key(seed))

@@ -32,8 +32,8 @@ def nan_grads(steps: set[int]) -> None:
         init(self, *args, **kwargs)
         accumulate = self._accumulate
 
-        def poisoned(params, acc, mb, info):
-            acc, metrics = accumulate(params, acc, mb, info)
+        def poisoned(params, acc, mb, info, frozen):
+            acc, metrics = accumulate(params, acc, mb, info, frozen)
             step_number = current_step[0]
             if step_number in steps and getattr(self, "_poisoned_step", 0) != step_number:
                 self._poisoned_step = step_number  # the step's first micro-batch only

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 import jaxrl.models as M
 from jaxrl.models import lora
@@ -73,21 +74,29 @@ def test_forward_equals_peft(peft, name, tmp_path):
 
 
 def test_peft_init_and_load_round_trip(peft, tmp_path):
-    """PEFT's own fresh adapter (kaiming-uniform A, zero B) and a trained-looking one load
-    into jaxrl with PEFT's values; A's range is PEFT's ±1/sqrt(in)."""
+    """PEFT's own fresh adapter (kaiming-uniform A, zero B) loads into jaxrl with PEFT's very
+    values, and after B moved with PEFT's logits; jaxrl's own init draws A within PEFT's
+    ±1/sqrt(in) and B zero."""
     folder = save_tiny("llama_gqa_bias_llama3", tmp_path / "base")
     config, base = M.from_pretrained(folder)
     model = peft.get_peft_model(
         hf_model(folder),
         peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
     )
+    model.save_pretrained(str(tmp_path / "fresh"))
+    spec, fresh = load_adapter(tmp_path / "fresh", config)
+    assert spec == LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj"))
+    a_q0 = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    np.testing.assert_array_equal(
+        fresh["layers"]["attn"]["lora"]["w_q_dnh"]["a"][0], a_q0.detach().numpy().T
+    )
+    assert not fresh["layers"]["mlp"]["lora"]["w_down_fd"]["b"].any()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     model.save_pretrained(str(tmp_path / "peft"))
-    spec, adapters = load_adapter(tmp_path / "peft", config)
-    assert spec == LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj"))
+    _, adapters = load_adapter(tmp_path / "peft", config)
     lora_config = config.replace(lora=spec)
     ids, mask = _batch()
     with torch.no_grad():
@@ -95,11 +104,11 @@ def test_peft_init_and_load_round_trip(peft, tmp_path):
     ours = M.forward(lora_config, lora.merge(base, adapters), ids, mask)
     assert_close_to_scale(ours, ref.numpy(), mask.astype(bool))
     # jaxrl's init draws from PEFT's distribution: A within ±1/sqrt(in), B zero
-    fresh = lora.init_adapters(lora_config, jax.random.key(0))["layers"]
-    a_q = np.asarray(fresh["attn"]["lora"]["w_q_dnh"]["a"])
+    own = lora.init_adapters(lora_config, jax.random.key(0))["layers"]
+    a_q = np.asarray(own["attn"]["lora"]["w_q_dnh"]["a"])
     bound = 1 / np.sqrt(config.hidden_size)
     assert np.abs(a_q).max() <= bound and np.abs(a_q).max() > 0.9 * bound
-    assert not np.asarray(fresh["mlp"]["lora"]["w_down_fd"]["b"]).any()
+    assert not np.asarray(own["mlp"]["lora"]["w_down_fd"]["b"]).any()
 
 
 def test_rank_zero_and_base_are_todays_model(tmp_path):
@@ -134,8 +143,9 @@ def test_fold_and_merged_export_equal_adapted(tmp_path):
 
 
 def test_gradients_reach_only_adapters(tmp_path):
-    """Differentiating the adapted loss by the (base, adapters) split: non-zero gradients on
-    A and B (B from the first step, A once B moved), none asked of the base."""
+    """Differentiating the adapted loss by the (base, adapters) split: the gradient tree is
+    the adapters' alone; fresh adapters (B = 0) get non-zero gradients on every B (A's is
+    zero through B = 0, as in PEFT), and once B moved on every A and B."""
     config = M.DecoderConfig(
         model_type="llama", vocab_size=31, hidden_size=16, intermediate_size=24,
         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -149,11 +159,15 @@ def test_gradients_reach_only_adapters(tmp_path):
     def loss(adapters):
         return M.forward(config, lora.merge(frozen, adapters), ids).astype(jnp.float32).var()
 
+    def largest(grads, which):
+        flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+        assert flat and all("lora" in jax.tree_util.keystr(p) for p, _ in flat)
+        return [float(jnp.abs(g).max()) for p, g in flat if f"'{which}'" in jax.tree_util.keystr(p)]
+
     grads = jax.grad(loss)(trainable)
-    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-    assert flat and all("lora" in jax.tree_util.keystr(p) for p, _ in flat)
-    b_norms = [float(jnp.abs(g).max()) for p, g in flat if "'b'" in jax.tree_util.keystr(p)]
-    assert min(b_norms) > 0
+    assert min(largest(grads, "b")) > 0 and max(largest(grads, "a")) == 0
+    grads = jax.grad(loss)(_random_adapters(config))
+    assert min(largest(grads, "a")) > 0 and min(largest(grads, "b")) > 0
 
 
 @pytest.mark.parametrize(
@@ -203,3 +217,19 @@ def test_target_module_errors(tmp_path):
         read_spec(tmp_path / "dora", config)
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
         read_spec(tmp_path, config)
+    # a folder with a tensor LoRA's A and B do not explain, or a wrong shape, is refused
+    spec = LoraSpec(2, 4.0, ("q_proj",))
+    adapted = config.replace(lora=spec)
+    params = lora.merge(M.init_params(config, jax.random.key(0)), _random_adapters(adapted))
+    save_adapter(adapted, params, tmp_path / "ok")
+    tensors = load_file(str(tmp_path / "ok" / "adapter_model.safetensors"))
+    name = next(iter(tensors))
+    save_file({**tensors, name.replace("weight", "bias"): np.zeros(2, np.float32)},
+              str(tmp_path / "ok" / "adapter_model.safetensors"))  # fmt: skip
+    with pytest.raises(AdapterError, match=r"tensors jaxrl would not use .*bias"):
+        load_adapter(tmp_path / "ok", config)
+    save_file(
+        {**tensors, name: tensors[name][:, :-1]}, str(tmp_path / "ok" / "adapter_model.safetensors")
+    )
+    with pytest.raises(AdapterError, match=r"has shape .* needs"):
+        load_adapter(tmp_path / "ok", config)

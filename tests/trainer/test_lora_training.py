@@ -3,6 +3,8 @@ reference is the base without a copy of its own, the rollout keeps the base and 
 adapters after the first sync, resume is exact, `fsdp=4, tp=2` equals one device, and the
 export is a PEFT folder that peft loads with jaxrl's logits (or `--merge`d HF weights)."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -113,10 +115,11 @@ def test_lora_cluster(assets, tmp_path):
 
 
 @pytest.mark.entry
-def test_lora_resume_sharding_and_export(peft, assets, tmp_path):
-    """fsdp=4, tp=2: two steps straight equal one step + checkpoint + resume; one device gives
+def test_lora_resume_sharding_and_export(peft, assets, tmp_path, caplog):
+    """fsdp=4, tp=2: two steps straight equal one step + checkpoint + resume (other LoRA
+    settings are refused); one device, with the actor (base and reference) offloaded, gives
     the same step metrics; the PEFT export loads in peft with jaxrl's logits, `--merge` in
-    transformers."""
+    transformers, and as a new run's `lora_adapter_path` gives back the same adapters."""
     common = ["trainer.save_freq=1", "trainer.total_training_steps=2"]
     fit(config(assets, tmp_path / "straight", *common))
     stopped = tmp_path / "stopped"
@@ -134,7 +137,9 @@ def test_lora_resume_sharding_and_export(peft, assets, tmp_path):
                 f"{MODEL}.lora_alpha=4",
             )
         )
-    fit(config(assets, tmp_path / "one", *common, mesh=ONE), devices=jax.devices()[:1])
+    # one device, the actor's parameters (and with them the base = the reference) offloaded
+    offload = "actor_rollout_ref.actor.param_offload=true"
+    fit(config(assets, tmp_path / "one", *common, offload, mesh=ONE), devices=jax.devices()[:1])
     for a, b in zip(straight, read_metrics(tmp_path / "one"), strict=True):
         assert a["response_length/mean"] == b["response_length/mean"]
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
@@ -159,9 +164,11 @@ def test_lora_resume_sharding_and_export(peft, assets, tmp_path):
     np.testing.assert_allclose(ours, ref, atol=1e-4 * np.abs(ref).max())
     assert np.abs(ref - np.asarray(M.forward(config_, base, ids))).max() > 1e-4
     # the exported folder as a new run's start (verl's lora_adapter_path): the same adapters
-    start = build_run(
-        config(assets, tmp_path / "from_adapter", f"{MODEL}.lora_adapter_path={adapter}")
-    )
+    with caplog.at_level(logging.WARNING, "jaxrl.train"):  # the folder's rank 4 rules, not 8
+        over = (f"{MODEL}.lora_adapter_path={adapter}", f"{MODEL}.lora_rank=8")
+        start = build_run(config(assets, tmp_path / "from_adapter", *over))
+    assert "the adapter's rank 4 and alpha 8 are used, not lora_rank=8" in caplog.text
+
     restarted = jax.tree.map(np.asarray, start.trainer.cluster.actor.state.params)
     jax.tree.map(np.testing.assert_array_equal, restarted, adapters)
     hf_merged = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()
@@ -170,8 +177,8 @@ def test_lora_resume_sharding_and_export(peft, assets, tmp_path):
 
 
 def test_lora_on_a_family_jaxrl_cannot_load(tmp_path):
-    """LoRA asked of a model family jaxrl does not implement: the loader's error names the
-    model type and the supported families (nothing is half-built)."""
+    """LoRA asked of a model family jaxrl does not implement: the loader refuses it, naming
+    the model type and the supported families."""
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 8}')
     spec = RoleSpec(
         "actor", str(tmp_path), "float32", "float32", trainable=True,
