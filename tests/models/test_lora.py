@@ -34,11 +34,15 @@ def peft():
 FAMILIES = ["llama_gqa_bias_llama3", "qwen2_gqa_tied", "qwen3_bias_mqa_sliding"]
 
 
+def _random_tree(tree, seed=0, std=0.1):
+    """Normal(0, std) values (numpy's generator: no per-shape compiles) for an abstract tree."""
+    rng = np.random.RandomState(seed)
+    return jax.tree.map(lambda s: jnp.asarray(std * rng.standard_normal(s.shape), s.dtype), tree)
+
+
 def _random_adapters(config, seed=0):
-    """Adapters with B non-zero (a fresh B is zero: the update would be invisible)."""
-    params = lora.init_adapters(config, jax.random.key(seed))
-    keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
-    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), params)
+    """Adapters with A and B non-zero (a fresh B is zero: the update would be invisible)."""
+    return _random_tree(lora.split(M.abstract_params(config))[1], seed)
 
 
 def _peft_model(peft, folder, adapter_dir):
@@ -151,9 +155,11 @@ def test_gradients_reach_only_adapters(tmp_path):
         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
         lora=LoraSpec(2, 4.0, lora.ALL_LINEAR),
     )  # fmt: skip
-    params = M.init_params(config, jax.random.key(0))
-    frozen, trainable = lora.split(params)
-    assert set(trainable) == {"layers"} and "lora" not in str(jax.tree_util.tree_structure(frozen))
+    frozen, adapters = lora.split(_random_tree(M.abstract_params(config), std=0.3))
+    assert set(adapters) == {"layers"} and "lora" not in str(jax.tree_util.tree_structure(frozen))
+    fresh = jax.tree_util.tree_map_with_path(  # as initialised: B = 0
+        lambda p, x: jnp.zeros_like(x) if "'b'" in jax.tree_util.keystr(p) else x, adapters
+    )
     ids = jnp.arange(12).reshape(2, 6) % 31
 
     def loss(adapters):
@@ -164,9 +170,10 @@ def test_gradients_reach_only_adapters(tmp_path):
         assert flat and all("lora" in jax.tree_util.keystr(p) for p, _ in flat)
         return [float(jnp.abs(g).max()) for p, g in flat if f"'{which}'" in jax.tree_util.keystr(p)]
 
-    grads = jax.grad(loss)(trainable)
+    grad = jax.jit(jax.grad(loss))
+    grads = grad(fresh)
     assert min(largest(grads, "b")) > 0 and max(largest(grads, "a")) == 0
-    grads = jax.grad(loss)(_random_adapters(config))
+    grads = grad(adapters)
     assert min(largest(grads, "a")) > 0 and min(largest(grads, "b")) > 0
 
 
@@ -220,7 +227,7 @@ def test_target_module_errors(tmp_path):
     # a folder with a tensor LoRA's A and B do not explain, or a wrong shape, is refused
     spec = LoraSpec(2, 4.0, ("q_proj",))
     adapted = config.replace(lora=spec)
-    params = lora.merge(M.init_params(config, jax.random.key(0)), _random_adapters(adapted))
+    params = lora.merge(_random_tree(M.abstract_params(config)), _random_adapters(adapted))
     save_adapter(adapted, params, tmp_path / "ok")
     tensors = load_file(str(tmp_path / "ok" / "adapter_model.safetensors"))
     name = next(iter(tensors))
