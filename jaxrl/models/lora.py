@@ -18,7 +18,7 @@ the actor. Their logical axes are the adapted weight's input (a) or output (b) a
 axis `lora_rank` (replicated by the default rules): an adapter shards like its weight.
 
     config = config.replace(lora=LoraSpec(rank=16, alpha=32, targets=ALL_LINEAR))
-    params = {**base, ...} = merge(base, init_adapters(config, key))
+    params = merge(base, init_adapters(config, key, params.adapter_spec(config)))
     frozen, trainable = split(params)            # the base, the adapters
     folded = fold(config, params)                # W + (alpha/r)·A B, no adapters left
 """
@@ -101,10 +101,9 @@ def resolve_targets(
         chosen -= _selected(names, exclude_modules)
     targets = []
     for proj in ALL_LINEAR:
+        group = _HF_GROUP[PROJECTIONS[proj][0]]
         layers = [
-            i
-            for i in range(config.num_layers)
-            if names[i * len(ALL_LINEAR) + ALL_LINEAR.index(proj)] in chosen
+            i for i in range(config.num_layers) if f"model.layers.{i}.{group}.{proj}" in chosen
         ]
         if layers and len(layers) != config.num_layers:
             raise ValueError(
@@ -122,51 +121,41 @@ def resolve_targets(
     return tuple(targets)
 
 
-def _weight_spec(config: DecoderConfig, weight: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    c = config
-    D, F, N, K, H = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-    return {
-        "w_q_dnh": ((D, N, H), ("embed", "heads", "head_dim")),
-        "w_k_dkh": ((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "w_v_dkh": ((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "w_o_nhd": ((N, H, D), ("heads", "head_dim", "embed")),
-        "w_gate_df": ((D, F), ("embed", "mlp")),
-        "w_up_df": ((D, F), ("embed", "mlp")),
-        "w_down_fd": ((F, D), ("mlp", "embed")),
-    }[weight]
-
-
-def adapter_shapes(config: DecoderConfig) -> dict[str, Any]:
-    """The adapters' tree of (shape, logical axes) pairs (empty without `config.lora`)."""
+def adapter_shapes(config: DecoderConfig, base: dict[str, Any]) -> dict[str, Any]:
+    """The adapters' tree of (shape, logical axes) pairs for the base tree of such pairs
+    `base` (`params.param_shapes`: each adapter follows its weight's shape and axes); empty
+    without `config.lora`."""
     spec = config.lora
     if spec is None:
         return {}
-    L, r = config.num_layers, spec.rank
+    r = spec.rank
     layers: dict[str, Any] = {}
     for proj in spec.targets:
         group, weight, n_in = PROJECTIONS[proj]
-        shape, axes = _weight_spec(config, weight)
+        (L, *shape), (_, *axes) = base["layers"][group][weight]
+        n = 1 + n_in
         pair = {
-            "a": ((L, *shape[:n_in], r), ("layers", *axes[:n_in], "lora_rank")),
-            "b": ((L, r, *shape[n_in:]), ("layers", "lora_rank", *axes[n_in:])),
+            "a": ((L, *shape[: n - 1], r), ("layers", *axes[: n - 1], "lora_rank")),
+            "b": ((L, r, *shape[n - 1 :]), ("layers", "lora_rank", *axes[n - 1 :])),
         }
         layers.setdefault(group, {ADAPTERS: {}})[ADAPTERS][weight] = pair
     return {"layers": layers}
 
 
-def init_adapters(config: DecoderConfig, key: jax.Array) -> dict[str, Any]:
-    """Fresh adapters in `config.lora.dtype`: A uniform in ±1/sqrt(in) (PEFT's
-    `kaiming_uniform_(a=sqrt(5))` over the input features), B zero."""
+def init_adapters(config: DecoderConfig, key: jax.Array, shapes: dict[str, Any]) -> dict[str, Any]:
+    """Fresh adapters of the (shape, axes) tree `shapes` (`params.adapter_spec`) in
+    `config.lora.dtype`: A uniform in ±1/sqrt(in) (PEFT's `kaiming_uniform_(a=sqrt(5))` over
+    the input features), B zero."""
     spec = config.lora
     dtype = jnp.dtype(spec.dtype)
     out: dict[str, Any] = {"layers": {}}
     for i, proj in enumerate(spec.targets):
         group, weight, n_in = PROJECTIONS[proj]
-        shapes = adapter_shapes(config)["layers"][group][ADAPTERS][weight]
-        a_shape = shapes["a"][0]
+        shapes_ab = shapes["layers"][group][ADAPTERS][weight]
+        a_shape = shapes_ab["a"][0]
         bound = 1.0 / math.sqrt(math.prod(a_shape[1 : 1 + n_in]))
         a = jax.random.uniform(jax.random.fold_in(key, i), a_shape, jnp.float32, -bound, bound)
-        pair = {"a": a.astype(dtype), "b": jnp.zeros(shapes["b"][0], dtype)}
+        pair = {"a": a.astype(dtype), "b": jnp.zeros(shapes_ab["b"][0], dtype)}
         out["layers"].setdefault(group, {ADAPTERS: {}})[ADAPTERS][weight] = pair
     return out
 

@@ -80,7 +80,7 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
         tree["score"] = {"w_dc": ((D, c.num_labels), ("embed", "labels"))}
         if c.score_bias:
             tree["score"]["b_c"] = ((c.num_labels,), ("labels",))
-    return lora.merge(tree, lora.adapter_shapes(c))
+    return lora.merge(tree, lora.adapter_shapes(c, tree))
 
 
 def _is_spec(x: Any) -> bool:
@@ -104,7 +104,12 @@ def abstract_params(config: DecoderConfig) -> dict[str, Any]:
     base = abstract(param_shapes(config.replace(lora=None)), config.param_dtype)
     if config.lora is None:
         return base
-    return lora.merge(base, abstract(lora.adapter_shapes(config), config.lora.dtype))
+    return lora.merge(base, abstract(adapter_spec(config), config.lora.dtype))
+
+
+def adapter_spec(config: DecoderConfig) -> dict[str, Any]:
+    """The LoRA adapters' part of `param_shapes` (empty without `config.lora`)."""
+    return lora.split(param_shapes(config))[1]
 
 
 def param_shardings(config: DecoderConfig, layout: Layout) -> dict[str, Any]:
@@ -118,7 +123,8 @@ def init_params(config: DecoderConfig, key: jax.Array, std: float = 0.02) -> Par
     with `config.lora`, fresh adapters (`lora.init_adapters`)."""
     if config.lora is not None:
         base = init_params(config.replace(lora=None), key, std)
-        return lora.merge(base, lora.init_adapters(config, jax.random.fold_in(key, 1)))
+        adapters = lora.init_adapters(config, jax.random.fold_in(key, 1), adapter_spec(config))
+        return lora.merge(base, adapters)
     specs = param_shapes(config)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(specs, _is_spec)[0]]

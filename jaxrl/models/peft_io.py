@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, LoraSpec
+from jaxrl.models.params import adapter_spec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -141,7 +142,7 @@ def read_spec(path: str | os.PathLike, config: DecoderConfig) -> LoraSpec:
 
 def load_adapter(path: str | os.PathLike, config: DecoderConfig) -> tuple[LoraSpec, dict]:
     """(spec, adapters) of a PEFT adapter folder: the adapters as host arrays (float32) in
-    jaxrl's tree (`lora.adapter_shapes` of `config` adapted by the spec)."""
+    jaxrl's tree (`params.adapter_spec` of `config` adapted by the spec)."""
     from safetensors.numpy import load_file
 
     folder = Path(path).expanduser()
@@ -151,7 +152,7 @@ def load_adapter(path: str | os.PathLike, config: DecoderConfig) -> tuple[LoraSp
         raise AdapterError(f"{folder}: no {WEIGHTS_FILE} (only safetensors adapters load)")
     tensors = {k.replace(".default.", "."): v for k, v in load_file(str(weights)).items()}
     adapted = lora.with_lora(config, spec)
-    shapes = lora.adapter_shapes(adapted)
+    shapes = adapter_spec(adapted)
     out: dict[str, Any] = {"layers": {}}
     used = set()
     for proj in spec.targets:

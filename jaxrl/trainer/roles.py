@@ -27,7 +27,7 @@ from jaxrl.config.checks import critic_enabled, lora_enabled, reference_enabled
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, LoraSpec
 from jaxrl.models.hf_io import from_pretrained, load_config
-from jaxrl.models.params import abstract_params, param_shardings
+from jaxrl.models.params import abstract_params, adapter_spec, param_shardings
 from jaxrl.models.peft_io import load_adapter, read_spec
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import global_array
@@ -261,8 +261,9 @@ def attach_lora(
         adapters = jax.tree.map(global_array, host, shardings) if shardings else host
         adapters = jax.tree.map(jnp.asarray, adapters)
     else:
-        init = jax.jit(lora.init_adapters, static_argnums=0, out_shardings=shardings)
-        adapters = init(config, jax.random.key(seed))
+        spec = adapter_spec(config)
+        init = jax.jit(lambda key: lora.init_adapters(config, key, spec), out_shardings=shardings)
+        adapters = init(jax.random.key(seed))
     return config, lora.merge(params, adapters)
 
 

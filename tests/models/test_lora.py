@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 import jaxrl.models as M
 from jaxrl.models import lora
 from jaxrl.models.config import LoraSpec
+from jaxrl.models.params import adapter_spec
 from jaxrl.models.peft_io import AdapterError, load_adapter, read_spec, save_adapter
 from jaxrl.testing import import_reference
 from jaxrl.testing.hf_reference import (
@@ -108,7 +109,7 @@ def test_peft_init_and_load_round_trip(peft, tmp_path):
     ours = M.forward(lora_config, lora.merge(base, adapters), ids, mask)
     assert_close_to_scale(ours, ref.numpy(), mask.astype(bool))
     # jaxrl's init draws from PEFT's distribution: A within ±1/sqrt(in), B zero
-    own = lora.init_adapters(lora_config, jax.random.key(0))["layers"]
+    own = lora.init_adapters(lora_config, jax.random.key(0), adapter_spec(lora_config))["layers"]
     a_q = np.asarray(own["attn"]["lora"]["w_q_dnh"]["a"])
     bound = 1 / np.sqrt(config.hidden_size)
     assert np.abs(a_q).max() <= bound and np.abs(a_q).max() > 0.9 * bound
@@ -124,7 +125,7 @@ def test_rank_zero_and_base_are_todays_model(tmp_path):
     plain = np.asarray(M.forward(config, base, ids, mask))
     adapted = config.replace(lora=LoraSpec(4, 8.0, lora.ALL_LINEAR))
     assert np.array_equal(np.asarray(M.forward(adapted, base, ids, mask)), plain)
-    fresh = lora.merge(base, lora.init_adapters(adapted, jax.random.key(1)))
+    fresh = lora.merge(base, lora.init_adapters(adapted, jax.random.key(1), adapter_spec(adapted)))
     np.testing.assert_allclose(M.forward(adapted, fresh, ids, mask), plain, atol=1e-6)
 
 
