@@ -100,33 +100,47 @@ def write_quickstart_model(
         shutil.copy2(staging / "config.json", folder / "config.json")
 
 
-def prepare(cfg) -> list[str]:
-    """Create the missing files `cfg.assets` asks for; returns what was written."""
+def prepare(cfg, kind: str = "rl") -> list[str]:
+    """Create the missing files `cfg.assets` asks for; returns what was written. `kind`:
+    `rl` (`Config`: the policy and verl-format prompts), `sft` or `dpo` (the offline
+    configs: the same policy at `model.path`, and SFT or TRL preference rows of the task)."""
     if not cfg.assets.quickstart:
         return []
     from jaxrl.data import synthetic
+
+    makers = {
+        "rl": synthetic.make_records,
+        "sft": synthetic.sft_records,
+        "dpo": synthetic.preference_records,
+    }
+    if kind == "rl":
+        model_key, model_path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
+    else:
+        model_key, model_path = "model.path", cfg.model.path
+    return _prepare(cfg, model_key, Path(model_path).expanduser(), makers[kind])
+
+
+def _prepare(cfg, model_key: str, model: Path, make_records) -> list[str]:
     from jaxrl.data.rows import write_parquet
 
     written = []
-    model = Path(cfg.actor_rollout_ref.model.path).expanduser()
     train = _single(cfg.data.train_files, "data.train_files")
     val = _single(cfg.data.val_files, "data.val_files")
     wanted = {
-        "actor_rollout_ref.model.path": (model, (model / "config.json").is_file()),
+        model_key: (model, (model / "config.json").is_file()),
         "data.train_files": (train, train.is_file()),
         "data.val_files": (val, val.is_file()),
     }
     _refuse_outside(cfg, {key: path for key, (path, done) in wanted.items() if not done})
+    seed = getattr(cfg.data, "seed", None) or 0
     if not (model / "config.json").is_file():
-        write_quickstart_model(model, seed=cfg.data.seed or 0, tools=cfg.assets.task == "add")
+        write_quickstart_model(model, seed=seed, tools=cfg.assets.task == "add")
         written.append(str(model))
     a = cfg.assets
     for path, split, size in ((train, "train", a.train_size), (val, "test", a.val_size)):
         if path.is_file():
             continue
-        records = synthetic.make_records(
-            size, task=a.task, length=a.task_length, seed=cfg.data.seed or 0, split=split
-        )
+        records = make_records(size, task=a.task, length=a.task_length, seed=seed, split=split)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial")
         write_parquet(records, tmp)

@@ -517,3 +517,21 @@ def process_log_prefix() -> str:
     """`"[process i/N] "` in multi-process runs, `""` alone."""
     info = process_info()
     return _prefix(info.process_id, info.num_processes)
+
+
+def start_command() -> int | None:
+    """What a command line (`jaxrl.train`, `jaxrl.sft`, `jaxrl.dpo`) does first: join the
+    other processes (before anything touches the devices), then set up logging with this
+    process's prefix. Returns an exit code (2) after printing the error if joining fails,
+    else None."""
+    try:
+        initialize()
+    except DistributedConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=process_log_prefix() + "%(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("jaxrl").setLevel(logging.INFO)
+    return None

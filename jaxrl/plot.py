@@ -1,9 +1,12 @@
 """`python -m jaxrl.plot RUN_DIR`: a PNG of a run's curves from its `metrics.jsonl`.
 
-Panels (those with data): training score (`critic/score/mean`), validation score (every
-`val-core/*` mean), response length, KL (`actor/kl_loss`, `actor/reward_kl_penalty`,
-`actor/ppo_kl`) and entropy (`actor/entropy`), against `training/global_step`. Written to
-`RUN_DIR/curves.png` at the end of every run.
+Panels (those with data), against `training/global_step`: for RL runs training score
+(`critic/score/mean`), validation score (every `val-core/*` mean), response length, KL
+(`actor/kl_loss`, `actor/reward_kl_penalty`, `actor/ppo_kl`) and entropy (`actor/entropy`);
+for the offline trainers loss (SFT's `train/loss`, `val/loss`; DPO's `loss`, `eval_loss`),
+accuracy (`val/exact_match`, `val/token_accuracy`, `rewards/accuracies`,
+`eval_rewards/accuracies`) and reward margins. Written to `RUN_DIR/curves.png` at the end of
+every run.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ PANELS = (
     ("response length", ("response_length/mean",)),
     ("KL", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")),
     ("entropy", ("actor/entropy",)),
+    ("loss", ("train/loss", "val/loss", "loss", "eval_loss")),
+    (
+        "accuracy",
+        ("val/exact_match", "val/token_accuracy", "rewards/accuracies", "eval_rewards/accuracies"),
+    ),
+    ("reward margin", ("rewards/margins", "eval_rewards/margins")),
 )
 
 
@@ -54,8 +63,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     rows = read_metrics(run_dir)
     if not rows:
         return None
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2), squeeze=False)
-    for ax, (title, prefixes) in zip(axes[0], PANELS, strict=True):
+    panels = [p for p in PANELS if any(_series(rows, prefix) for prefix in p[1])] or PANELS[:1]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, (title, prefixes) in zip(axes[0], panels, strict=True):
         drawn = False
         for prefix in prefixes:
             for key, (xs, ys) in _series(rows, prefix).items():

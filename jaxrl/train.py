@@ -164,16 +164,8 @@ def device_summary(cfg: Config) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:  # first: joining the other processes must come before anything touches the devices
-        distributed.initialize()
-    except distributed.DistributedConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=distributed.process_log_prefix() + "%(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("jaxrl").setLevel(logging.INFO)
+    if (code := distributed.start_command()) is not None:
+        return code
     import jax
 
     try:

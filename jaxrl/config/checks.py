@@ -95,20 +95,41 @@ def replace(cfg: Any, key: str, value: Any) -> Any:
 
 def normalize(cfg: Config) -> Config:
     """Canonical spellings: file lists as tuples, dtype and optimizer names as JAX/optax's."""
+    return canonical_spellings(
+        cfg,
+        files=("data.train_files", "data.val_files"),
+        dtypes=_DTYPE_KEYS,
+        optimizers=("actor_rollout_ref.actor.optim.optimizer", "critic.optim.optimizer"),
+    )
+
+
+def canonical_spellings(
+    cfg: Any,
+    *,
+    files: Iterable[str],
+    dtypes: Iterable[str],
+    optimizers: Iterable[str],
+    optional_files: Iterable[str] = (),
+) -> Any:
+    """`cfg` with the `files` keys as tuples of paths (an `optional_files` key may be null),
+    the `dtypes` keys as JAX names and the `optimizers` keys as optax's; `ConfigError`
+    listing every value that is none of these."""
     problems: list[str] = []
-    for key in ("data.train_files", "data.val_files"):
-        files = get(cfg, key)
-        if isinstance(files, str):
-            cfg = replace(cfg, key, (files,))
-        elif not (isinstance(files, tuple) and all(isinstance(f, str) for f in files)):
-            problems.append(f"{key}: expected a path or a list of paths, got {files!r}")
-    for key in _DTYPE_KEYS:
+    for key in files:
+        value = get(cfg, key)
+        if value is None and key in optional_files:
+            continue
+        if isinstance(value, str):
+            cfg = replace(cfg, key, (value,))
+        elif not (isinstance(value, tuple) and all(isinstance(f, str) for f in value)):
+            problems.append(f"{key}: expected a path or a list of paths, got {value!r}")
+    for key in dtypes:
         name = get(cfg, key)
         if name.lower() in DTYPES:
             cfg = replace(cfg, key, DTYPES[name.lower()])
         else:
             problems.append(f"{key}: unknown dtype {name!r}; use one of fp32, bf16, fp16")
-    for key in ("actor_rollout_ref.actor.optim.optimizer", "critic.optim.optimizer"):
+    for key in optimizers:
         name = get(cfg, key)
         if name.lower() in OPTIMIZERS:
             cfg = replace(cfg, key, OPTIMIZERS[name.lower()])

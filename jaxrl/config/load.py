@@ -17,7 +17,7 @@ import logging
 import os
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,32 @@ from jaxrl.config import verl_compat
 from jaxrl.config.checks import check, normalize
 from jaxrl.config.errors import ConfigError
 from jaxrl.config.schema import Config, is_group
+from jaxrl.config.verl_compat import Ignored
 
 log = logging.getLogger("jaxrl.config")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """A config tree one entry point loads (`python -m jaxrl.train`: `PPO`; `jaxrl.sft` and
+    `jaxrl.dpo` have theirs in `config.offline`).
+
+    Attributes:
+        root: The root dataclass.
+        renamed: verl key -> the key it lands on (`verl_compat.RENAMED` for PPO).
+        ignored: verl key pattern -> `Ignored` (dropped with a warning, or refused).
+        normalize: The resolved config -> its canonical spelling (raises `ConfigError`).
+        check: `check(cfg, num_devices=...)` raises `ConfigError` listing every problem.
+    """
+
+    root: type
+    renamed: Mapping[str, str]
+    ignored: Mapping[str, Ignored]
+    normalize: Callable[[Any], Any]
+    check: Callable[..., None]
+
+
+PPO = Schema(Config, verl_compat.RENAMED, verl_compat.IGNORED, normalize, check)
 
 
 # ----------------------------------------------------------------------------- schema index
@@ -85,10 +109,12 @@ def describe_type(tp: Any) -> str:
     return names.get(tp, "any value")
 
 
-def closest_key(key: str, candidates: Iterable[str] | None = None) -> str | None:
+def closest_key(
+    key: str, candidates: Iterable[str] | None = None, root: type = Config
+) -> str | None:
     """The valid key a user most likely meant, preferring siblings of the same group."""
     keys = (
-        [k for k, i in schema_index().items() if i.kind != "group"]
+        [k for k, i in schema_index(root).items() if i.kind != "group"]
         if candidates is None
         else [*candidates]
     )
@@ -114,19 +140,21 @@ def closest_key(key: str, candidates: Iterable[str] | None = None) -> str | None
 # ---------------------------------------------------------------------------- input reading
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str, out: list[tuple[str, Any]]) -> None:
+def _flatten(
+    tree: Mapping[str, Any], prefix: str, out: list[tuple[str, Any]], root: type = Config
+) -> None:
     """YAML mapping -> (dotted key, value) pairs, stopping at schema leaves and mappings."""
-    index = schema_index()
+    index = schema_index(root)
     for name, value in tree.items():
         key = f"{prefix}{name}"
         info = index.get(key)
         if isinstance(value, Mapping) and value and (info is None or info.kind == "group"):
-            _flatten(value, key + ".", out)
+            _flatten(value, key + ".", out, root)
         else:
             out.append((key, value))
 
 
-def read_yaml(path: str | os.PathLike) -> list[tuple[str, Any]]:
+def read_yaml(path: str | os.PathLike, root: type = Config) -> list[tuple[str, Any]]:
     """A YAML config file as (dotted key, value) pairs; interpolations are kept as written."""
     path = Path(path)
     if not path.is_file():
@@ -143,11 +171,11 @@ def read_yaml(path: str | os.PathLike) -> list[tuple[str, Any]]:
     if not isinstance(tree, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of config groups"])
     pairs: list[tuple[str, Any]] = []
-    _flatten(tree, "", pairs)
+    _flatten(tree, "", pairs, root)
     return pairs
 
 
-def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+def parse_overrides(overrides: Sequence[str], root: type = Config) -> list[tuple[str, Any]]:
     """`key=value` strings in Hydra's override grammar as (dotted key, value) pairs."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
@@ -173,7 +201,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
             value = override.value()
             if isinstance(value, Mapping):
                 nested: list[tuple[str, Any]] = []
-                _flatten({key: value}, "", nested)
+                _flatten({key: value}, "", nested, root)
                 pairs.extend(nested)
             else:
                 pairs.append((key, value))
@@ -185,9 +213,9 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
 # ------------------------------------------------------------------------------- merging
 
 
-def _route(key: str, value: Any) -> tuple[str | None, str | None]:
+def _route(key: str, value: Any, schema: Schema) -> tuple[str | None, str | None]:
     """Where a (key, value) goes: (jaxrl key, None), (None, None) to drop, or (None, error)."""
-    index = schema_index()
+    index = schema_index(schema.root)
     head = key
     while "." in head and head not in index:
         head = head.rpartition(".")[0]
@@ -201,10 +229,10 @@ def _route(key: str, value: Any) -> tuple[str | None, str | None]:
                 f"e.g. {closest_key(key + '.x', [k for k in index if k.startswith(key + '.')])}"
             )
         return key, None
-    if (target := verl_compat.renamed_to(key)) is not None:
+    if (target := schema.renamed.get(key)) is not None:
         log.info("verl key %s is %s in jaxrl; using it there", key, target)
         return target, None
-    if (entry := verl_compat.ignored_entry(key)) is not None:
+    if (entry := verl_compat.ignored_entry(key, schema.ignored)) is not None:
         if entry.accepted is not None and value not in entry.accepted:
             allowed = " or ".join(repr(a) for a in entry.accepted)
             return (
@@ -213,16 +241,16 @@ def _route(key: str, value: Any) -> tuple[str | None, str | None]:
             )
         log.warning("ignoring verl key %s=%r: %s", key, value, entry.reason)
         return None, None
-    hint = closest_key(key)
+    hint = closest_key(key, root=schema.root)
     return None, f"unknown config key {key!r}" + (f"; did you mean {hint!r}?" if hint else "")
 
 
-def _assign(cfg: DictConfig, key: str, value: Any) -> str | None:
+def _assign(cfg: DictConfig, key: str, value: Any, root: type) -> str | None:
     """Set one key on the structured config; a type mismatch comes back as a message."""
     try:
         OmegaConf.update(cfg, key, value, merge=True)
     except oc_errors.ValidationError:
-        info = schema_index().get(key)
+        info = schema_index(root).get(key)
         expected = describe_type(info.type) if info else "another type"
         return f"{key}: {value!r} is not valid here; expected {expected}"
     except oc_errors.OmegaConfBaseException as e:
@@ -253,15 +281,15 @@ def _freeze(x: Any) -> Any:
     return x
 
 
-def merge(pairs: Iterable[tuple[str, Any]]) -> Config:
+def merge(pairs: Iterable[tuple[str, Any]], schema: Schema = PPO) -> Any:
     """Apply (dotted key, value) pairs in order onto the defaults and resolve."""
-    cfg = OmegaConf.structured(Config)
+    cfg = OmegaConf.structured(schema.root)
     _unfreeze(cfg)
     problems = []
     for key, value in pairs:
-        target, problem = _route(key, value)
+        target, problem = _route(key, value, schema)
         if target is not None:
-            problem = _assign(cfg, target, value)
+            problem = _assign(cfg, target, value, schema.root)
         if problem:
             problems.append(problem)
     if problems:
@@ -277,7 +305,7 @@ def merge(pairs: Iterable[tuple[str, Any]]) -> Config:
         msg = str(e).splitlines()[0]
         raise ConfigError([f"{e.full_key}: cannot resolve its value: {msg}"]) from None
     cfg = _freeze(resolved)
-    if problems := _type_problems(cfg):  # interpolations are typed only once resolved
+    if problems := _type_problems(cfg, schema.root):  # interpolations are typed only once resolved
         raise ConfigError(problems)
     return cfg
 
@@ -310,9 +338,9 @@ def _matches(value: Any, tp: Any) -> bool:
     return True
 
 
-def _type_problems(cfg: Config) -> list[str]:
+def _type_problems(cfg: Any, root: type) -> list[str]:
     problems = []
-    for key, info in schema_index().items():
+    for key, info in schema_index(root).items():
         if info.kind == "group":
             continue
         value = cfg
@@ -330,29 +358,33 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     num_devices: int | None = None,
-) -> Config:
+    schema: Schema = PPO,
+) -> Any:
     """Defaults, then the YAML file at `path`, then `overrides`; checked and frozen.
 
     Args:
         path: A YAML file shaped like verl's config groups; None: defaults only.
         overrides: `dotted.key=value` strings in Hydra's grammar, applied after the file.
         num_devices: Device count for the mesh checks; None skips the checks that need it.
+        schema: The config tree (`PPO`: `Config`, `python -m jaxrl.train`'s).
 
     Raises:
         ConfigError: listing every problem found, each naming the key and what to change.
     """
-    pairs = (read_yaml(path) if path is not None else []) + parse_overrides(overrides)
+    root = schema.root
+    pairs = (read_yaml(path, root) if path is not None else []) + parse_overrides(overrides, root)
     try:
-        cfg = normalize(merge(pairs))
-        check(cfg, num_devices=num_devices)
+        cfg = schema.normalize(merge(pairs, schema))
+        schema.check(cfg, num_devices=num_devices)
     except ConfigError as e:
-        raise ConfigError(_name_verl_keys(e.problems, [k for k, _ in pairs])) from None
+        given = [k for k, _ in pairs]
+        raise ConfigError(_name_verl_keys(e.problems, given, schema.renamed)) from None
     return cfg
 
 
-def _name_verl_keys(problems: list[str], given: list[str]) -> list[str]:
+def _name_verl_keys(problems: list[str], given: list[str], renamed: Mapping[str, str]) -> list[str]:
     """Problems about a key that was given under its verl name also name that verl key."""
-    as_given = {t: k for k in given if (t := verl_compat.renamed_to(k)) is not None}
+    as_given = {t: k for k in given if (t := renamed.get(k)) is not None}
     out = []
     for p in problems:
         for target, key in as_given.items():

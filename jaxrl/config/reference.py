@@ -16,9 +16,15 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from jaxrl.config import verl_compat
+from jaxrl.config import offline, verl_compat
 from jaxrl.config.load import describe_type, schema_index
 from jaxrl.config.schema import Config, is_group
+
+# The config trees documented after the RL one: (entry point, root).
+OFFLINE_ROOTS = (
+    ("python -m jaxrl.sft", offline.SFTConfig),
+    ("python -m jaxrl.dpo", offline.DPOConfig),
+)
 
 _ENTRY = re.compile(r"^(\w+): (.*)$")
 
@@ -66,10 +72,10 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{value}`"
 
 
-def _rows(cls: type, prefix: str, out: list[str]) -> None:
+def _rows(cls: type, prefix: str, out: list[str], label: str = "") -> None:
     hints, docs = typing.get_type_hints(cls), attribute_docs(cls)
     groups = []
-    out.append(f"\n## `{prefix.rstrip('.')}`\n")
+    out.append(f"\n## `{prefix.rstrip('.')}`{label}\n")
     out.append(inspect.cleandoc(cls.__doc__ or "").split("\n")[0] + "\n")
     out.append("| key | type | default | description |")
     out.append("|---|---|---|---|")
@@ -81,18 +87,40 @@ def _rows(cls: type, prefix: str, out: list[str]) -> None:
         desc = docs.get(f.name, "").replace("|", "\\|")
         out.append(f"| `{f.name}` | {describe_type(tp)} | {_default(f)} | {desc} |")
     for tp, sub in groups:
-        _rows(tp, sub, out)
+        _rows(tp, sub, out, label)
 
 
 def undocumented() -> list[str]:
     """Dotted keys whose dataclass has no `Attributes:` entry for them."""
     missing = []
-    for key in schema_index():
-        parent, _, name = key.rpartition(".")
-        cls = schema_index()[parent].type if parent else Config
-        if name not in attribute_docs(cls):
-            missing.append(key)
+    for root in (Config, *(r for _, r in OFFLINE_ROOTS)):
+        for key in schema_index(root):
+            parent, _, name = key.rpartition(".")
+            cls = schema_index(root)[parent].type if parent else root
+            if name not in attribute_docs(cls):
+                missing.append(f"{root.__name__}: {key}")
     return missing
+
+
+def _compat_tables(renamed, ignored, what: str) -> list[str]:
+    return [
+        f"\n## {what} keys under other names\n",
+        "Set under their verl name, these land on the jaxrl key (a notice is logged).\n",
+        "| verl key | jaxrl key |",
+        "|---|---|",
+        *(f"| `{k}` | `{v}` |" for k, v in renamed.items()),
+        f"\n## {what} keys jaxrl ignores\n",
+        "Dropped with a warning. Where the last column lists values, any other value is an",
+        "error: jaxrl cannot honour it and will not silently differ from verl.\n",
+        "| verl key pattern | why | accepted values |",
+        "|---|---|---|",
+        *(
+            f"| `{k}` | {e.reason} | "
+            + ("any" if e.accepted is None else ", ".join(f"`{a}`" for a in e.accepted))
+            + " |"
+            for k, e in ignored.items()
+        ),
+    ]
 
 
 def render() -> str:
@@ -110,24 +138,26 @@ def render() -> str:
     ]
     for f in dataclasses.fields(Config):
         _rows(typing.get_type_hints(Config)[f.name], f"{f.name}.", out)
+    out += _compat_tables(verl_compat.RENAMED, verl_compat.IGNORED, "verl")
     out += [
-        "\n## verl keys under other names\n",
-        "Set under their verl name, these land on the jaxrl key (a notice is logged).\n",
-        "| verl key | jaxrl key |",
-        "|---|---|",
-        *(f"| `{k}` | `{v}` |" for k, v in verl_compat.RENAMED.items()),
-        "\n## verl keys jaxrl ignores\n",
-        "Dropped with a warning. Where the last column lists values, any other value is an",
-        "error: jaxrl cannot honour it and will not silently differ from verl.\n",
-        "| verl key pattern | why | accepted values |",
-        "|---|---|---|",
-        *(
-            f"| `{k}` | {e.reason} | "
-            + ("any" if e.accepted is None else ", ".join(f"`{a}`" for a in e.accepted))
-            + " |"
-            for k, e in verl_compat.IGNORED.items()
-        ),
+        "\n# The offline trainers\n",
+        "`python -m jaxrl.sft` (verl's SFT trainer's keys) and `python -m jaxrl.dpo` (TRL's",
+        "`DPOConfig` / `KTOConfig` keys under `dpo.*`) load these trees the same way; see",
+        "[offline.md](offline.md). *TRL<0.29* marks TRL keys TRL 1.16 removed and jaxrl keeps.",
     ]
+    for command, root in OFFLINE_ROOTS:
+        hints = typing.get_type_hints(root)
+        for f in dataclasses.fields(root):
+            if is_group(hints[f.name]):
+                _rows(hints[f.name], f"{f.name}.", out, f" ({command})")
+        top = [f for f in dataclasses.fields(root) if not is_group(hints[f.name])]
+        if top:
+            docs = attribute_docs(root)
+            out += [f"\n## top-level keys ({command})\n", "| key | type | default | description |",
+                    "|---|---|---|---|"]  # fmt: skip
+            out += [f"| `{f.name}` | {describe_type(hints[f.name])} | {_default(f)} | "
+                    f"{docs.get(f.name, '')} |" for f in top]  # fmt: skip
+    out += _compat_tables(offline.RENAMED, offline.IGNORED, "Offline trainers' verl / TRL")
     return "\n".join(out) + "\n"
 
 

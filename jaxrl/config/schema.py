@@ -95,8 +95,8 @@ class ModelConfig:
         remat_policy: *jaxrl*. What a checkpointed layer keeps: `full` keeps only the layer
             input; `save_dots` also keeps matmul outputs. Used when
             `enable_gradient_checkpointing` is true.
-        use_remove_padding: Pack variable-length sequences into rows with segment ids instead of
-            padding each one (verl's rmpad).
+        use_remove_padding: verl's padding-removal switch. jaxrl does not pack sequences: it
+            trims every micro-batch to its longest row (bucketed), whatever this says.
         attention_impl: *jaxrl*. `jaxrl.kernels.attention`'s implementation: `auto` (ring over
             `mesh.sp` > 1; Pallas on a GPU; blockwise for long sequences on a CPU; else
             dense), `reference`, `blockwise`, `pallas_gpu` or `ring` (needs `mesh.sp` > 1).
@@ -713,20 +713,15 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """`trainer.*`: the step loop, logging, validation and checkpoints.
+class LoopConfig:
+    """The step loop's keys every trainer has (`trainer.*` of the RL and offline configs).
 
     Attributes:
         project_name: Project name (run directory, loggers).
         experiment_name: Experiment name (run directory, loggers).
         total_epochs: Passes over the training data.
         total_training_steps: Stop after this many steps; null: `total_epochs` worth.
-        balance_batch: Reorder sequences so every data-parallel shard gets equal token counts.
-        critic_warmup: Steps that update only the critic.
         logger: Any of `console`, `tensorboard`, `wandb`, `file` (`metrics.jsonl`, always written).
-        log_val_generations: Validation samples printed to the loggers.
-        rollout_data_dir: Folder for JSONL dumps of training generations; null: none.
-        validation_data_dir: Folder for JSONL dumps of validation generations; null: none.
         val_before_train: Validate before the first step.
         val_only: Validate and exit.
         test_freq: Validate every this many steps (-1: never).
@@ -735,12 +730,9 @@ class TrainerConfig:
             `resume_path`.
         resume_from_path: Checkpoint to resume with `resume_mode: resume_path`.
         default_local_dir: Run directory: checkpoints, `metrics.jsonl`, the resolved config.
-        max_actor_ckpt_to_keep: Keep only the newest n actor checkpoints; null: all.
-        max_critic_ckpt_to_keep: Keep only the newest n critic checkpoints; null: all.
         max_consecutive_nonfinite_steps: *jaxrl*. A step whose gradient norm is non-finite
-            skips its optimizer update (as verl does; counted in `actor/skipped_steps`,
-            `critic/skipped_steps`); this many such steps in a row stop the run with an error
-            naming them. null: never stop.
+            skips its optimizer update (as verl does; counted in `*/skipped_steps`); this many
+            such steps in a row stop the run with an error naming them. null: never stop.
         nnodes: Hosts the run expects; null: whatever JAX sees. When set together with
             `n_gpus_per_node`, their product must equal the device count.
         n_gpus_per_node: Accelerators per host the run expects; null: whatever JAX sees.
@@ -750,12 +742,7 @@ class TrainerConfig:
     experiment_name: str = "default"
     total_epochs: int = 30
     total_training_steps: int | None = None
-    balance_batch: bool = True
-    critic_warmup: int = 0
     logger: tuple[str, ...] = ("console",)
-    log_val_generations: int = 0
-    rollout_data_dir: str | None = None
-    validation_data_dir: str | None = None
     val_before_train: bool = True
     val_only: bool = False
     test_freq: int = -1
@@ -763,11 +750,32 @@ class TrainerConfig:
     resume_mode: str = "auto"
     resume_from_path: str | None = None
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
-    max_actor_ckpt_to_keep: int | None = None
-    max_critic_ckpt_to_keep: int | None = None
     max_consecutive_nonfinite_steps: int | None = 5
     nnodes: int | None = None
     n_gpus_per_node: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainerConfig(LoopConfig):
+    """`trainer.*`: the step loop, logging, validation and checkpoints.
+
+    Attributes:
+        balance_batch: Reorder sequences so every data-parallel shard gets equal token counts.
+        critic_warmup: Steps that update only the critic.
+        log_val_generations: Validation samples printed to the loggers.
+        rollout_data_dir: Folder for JSONL dumps of training generations; null: none.
+        validation_data_dir: Folder for JSONL dumps of validation generations; null: none.
+        max_actor_ckpt_to_keep: Keep only the newest n actor checkpoints; null: all.
+        max_critic_ckpt_to_keep: Keep only the newest n critic checkpoints; null: all.
+    """
+
+    balance_batch: bool = True
+    critic_warmup: int = 0
+    log_val_generations: int = 0
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    max_actor_ckpt_to_keep: int | None = None
+    max_critic_ckpt_to_keep: int | None = None
 
 
 # ------------------------------------------------------------------------------------------ mesh

@@ -18,6 +18,7 @@ Patterns are `fnmatch` patterns over dotted keys (`*` also matches dots).
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,17 +300,13 @@ IGNORED: dict[str, Ignored] = {
 }
 
 
-def renamed_to(key: str) -> str | None:
-    """The jaxrl key for a renamed verl key, or None."""
-    return RENAMED.get(key)
-
-
-def ignored_entry(key: str) -> Ignored | None:
-    """The `IGNORED` entry for `key`, or None.
+def ignored_entry(key: str, table: Mapping[str, Ignored] | None = None) -> Ignored | None:
+    """The entry of `table` (default `IGNORED`) for `key`, or None.
 
     Where several patterns match (`*.qat.enable` and `*.qat.*`), one that restricts the
     accepted values wins, so a broad "any value" pattern never hides a restriction.
     """
-    matches = [e for p, e in IGNORED.items() if fnmatch.fnmatchcase(key, p)]
+    table = IGNORED if table is None else table
+    matches = [e for p, e in table.items() if fnmatch.fnmatchcase(key, p)]
     restrictive = [e for e in matches if e.accepted is not None]
     return (restrictive or matches or [None])[0]

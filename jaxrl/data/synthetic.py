@@ -128,6 +128,42 @@ def _add_record(rng: np.random.Generator, split: str, index: int) -> dict[str, A
     }
 
 
+def sft_records(
+    num_rows: int, *, task: str = "repeat", length: int = 4, seed: int = 0, split: str = "train"
+) -> list[dict[str, Any]]:
+    """`make_records`' prompts with their answers as SFT rows: `prompt` (the chat messages)
+    and `response` (the ground truth), verl's SFT columns."""
+    records = make_records(num_rows, task=task, length=length, seed=seed, split=split)
+    return [{"prompt": r["prompt"], "response": r["reward_model"]["ground_truth"]} for r in records]
+
+
+def corrupt(truth: str, rng: np.random.Generator) -> str:
+    """A wrong answer close to `truth`: one to all of its digits replaced by other digits."""
+    digits = truth.split()
+    k = int(rng.integers(1, len(digits) + 1))
+    for i in rng.choice(len(digits), size=k, replace=False):
+        digits[i] = str((int(digits[i]) + int(rng.integers(1, 10))) % 10)
+    return " ".join(digits)
+
+
+def preference_records(
+    num_rows: int, *, task: str = "repeat", length: int = 4, seed: int = 0, split: str = "train"
+) -> list[dict[str, Any]]:
+    """`make_records`' prompts as TRL's conversational preference rows: `prompt` (messages),
+    `chosen` (the right answer as an assistant message) and `rejected` (`corrupt`'s)."""
+    records = make_records(num_rows, task=task, length=length, seed=seed, split=split)
+    rng = np.random.default_rng([seed, sum(map(ord, split)), 1])
+    out = []
+    for r in records:
+        truth = r["reward_model"]["ground_truth"]
+        out.append({
+            "prompt": r["prompt"],
+            "chosen": [{"role": "assistant", "content": truth}],
+            "rejected": [{"role": "assistant", "content": corrupt(truth, rng)}],
+        })  # fmt: skip
+    return out
+
+
 def write_dataset(
     output_dir: str | os.PathLike,
     *,

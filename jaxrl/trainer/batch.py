@@ -58,6 +58,9 @@ class RLBatch:
         advantages: [N, R].
         returns: [N, R].
         rollout_is_weights: Rollout-correction importance weights [N, R].
+        ref_sequence_log_probs: The reference's log-prob of each row's trained tokens, summed
+            [N] (the offline preference trainers).
+        labels: Per-row labels [N] (KTO: 1 desirable, 0 undesirable).
         prompt_lengths: Real prompt tokens per row (host, static).
         response_lengths: Real response tokens per row (host, static).
     """
@@ -78,6 +81,8 @@ class RLBatch:
     advantages: Float[Array, "n r"] | None = None
     returns: Float[Array, "n r"] | None = None
     rollout_is_weights: Float[Array, "n r"] | None = None
+    ref_sequence_log_probs: Float[Array, " n"] | None = None
+    labels: Float[Array, " n"] | None = None
     prompt_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     response_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 

@@ -129,7 +129,7 @@ class Cluster:
         layouts: dict[str, Layout | None],
         learners: dict[str, Learner],
         frozen: dict[str, Frozen],
-        rollout: RolloutEngine,
+        rollout: RolloutEngine | None,
         reward_model: RewardModel | None = None,
         *,
         shared_ref: bool = False,
@@ -163,30 +163,13 @@ class Cluster:
                 "to tell whether the reward model's differs and responses must be re-templated"
             )
         layouts = cluster_layouts(cfg, specs, devices)
-        learners, frozen, reward_model = {}, {}, None
-        shared_ref = "ref" in specs and specs["actor"].lora is not None
-        if shared_ref:
-            _warn_ref_settings(specs["ref"], specs["actor"])
-        for name, spec in specs.items():
-            layout = layouts[name]
-            if (
-                name == "rollout"
-                or (name == "reward" and abstract)
-                or (name == "ref" and shared_ref)
-            ):
-                continue
-            if spec.trainable and name not in training:
-                raise ValueError(f"the {name} role is trainable but the algorithm gave no Training")
-            config, params = load_role(spec, layout, abstract=abstract)
-            if spec.trainable:
-                keep = ("score",) if spec.head == "value" else ()
-                learners[name] = _learner(config, params, training[name], layout, keep)
-            elif name == "reward":
-                reward_model = RewardModel.from_config(
-                    cfg.reward_model, tokenizer, layout, model=(config, params)
-                )
-            else:
-                frozen[name] = Frozen(config, params, layout)
+        shared_ref = _shares_ref(specs)
+        learners, frozen, models = _load_roles(specs, layouts, training, abstract, shared_ref)
+        reward_model = None
+        if "reward" in models:
+            reward_model = RewardModel.from_config(
+                cfg.reward_model, tokenizer, layouts["reward"], model=models["reward"]
+            )
         spec = specs["rollout"]
         rollout_cfg = cfg.actor_rollout_ref.rollout
         # A conversation's prompt is padded to its bucket: room for the whole response after it.
@@ -212,12 +195,36 @@ class Cluster:
             specs, layouts, learners, frozen, rollout, reward_model, shared_ref=shared_ref
         )
         if not abstract:
-            for name, spec in specs.items():
-                if name in learners or name in frozen:
-                    opt = spec.optimizer_offload and name in learners
-                    if spec.param_offload or opt:
-                        cluster._move(name, offload, spec.param_offload, opt)
+            cluster._offload_at_start()
         return cluster
+
+    @classmethod
+    def offline(
+        cls,
+        specs: Mapping[str, RoleSpec],
+        layout: Layout | None,
+        training: Mapping[str, Training],
+        *,
+        abstract: bool = False,
+    ) -> Cluster:
+        """A cluster without rollout or reward model, every role on `layout`: the offline
+        trainers' (the trained actor and, for DPO / KTO, a frozen `ref`; with a LoRA actor
+        the reference is its base, as in RL)."""
+        specs = _offload_supported(dict(specs))
+        layouts = {name: layout for name in specs}
+        shared_ref = _shares_ref(specs)
+        learners, frozen, _ = _load_roles(specs, layouts, training, abstract, shared_ref)
+        cluster = cls(specs, layouts, learners, frozen, None, shared_ref=shared_ref)
+        if not abstract:
+            cluster._offload_at_start()
+        return cluster
+
+    def _offload_at_start(self) -> None:
+        for name, spec in self.specs.items():
+            if name in self.learners or name in self.frozen:
+                opt = spec.optimizer_offload and name in self.learners
+                if spec.param_offload or opt:
+                    self._move(name, offload, spec.param_offload, opt)
 
     @contextlib.contextmanager
     def on_device(self, name: str, *, optimizer: bool = False) -> Iterator[None]:
@@ -371,6 +378,41 @@ class Cluster:
             step = global_array(np.asarray(meta[f"{name}_steps"], learner.state.step.dtype),
                                 learner.state.step.sharding)  # fmt: skip
             learner.state = UpdateState(items[f"{name}_params"], items[f"{name}_opt"], step)
+
+
+def _shares_ref(specs: Mapping[str, RoleSpec]) -> bool:
+    """Whether the reference is the LoRA actor's base (no model of its own)."""
+    shared = "ref" in specs and specs["actor"].lora is not None
+    if shared:
+        _warn_ref_settings(specs["ref"], specs["actor"])
+    return shared
+
+
+def _load_roles(
+    specs: Mapping[str, RoleSpec],
+    layouts: Mapping[str, Layout | None],
+    training: Mapping[str, Training],
+    abstract: bool,
+    shared_ref: bool,
+) -> tuple[dict[str, Learner], dict[str, Frozen], dict[str, tuple[DecoderConfig, Any]]]:
+    """Load every role but the rollout (and, abstract, the reward model; and, `shared_ref`,
+    the reference a LoRA actor's base stands for): (learners, frozen roles,
+    {"reward": (config, params)})."""
+    learners, frozen, models = {}, {}, {}
+    for name, spec in specs.items():
+        if name == "rollout" or (name == "reward" and abstract) or (name == "ref" and shared_ref):
+            continue
+        if spec.trainable and name not in training:
+            raise ValueError(f"the {name} role is trainable but the algorithm gave no Training")
+        config, params = load_role(spec, layouts[name], abstract=abstract)
+        if spec.trainable:
+            keep = ("score",) if spec.head == "value" else ()
+            learners[name] = _learner(config, params, training[name], layouts[name], keep)
+        elif name == "reward":
+            models[name] = (config, params)
+        else:
+            frozen[name] = Frozen(config, params, layouts[name])
+    return learners, frozen, models
 
 
 def _offload_supported(specs: dict[str, RoleSpec]) -> dict[str, RoleSpec]:

@@ -51,14 +51,12 @@ class NonFiniteGuard:
         self.steps: list[int] = []
 
     def check(self, step: int, metrics: dict[str, float]) -> None:
-        skipped = {
-            k: metrics[k] for k in ("actor/skipped_steps", "critic/skipped_steps") if metrics.get(k)
-        }
+        skipped = {k: v for k, v in metrics.items() if k.endswith("skipped_steps") and v}
         if not skipped:
             self.steps = []
             return
         self.steps.append(step)
-        norms = {k: metrics.get(k) for k in ("actor/grad_norm", "critic/grad_norm") if k in metrics}
+        norms = {k: v for k, v in metrics.items() if k.endswith("grad_norm")}
         log.warning("step %d: non-finite gradient norm, update skipped (%s)", step, norms)
         if self.limit is not None and len(self.steps) >= self.limit:
             raise TrainingError(
@@ -232,7 +230,9 @@ def train_run(cfg, run: Run) -> dict[str, float]:
         run.val_loader,
         run.steps,
     )
-    ckpts = Checkpoints(run_dir / "checkpoints", max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
+    keep = getattr(cfg.trainer, "max_actor_ckpt_to_keep", None)  # the RL config's name
+    keep = getattr(cfg.trainer, "max_ckpt_to_keep", keep)  # the offline configs'
+    ckpts = Checkpoints(run_dir / "checkpoints", max_to_keep=keep)
     start = 0
     if (problem := fresh_start_problem(cfg, ckpts.directory)) is not None:
         raise FileExistsError(problem)

@@ -150,10 +150,14 @@ class Learner:
         token_budget: int | None,
         fields: tuple[str, ...],
         balance: bool = False,
+        info: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_rows`, one optimizer
         step each; `micro_rows` / `token_budget` are per batch-shard device (verl's
-        `*_per_gpu`). Returns verl-style metrics averaged over the optimizer steps."""
+        `*_per_gpu`). `info` adds entries (arrays) to every micro-batch loss's `info`: global
+        values of the whole batch, for an algorithm that takes one mini-batch per step (the
+        offline trainers' pair counts, KTO's KL estimate). Returns verl-style metrics
+        averaged over the optimizer steps."""
         n = batch.rows
         arrays = moved_to(batch.fields((*SEQUENCE_FIELDS, *fields)), self.layout)
         rng = np.random.RandomState(seed)
@@ -164,12 +168,12 @@ class Learner:
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, mini_batch_rows):
                 rows = order[start : start + mini_batch_rows]
-                info = _mini_batch_info(arrays["loss_mask"], rows)
+                mb_info = {**_mini_batch_info(arrays["loss_mask"], rows), **(info or {})}
                 acc = self._zeros(self.state.params)
                 micro = []
                 for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
                     acc, m = self._accumulate(
-                        self.state.params, acc, take(arrays, mb, self.layout), info, self.frozen
+                        self.state.params, acc, take(arrays, mb, self.layout), mb_info, self.frozen
                     )
                     micro.append(m)
                 self.state, applied = self._apply(self.state, acc)

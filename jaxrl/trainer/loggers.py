@@ -37,6 +37,16 @@ _CONSOLE_KEYS = (
     "response_length/mean",
     "timing_s/step",
     "perf/throughput",
+    # the offline trainers (verl's SFT names, TRL's DPO / KTO names)
+    "train/loss",
+    "val/loss",
+    "val/exact_match",
+    "loss",
+    "rewards/accuracies",
+    "rewards/margins",
+    "kl",
+    "eval_loss",
+    "eval_rewards/accuracies",
 )
 
 

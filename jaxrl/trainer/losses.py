@@ -23,6 +23,7 @@ from jaxtyping import Array
 
 from jaxrl.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from jaxrl.core_algos.common import cfg_get, masked_mean
+from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
 from jaxrl.trainer.sequences import response_log_probs, response_values
 
@@ -120,3 +121,95 @@ def critic_loss(
     )
     means = {"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": masked_mean(vpreds, mask)}
     return vf_loss, {"sum": {"critic/vf_loss": vf_loss}, "mean": means, "tokens": jnp.sum(mask)}
+
+
+def sft_loss(
+    params: Any, mb: dict[str, Array], info: dict[str, Any], *, config: DecoderConfig
+) -> tuple[Array, dict[str, Array]]:
+    """verl's SFT loss on one micro-batch: the negative log-likelihood of the trained tokens
+    over the whole batch's trained-token count (`info["batch_num_tokens"]`),
+
+        loss = -sum_{t in loss_mask} log pi(y_t | y_<t) / N_batch
+
+    so the micro-batch losses sum to the batch's token mean."""
+    lp, _ = response_log_probs(config, params, mb, temperature=1.0)
+    mask = mb["loss_mask"].astype(jnp.float32)
+    nll = agg_loss(-lp, mask, "token-mean", **info)
+    return nll, {"sum": {"train/loss": nll}, "mean": {}, "tokens": jnp.sum(mask)}
+
+
+def sequence_log_probs(
+    config: DecoderConfig, params: Any, mb: dict[str, Array]
+) -> tuple[Array, Array]:
+    """(sum of the trained tokens' log-probs, trained-token count) per row, float32 [m] each."""
+    lp, _ = response_log_probs(config, params, mb, temperature=1.0)
+    mask = mb["loss_mask"].astype(jnp.float32)
+    return jnp.sum(lp * mask, axis=-1), jnp.sum(mask, axis=-1)
+
+
+def dpo_terms(
+    seq: Array, lengths: Array, ref: Array, info: dict[str, Any], *, spec: Any
+) -> tuple[Array, dict[str, Array]]:
+    """The DPO loss of rows laid out as pairs (chosen 2i, rejected 2i + 1) and TRL's metrics,
+    each a sum over the pairs / the batch's pair count (so micro-batches add up)."""
+    c, r = seq[0::2], seq[1::2]
+    c_len, r_len = lengths[0::2], lengths[1::2]
+    pair = (c_len > 0).astype(jnp.float32)
+    n = info["num_pairs"]
+    loss = dpo_loss(
+        c, r, ref[0::2], ref[1::2], loss_types=spec.loss_types, loss_weights=spec.loss_weights,
+        beta=spec.beta, label_smoothing=spec.label_smoothing, chosen_lengths=c_len,
+        rejected_lengths=r_len, pair_mask=pair, num_pairs=n,
+        num_chosen_tokens=info["chosen_tokens"], discopop_tau=spec.discopop_tau,
+    )  # fmt: skip
+    rc, rr = spec.beta * (c - ref[0::2]), spec.beta * (r - ref[1::2])
+
+    def mean(x):
+        return jnp.sum(x * pair) / n
+
+    metrics = {
+        "rewards/chosen": mean(rc),
+        "rewards/rejected": mean(rr),
+        "rewards/accuracies": mean((rc > rr).astype(jnp.float32)),
+        "rewards/margins": mean(rc - rr),
+        "logps/chosen": mean(c),
+        "logps/rejected": mean(r),
+    }
+    return loss, metrics
+
+
+def kto_terms(
+    seq: Array, lengths: Array, ref: Array, labels: Array, info: dict[str, Any], *, spec: Any
+) -> tuple[Array, dict[str, Array]]:
+    """The KTO loss of labelled rows and TRL's metrics (sums over the batch's counts)."""
+    row = (lengths > 0).astype(jnp.float32)
+    loss = kto_loss(
+        seq, ref, labels, info["kl"], loss_type=spec.loss_types[0], beta=spec.beta,
+        desirable_weight=spec.desirable_weight, undesirable_weight=spec.undesirable_weight,
+        row_mask=row, num_rows=info["num_rows"],
+    )  # fmt: skip
+    rewards = spec.beta * (seq - ref)
+    good, bad = row * labels, row * (1 - labels)
+    n_good = jnp.maximum(info["num_desirable"], 1.0)
+    n_bad = jnp.maximum(info["num_rows"] - info["num_desirable"], 1.0)
+    metrics = {
+        "rewards/chosen": jnp.sum(rewards * good) / n_good,
+        "rewards/rejected": jnp.sum(rewards * bad) / n_bad,
+        "logps/chosen": jnp.sum(seq * good) / n_good,
+        "logps/rejected": jnp.sum(seq * bad) / n_bad,
+    }
+    return loss, metrics
+
+
+def preference_loss(
+    params: Any, mb: dict[str, Array], info: dict[str, Any], *, config: DecoderConfig, spec: Any
+) -> tuple[Array, dict[str, Array]]:
+    """The DPO (pairs) or KTO (labelled rows) loss of one micro-batch against the reference's
+    sequence log-probs in `mb["ref_sequence_log_probs"]` (`jaxrl.core_algos.preference`)."""
+    seq, lengths = sequence_log_probs(config, params, mb)
+    ref = mb["ref_sequence_log_probs"]
+    if spec.kto:
+        loss, metrics = kto_terms(seq, lengths, ref, mb["labels"], info, spec=spec)
+    else:
+        loss, metrics = dpo_terms(seq, lengths, ref, info, spec=spec)
+    return loss, {"sum": {"loss": loss, **metrics}, "mean": {}, "tokens": jnp.sum(lengths)}

@@ -5,6 +5,7 @@ Schedules (step s counted from 0, W warm-up steps, S total steps, r = min_lr_rat
     constant:  lr * min(1, s / max(1, W))
     cosine:    warm-up as above, then lr * max(r, (1 - r)/2 * cos(2 pi c p) + (1 + r)/2),
                p = (s - W) / max(1, S - W), c = num_cycles
+    linear:    warm-up as above, then lr * max(0, (S - s) / max(1, S - W))   (HF / TRL's)
 
 W = `lr_warmup_steps`, or `lr_warmup_steps_ratio * S` (truncated) when that is -1.
 """
@@ -36,14 +37,18 @@ def learning_rate_schedule(optim: Any, total_steps: int) -> optax.Schedule:
     warmup = warmup_steps(optim, total)
     min_ratio = cfg_get(optim, "min_lr_ratio", 0.0) or 0.0
     cycles = cfg_get(optim, "num_cycles", 0.5)
-    if kind not in ("constant", "cosine"):
-        raise ValueError(f"lr_scheduler_type {kind!r}; use constant or cosine")
+    if kind not in ("constant", "cosine", "linear"):
+        raise ValueError(f"lr_scheduler_type {kind!r}; use constant, cosine or linear")
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         ramp = step / max(1.0, warmup)
         if kind == "constant":
             factor = jnp.where(step < warmup, ramp, 1.0)
+        elif kind == "linear":
+            factor = jnp.where(
+                step < warmup, ramp, jnp.maximum(0.0, (total - step) / max(1, total - warmup))
+            )
         else:
             progress = (step - warmup) / max(1, total - warmup)
             cosine = jnp.cos(math.pi * cycles * 2.0 * progress)

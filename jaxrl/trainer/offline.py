@@ -1,0 +1,434 @@
+"""The offline trainers over the cluster: SFT (verl's SFT trainer) and preference optimisation
+(DPO and its variants, KTO; TRL's trainers), both driven by `fit.train_run` through the
+`Trainer` protocol, with the RL trainer's `Cluster`, `Learner`, checkpoints and logs.
+
+    run = build_sft_run(cfg)            # cfg: jaxrl.config.offline.SFTConfig
+    run = build_preference_run(cfg)     # cfg: jaxrl.config.offline.DPOConfig
+    train_run(cfg, run)
+
+A step is one optimizer update on the loader's batch (`data.train_batch_size` examples),
+accumulated over micro-batches of `data.micro_batch_size_per_gpu` examples per device; every
+micro-batch loss divides by the whole batch's counts (trained tokens for SFT, pairs or rows
+for DPO / KTO), so the update does not depend on the micro-batch size. A DPO pair's chosen and
+rejected sequences are consecutive rows and always share a micro-batch (one forward pass).
+The reference's sequence log-probs are computed once per batch before the update (or once
+for the whole dataset before training, `dpo.precompute_ref_log_probs`; or taken as 0,
+`dpo.reference_free`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.config.mesh import TRAIN_RULES
+from jaxrl.config.offline import is_kto, loss_types, offline_mesh
+from jaxrl.core_algos.preference import kl_estimate
+from jaxrl.data import PromptIterator, load_tokenizer
+from jaxrl.data.offline import OfflineBatch, OfflineDataset
+from jaxrl.data.supervised import PreferenceLimits
+from jaxrl.sharding.layouts import Layout, train_mesh
+from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
+from jaxrl.trainer import losses
+from jaxrl.trainer.batch import RLBatch
+from jaxrl.trainer.cluster import Cluster, Training
+from jaxrl.trainer.fit import Run
+from jaxrl.trainer.learner import infer
+from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
+from jaxrl.trainer.roles import LoraOptions, RoleSpec, dtype_name, log_prob_fn
+from jaxrl.trainer.sequences import response_top1
+
+log = logging.getLogger("jaxrl.train")
+
+
+# ---------------------------------------------------------------------------------- the cluster
+
+
+def offline_layout(cfg: Any, devices=None) -> Layout:
+    """The training layout of `mesh.*` over `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = offline_mesh(cfg, len(devices))
+    return Layout.create(train_mesh(sizes, devices), dict(cfg.mesh.train_rules) or TRAIN_RULES)
+
+
+def offline_specs(cfg: Any, *, reference: bool) -> dict[str, RoleSpec]:
+    """The actor (trained) and, with `reference`, the frozen reference: both `model.path`."""
+    m = cfg.model
+    common = dict(
+        path=m.path,
+        param_dtype=dtype_name(m.model_dtype, "model.model_dtype"),
+        compute_dtype=dtype_name(m.dtype, "model.dtype"),
+        override_config=dict(m.override_config),
+        attention_impl=m.attention_impl,
+    )
+    remat = m.remat_policy if m.enable_gradient_checkpointing else "none"
+    lora = LoraOptions.from_config(m, "model")
+    specs = {"actor": RoleSpec("actor", remat=remat, trainable=True, lora=lora, **common)}
+    if reference:
+        specs["ref"] = RoleSpec("ref", **common)
+    return specs
+
+
+def _tokenizer(cfg: Any) -> Any:
+    m = cfg.model
+    return load_tokenizer(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code,
+                          custom_chat_template=m.custom_chat_template)  # fmt: skip
+
+
+def _steps(cfg: Any, loader: PromptIterator) -> int:
+    if cfg.trainer.total_training_steps is not None:
+        return int(cfg.trainer.total_training_steps)
+    return loader.batches_per_epoch * cfg.trainer.total_epochs
+
+
+def _loaders(cfg, train: OfflineDataset, val: OfflineDataset | None, val_size: int | None):
+    loader = PromptIterator(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                            seed=cfg.trainer.seed)  # fmt: skip
+    val_loader = None
+    if val is not None:
+        val_loader = PromptIterator.for_validation(val, val_size or cfg.data.train_batch_size)
+    return loader, val_loader
+
+
+# ----------------------------------------------------------------------------- the shared part
+
+
+def _global(batch: OfflineBatch) -> dict[str, np.ndarray]:
+    """The batch's arrays of every process, concatenated in process order (each process holds
+    its slice of the global batch), padded to common widths."""
+    arrays = {**batch.arrays(), "row_ids": batch.row_ids}
+    if batch.labels is not None:
+        arrays["labels"] = batch.labels
+    if jax.process_count() == 1:
+        return arrays
+    widths = allgather_objects((batch.prompts.shape[1], batch.responses.shape[1]))
+    p, r = max(w[0] for w in widths), max(w[1] for w in widths)
+    for k in ("prompts", "prompt_mask"):
+        x = arrays[k]
+        arrays[k] = np.pad(x, ((0, 0), (p - x.shape[1], 0)))
+    for k in ("responses", "response_mask", "loss_mask"):
+        x = arrays[k]
+        arrays[k] = np.pad(x, ((0, 0), (0, r - x.shape[1])))
+    return gather_rows(arrays)
+
+
+class OfflineTrainer:
+    """What the SFT and preference trainers share: the cluster (the trained actor, maybe a
+    reference), host batches onto the devices, the step's one update, the learning rate, and
+    the checkpointable state (the cluster's)."""
+
+    # the Learner's metric name -> the trainer's
+    metric_names: Mapping[str, str] = MappingProxyType({})
+
+    def __init__(self, cfg: Any, cluster: Cluster, *, total_steps: int, rows_per_example: int):
+        self.cfg, self.cluster = cfg, cluster
+        self.layout = cluster.layouts["actor"]
+        self.rows_per_example = rows_per_example
+        self.schedule = learning_rate_schedule(cfg.optim, total_steps)
+
+    def device_batch(self, batch: OfflineBatch) -> tuple[RLBatch, np.ndarray]:
+        """The global batch on the devices (with its labels), and its rows' dataset ids."""
+        arrays = _global(batch)
+        row_ids = arrays.pop("row_ids")
+        return RLBatch.from_host(arrays, self.layout), row_ids
+
+    def micro(self) -> dict[str, Any]:
+        """`Learner.update`'s micro-batch arguments (rows per device: examples x sequences)."""
+        data = self.cfg.data
+        budget = data.max_token_len_per_gpu if getattr(data, "use_dynamic_bsz", False) else None
+        return dict(micro_rows=data.micro_batch_size_per_gpu * self.rows_per_example,
+                    token_budget=budget)  # fmt: skip
+
+    def update(self, rl: RLBatch, fields: tuple[str, ...], info: dict[str, Any]) -> dict:
+        learner = self.cluster.actor
+        lr = float(self.schedule(int(to_host(learner.state.step))))
+        with self.cluster.on_device("actor", optimizer=True):
+            metrics = learner.update(
+                rl, mini_batch_rows=rl.rows, epochs=1, shuffle=False, seed=0, fields=fields,
+                info=info, **self.micro(),
+            )  # fmt: skip
+        metrics["lr"] = lr
+        return {self.metric_names.get(k, k): v for k, v in metrics.items()}
+
+    def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.cluster.state_items()
+
+    def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
+        self.cluster.restore(items, meta)
+
+    def log_probs(self, params: Any, rl: RLBatch, config) -> jax.Array:
+        """Per-token log-probs [N, R] of `rl`'s completions under `params`."""
+        fn = _log_prob_fn(config, self.layout)
+        return infer(fn, params, rl, layout=self.layout, **self.micro())
+
+
+@functools.cache
+def _log_prob_fn(config, layout):
+    return log_prob_fn(config, layout, temperature=1.0, chunk_size=None)
+
+
+def _replicated(x: jax.Array, layout: Layout | None) -> jax.Array:
+    return x if layout is None else jax.device_put(x, layout.replicated())
+
+
+@jax.jit
+def _sequence_sums(lp: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    return jnp.sum(lp * loss_mask.astype(lp.dtype), axis=-1)
+
+
+# ------------------------------------------------------------------------------------------ SFT
+
+
+class SFTTrainer(OfflineTrainer):
+    """verl's SFT trainer: the token-mean NLL of the trained tokens; metrics `train/loss`,
+    `train/grad_norm`, `train/lr`, and on validation `val/loss` (the mean of the validation
+    batches' token means, as verl) with `val/token_accuracy` (trained tokens whose greedy
+    prediction is right) and `val/exact_match` (sequences whose every trained token is the
+    greedy prediction: greedy decoding from the prompt writes exactly the target)."""
+
+    metric_names = MappingProxyType(
+        {"grad_norm": "train/grad_norm", "lr": "train/lr", "skipped_steps": "train/skipped_steps"}
+    )
+
+    def step(self, batch: OfflineBatch, global_step: int) -> dict[str, float]:
+        rl, _ = self.device_batch(batch)
+        metrics = self.update(rl, (), {})
+        metrics["train/global_tokens"] = float(
+            np.sum(np.asarray(rl.prompt_lengths)) + np.sum(np.asarray(rl.response_lengths))
+        )
+        return metrics
+
+    def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
+        learner = self.cluster.actor
+        losses_, correct, tokens, exact, rows = [], 0.0, 0.0, 0.0, 0.0
+        fn = _top1_fn(learner.config, self.layout)
+        with self.cluster.on_device("actor"):
+            for batch in _one_pass(loader):
+                rl, _ = self.device_batch(batch)
+                lp, top1 = infer(fn, learner.params, rl, layout=self.layout, **self.micro())
+                mask = np.asarray(to_host(rl.loss_mask), np.float64)
+                lp, top1 = np.asarray(to_host(lp), np.float64), np.asarray(to_host(top1))
+                n = mask.sum()
+                if n == 0:
+                    continue
+                losses_.append(-(lp * mask).sum() / n)
+                correct += (top1 * mask).sum()
+                tokens += n
+                real = mask.sum(-1) > 0
+                exact += float(((top1 * mask).sum(-1) == mask.sum(-1))[real].sum())
+                rows += float(real.sum())
+        return {
+            "val/loss": float(np.mean(losses_)),
+            "val/token_accuracy": float(correct / max(tokens, 1.0)),
+            "val/exact_match": exact / max(rows, 1.0),
+        }
+
+
+def _one_pass(loader: PromptIterator) -> Iterator[OfflineBatch]:
+    loader.epoch, loader.position = 0, 0  # every validation is one whole pass
+    yield from loader.one_epoch()
+
+
+@functools.cache
+def _top1_fn(config, layout):
+    """jit of `(params, mb) -> (log-probs [m, r], whether each token is the argmax [m, r])`."""
+    lp_fn = log_prob_fn(config, layout, temperature=1.0, chunk_size=None)
+
+    def fn(params, mb):
+        return lp_fn(params, mb), response_top1(config, params, mb).astype(jnp.float32)
+
+    return jax.jit(fn)
+
+
+def sft_training(cfg: Any, total_steps: int) -> dict[str, Training]:
+    optimizer = make_optimizer(cfg.optim, total_steps)
+    loss = lambda config: functools.partial(losses.sft_loss, config=config)  # noqa: E731
+    return {"actor": Training(loss, optimizer, cfg.optim.clip_grad)}
+
+
+def build_sft_run(cfg: Any, devices=None) -> Run:
+    """The tokenizer, loaders, cluster and `SFTTrainer` of an SFT config."""
+    tokenizer = _tokenizer(cfg)
+    train = OfflineDataset.sft(cfg.data, tokenizer, "train")
+    val = OfflineDataset.sft(cfg.data, tokenizer, "val") if cfg.data.val_files else None
+    loader, val_loader = _loaders(cfg, train, val, None)
+    steps = _steps(cfg, loader)
+    layout = offline_layout(cfg, devices)
+    cluster = Cluster.offline(offline_specs(cfg, reference=False), layout, sft_training(cfg, steps))
+    trainer = SFTTrainer(cfg, cluster, total_steps=steps, rows_per_example=1)
+    return Run(tokenizer, loader, val_loader, steps, trainer)
+
+
+# ---------------------------------------------------------------------------------- DPO and KTO
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceSpec:
+    """The preference loss of a run (`dpo.*`; see `jaxrl.core_algos.preference`)."""
+
+    loss_types: tuple[str, ...]
+    loss_weights: tuple[float, ...]
+    beta: float
+    label_smoothing: float
+    discopop_tau: float
+    kto: bool
+    desirable_weight: float
+    undesirable_weight: float
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PreferenceSpec:
+        d = cfg.dpo
+        types, weights = loss_types(cfg)
+        return cls(types, weights, d.beta, d.label_smoothing, d.discopop_tau, is_kto(cfg),
+                   d.desirable_weight, d.undesirable_weight)  # fmt: skip
+
+
+class PreferenceTrainer(OfflineTrainer):
+    """DPO (pairs) or KTO (labelled rows) against a frozen reference; TRL's metric names
+    (`loss`, `grad_norm`, `learning_rate`, `rewards/chosen`, `rewards/rejected`,
+    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`, KTO's `kl`;
+    on validation the same with `eval_`)."""
+
+    metric_names = MappingProxyType({"lr": "learning_rate"})
+
+    def __init__(self, cfg: Any, cluster: Cluster, *, total_steps: int, spec: PreferenceSpec):
+        super().__init__(cfg, cluster, total_steps=total_steps,
+                         rows_per_example=1 if spec.kto else 2)  # fmt: skip
+        self.spec = spec
+        self.reference_free = cfg.dpo.reference_free
+        # dpo.precompute_ref_log_probs: {"train" | "val": [dataset rows, sequences per row]}
+        self.ref_tables: dict[str, np.ndarray] = {}
+
+    # ------------------------------------------------------------------- reference values
+
+    def reference_sums(self, rl: RLBatch, row_ids: np.ndarray, split: str = "train") -> jax.Array:
+        """The reference's sequence log-probs [N] of the batch's rows (of dataset `split`)."""
+        if self.reference_free:
+            return _replicated(jnp.zeros((rl.rows,), jnp.float32), self.layout)
+        if split in self.ref_tables:
+            k = self.rows_per_example
+            values = self.ref_tables[split][row_ids, np.arange(len(row_ids)) % k]
+            return _replicated(jnp.asarray(values, jnp.float32), self.layout)
+        ref = self.cluster.ref
+        with self.cluster.on_device("ref"):
+            lp = self.log_probs(ref.params, rl, ref.config)
+        return _sequence_sums(lp, rl.loss_mask)
+
+    def precompute_reference(self, datasets: dict[str, OfflineDataset], batch_size: int) -> None:
+        """`dpo.precompute_ref_log_probs`: the reference's sequence log-probs of every row of
+        each dataset (`train`, `val`), once; then the reference model is freed. Every
+        process computes every row (any process may be dealt any row later)."""
+        k = self.rows_per_example
+        for split, dataset in datasets.items():
+            table = np.zeros((len(dataset), k), np.float64)
+            loader = PromptIterator.for_validation(dataset, batch_size, process_index=0,
+                                                   process_count=1)  # fmt: skip
+            for batch in _one_pass(loader):
+                rl, row_ids = self.device_batch(batch)
+                sums = np.asarray(to_host(self.reference_sums(rl, row_ids, split)), np.float64)
+                table[row_ids, np.arange(len(row_ids)) % k] = sums
+            self.ref_tables[split] = table
+        self.cluster.frozen.pop("ref", None)  # its arrays go with the last reference to them
+
+    # ------------------------------------------------------------------------------- step
+
+    def _info(self, rl: RLBatch, labels: np.ndarray | None) -> dict[str, Any]:
+        """The batch's global counts for the micro-batch losses."""
+        trained = np.asarray(to_host(rl.loss_mask)).sum(-1)
+        if self.spec.kto:
+            real = trained > 0
+            return {"num_rows": jnp.float32(real.sum()),
+                    "num_desirable": jnp.float32((labels[real] > 0).sum())}  # fmt: skip
+        return {"num_pairs": jnp.float32((trained[0::2] > 0).sum()),
+                "chosen_tokens": jnp.float32(trained[0::2].sum())}  # fmt: skip
+
+    def _kl(self, batch: OfflineBatch) -> jax.Array:
+        """KTO's KL estimate z from the batch's mismatched pairs, under the current policy
+        (the pairs change with the batch, so they are never precomputed)."""
+        if batch.kl is None or self.spec.loss_types[0] != "kto":
+            return jnp.zeros((), jnp.float32)
+        kl, row_ids = self.device_batch(batch.kl)
+        actor = self.cluster.actor
+        with self.cluster.on_device("actor"):
+            policy = _sequence_sums(self.log_probs(actor.params, kl, actor.config), kl.loss_mask)
+        ref = self.reference_sums(kl, row_ids, split="kl")
+        mask = (jnp.sum(kl.loss_mask, axis=-1) > 0).astype(jnp.float32)
+        return kl_estimate(policy, ref, mask)
+
+    def step(self, batch: OfflineBatch, global_step: int) -> dict[str, float]:
+        rl, row_ids = self.device_batch(batch)
+        rl = rl.replace(ref_sequence_log_probs=self.reference_sums(rl, row_ids))
+        labels = None if rl.labels is None else np.asarray(to_host(rl.labels))
+        info = self._info(rl, labels)
+        fields = ("ref_sequence_log_probs",)
+        if self.spec.kto:
+            fields += ("labels",)
+            info["kl"] = self._kl(batch)
+        metrics = self.update(rl, fields, info)
+        if self.spec.kto:
+            metrics["kl"] = float(to_host(info["kl"]))
+        return metrics
+
+    def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
+        actor = self.cluster.actor
+        totals: dict[str, float] = {}
+        weight = 0.0
+        for batch in _one_pass(loader):
+            rl, row_ids = self.device_batch(batch)
+            ref = self.reference_sums(rl, row_ids, split="val")
+            with self.cluster.on_device("actor"):
+                lp = self.log_probs(actor.params, rl, actor.config)
+            seq, lengths = _sequence_sums(lp, rl.loss_mask), jnp.sum(rl.loss_mask, axis=-1)
+            labels = None if rl.labels is None else np.asarray(to_host(rl.labels))
+            info = self._info(rl, labels)
+            if self.spec.kto:
+                info["kl"] = self._kl(batch)
+                loss, metrics = losses.kto_terms(seq, lengths.astype(jnp.float32), ref,
+                                                 rl.labels, info, spec=self.spec)  # fmt: skip
+                n = float(info["num_rows"])
+            else:
+                loss, metrics = losses.dpo_terms(seq, lengths.astype(jnp.float32), ref, info,
+                                                 spec=self.spec)  # fmt: skip
+                n = float(info["num_pairs"])
+            values = to_host({"loss": loss, **metrics})
+            for k, v in values.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * n
+            weight += n
+        return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+
+
+def preference_training(cfg: Any, total_steps: int, spec: PreferenceSpec) -> dict[str, Training]:
+    optimizer = make_optimizer(cfg.optim, total_steps)
+    loss = lambda config: functools.partial(losses.preference_loss, config=config, spec=spec)  # noqa: E731
+    return {"actor": Training(loss, optimizer, cfg.optim.clip_grad)}
+
+
+def build_preference_run(cfg: Any, devices=None) -> Run:
+    """The tokenizer, loaders, cluster and `PreferenceTrainer` of a DPO / KTO config."""
+    tokenizer = _tokenizer(cfg)
+    spec = PreferenceSpec.from_config(cfg)
+    d = cfg.dpo
+    limits = PreferenceLimits(d.max_length, d.max_prompt_length, d.max_completion_length,
+                              d.truncation_mode)  # fmt: skip
+    train = OfflineDataset.preference(cfg.data, limits, tokenizer, "train", kto=spec.kto)
+    val = None
+    if cfg.data.val_files:
+        val = OfflineDataset.preference(cfg.data, limits, tokenizer, "val", kto=spec.kto)
+    loader, val_loader = _loaders(cfg, train, val, cfg.data.val_batch_size)
+    steps = _steps(cfg, loader)
+    layout = offline_layout(cfg, devices)
+    specs = offline_specs(cfg, reference=not d.reference_free)
+    cluster = Cluster.offline(specs, layout, preference_training(cfg, steps, spec))
+    trainer = PreferenceTrainer(cfg, cluster, total_steps=steps, spec=spec)
+    if d.precompute_ref_log_probs:
+        datasets = {"train": train} if val is None else {"train": train, "val": val}
+        trainer.precompute_reference(datasets, cfg.data.val_batch_size or cfg.data.train_batch_size)
+    return Run(tokenizer, loader, val_loader, steps, trainer)

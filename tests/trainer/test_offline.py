@@ -1,0 +1,439 @@
+"""The offline trainers (`jaxrl.sft`, `jaxrl.dpo`) against the PyTorch references, and their
+loop: one step equals verl's SFT loss + torch AdamW, TRL 1.16's `DPOTrainer` and
+`KTOTrainer` (parameters after the step, float32); micro-batch invariance; exact resume; bad
+rows named by file and row.
+
+The model is a tiny random Llama with the synthetic task's ChatML word-level tokenizer, so
+TRL, verl and jaxrl tokenize the same rows into the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.config.load import load_config
+from jaxrl.config.offline import DPO, SFT
+from jaxrl.data import load_tokenizer, synthetic
+from jaxrl.data.offline import OfflineDataset
+from jaxrl.data.rows import DataError, write_parquet
+from jaxrl.models import from_pretrained
+from jaxrl.testing.reference import import_reference
+from jaxrl.testing.tiny import save_tiny
+from jaxrl.trainer.fit import train_run
+from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.offline import build_preference_run, build_sft_run
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+ONE = jax.devices()[:1]
+SFT_COLUMNS = ("data.prompt_key=prompt", "data.response_key=response")
+MESSAGES = [
+    {"role": "system", "content": "copy"},
+    {"role": "user", "content": "copy: 1 2 3"},
+    {"role": "assistant", "content": "1 2 3"},
+    {"role": "user", "content": "reverse: 4 5"},
+    {"role": "assistant", "content": "5 4"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny float32 Llama (2 layers, untied) and the synthetic tokenizer in one folder."""
+    folder = tmp_path_factory.mktemp("offline") / "model"
+    synthetic.write_tokenizer(folder)
+    tok = load_tokenizer(str(folder))
+    save_tiny("llama_mha_tied", folder, vocab_size=32, num_hidden_layers=2, hidden_size=32,
+              intermediate_size=48, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+    return folder
+
+
+def _write(folder, name, records):
+    return write_parquet(records, folder / f"{name}.parquet")
+
+
+def _sft_rows(n, seed=0):
+    rows = synthetic.sft_records(n, task="reverse", length=3, seed=seed)
+    return [{"prompt": r["prompt"][0]["content"], "response": r["response"]} for r in rows]
+
+
+def _cfg(schema, tiny, run_dir, *overrides, num_devices=1):
+    base = [f"model.path={tiny}", "model.model_dtype=fp32", "model.dtype=fp32",
+            "model.enable_gradient_checkpointing=false", f"trainer.default_local_dir={run_dir}",
+            "trainer.logger=[console]", "optim.lr_scheduler_type=constant",
+            "optim.lr_warmup_steps_ratio=0.0", "optim.weight_decay=0.0", "optim.lr=1e-3",
+            "data.shuffle=false", "mesh.fsdp=1"]  # fmt: skip
+    return load_config(None, [*base, *overrides], num_devices=num_devices, schema=schema)
+
+
+def _torch_params(folder):
+    """A transformers checkpoint folder's parameters as jaxrl's tree (float32)."""
+    return from_pretrained(str(folder), dtype="float32")[1]
+
+
+def _assert_trees_close(ours, ref, atol):
+    flat_ours = jax.tree_util.tree_leaves_with_path(ours)
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
+    for path, x in flat_ours:
+        np.testing.assert_allclose(np.asarray(x), np.asarray(flat_ref[path]), atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ SFT
+
+
+def _verl_multiturn(monkeypatch, path, tokenizer, **config):
+    """verl 0.9.1's `MultiTurnSFTDataset` (its vision-model import stubbed: it needs
+    transformers < 5.11 and only serves image rows)."""
+    stub = types.ModuleType("verl.models.transformers.qwen2_vl")
+    stub.get_rope_index = None
+    monkeypatch.setitem(sys.modules, "verl.models.transformers.qwen2_vl", stub)
+    module = import_reference("verl.utils.dataset.multiturn_sft_dataset")
+    return module.MultiTurnSFTDataset(str(path), tokenizer, {"pad_mode": "right", **config})
+
+
+@pytest.mark.parametrize(("truncation", "max_length"), [("error", 64), ("left", 20), ("right", 20)])
+def test_multiturn_tokens_equal_verl(tiny, tmp_path, monkeypatch, truncation, max_length):
+    """Token ids and loss mask of a conversation (system, two user and two assistant turns)
+    equal verl's `MultiTurnSFTDataset`: loss on assistant tokens after the role header, the
+    end-of-turn tokens included; truncation from either side."""
+    tok = load_tokenizer(str(tiny))
+    path = _write(tmp_path, "mt", [{"messages": MESSAGES}])
+    ref = _verl_multiturn(monkeypatch, path, tok, max_length=max_length, truncation=truncation)[0]
+    n = int(ref["attention_mask"].sum())
+    cfg = _cfg(SFT, tiny, tmp_path / "run", f"data.train_files={path}",
+               "data.multiturn.enable=true", f"data.max_length={max_length}",
+               f"data.truncation={truncation}")  # fmt: skip
+    (example,) = OfflineDataset.sft(cfg.data, tok, "train").examples
+    seq = example.sequences[0]
+    ids = [*seq.prompt, *seq.completion]
+    mask = [0] * len(seq.prompt) + list(seq.loss_mask)
+    assert ids == ref["input_ids"][:n].tolist()
+    assert mask == ref["loss_mask"][:n].tolist()
+    if truncation == "error":
+        assert sum(mask) > 4  # both assistant turns are trained on
+
+
+def _verl_sft_loss(hf_model, ids_list, masks_list, batch_tokens):
+    """verl's `sft_loss` (no padding: jagged tensors) over HF log-probs of rolled labels."""
+    import torch
+
+    losses = import_reference("verl.workers.utils.losses")
+    tu = import_reference("verl.utils.tensordict_utils")
+    from tensordict import TensorDict
+
+    lps = []
+    for ids in ids_list:
+        x = torch.tensor([ids])
+        logits = hf_model(input_ids=x).logits[0]
+        labels = torch.roll(x[0], -1)
+        lps.append(torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None])[:, 0])
+    nested = torch.nested.as_nested_tensor(lps, layout=torch.jagged)
+    mask = torch.nested.as_nested_tensor([torch.tensor(m) for m in masks_list], layout=torch.jagged)
+    data = TensorDict({"loss_mask": mask}, batch_size=[len(ids_list)])
+    tu.assign_non_tensor(data, pad_mode="no_padding", dp_size=1, batch_num_tokens=batch_tokens)
+    loss, _ = losses.sft_loss(None, {"log_probs": nested}, data)
+    return loss
+
+
+def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path):
+    """One SFT step (single- and multi-turn rows in one batch, two micro-batches) equals
+    verl's `sft_loss` on the HF model followed by `clip_grad_norm_(1.0)` and torch AdamW:
+    the logged loss (1e-5) and every parameter after the step (1e-5)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(str(tiny))
+    single = _write(tmp_path, "single", _sft_rows(3))
+    multi = _write(tmp_path, "multi", [{"messages": MESSAGES}] * 1)
+    rows = []
+    for path, enable in ((single, "false"), (multi, "true")):
+        cfg = _cfg(SFT, tiny, tmp_path / "x", f"data.train_files={path}", *SFT_COLUMNS,
+                   f"data.multiturn.enable={enable}")  # fmt: skip
+        rows += [e.sequences[0] for e in OfflineDataset.sft(cfg.data, tok, "train").examples]
+    ids = [[*s.prompt, *s.completion] for s in rows]
+    masks = [[0] * len(s.prompt) + list(s.loss_mask) for s in rows]
+    tokens = sum(map(sum, masks))
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.01)  # fmt: skip
+    want_loss = _verl_sft_loss(hf, ids, masks, tokens)
+    want_loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    opt.step()
+    hf.save_pretrained(str(tmp_path / "torch_after"))
+
+    # jaxrl: the same four sequences as one batch
+    four = _write(tmp_path, "four", _sft_rows(4))
+    cfg = _cfg(SFT, tiny, tmp_path / "run", f"data.train_files={four}", *SFT_COLUMNS,
+               "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
+               "optim.betas=[0.9,0.95]", "optim.weight_decay=0.01",
+               "trainer.total_training_steps=1")  # fmt: skip
+    run = build_sft_run(cfg, ONE)
+    dataset = run.train_loader.dataset
+    dataset.examples = [dataclass_seq(s) for s in rows]
+    metrics = run.trainer.step(dataset.batch(np.arange(4)), 1)
+    np.testing.assert_allclose(metrics["train/loss"], float(want_loss.detach()), rtol=1e-5)
+    _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "torch_after"),
+                        atol=1e-5)  # fmt: skip
+
+
+def dataclass_seq(seq):
+    from jaxrl.data.offline import Example
+
+    return Example((seq,), None, ("test", 0))
+
+
+# ---------------------------------------------------------------------------------- DPO and KTO
+
+
+def _pairs(n, seed=0, conversational=True):
+    rows = synthetic.preference_records(n, task="repeat", length=3, seed=seed)
+    if conversational:
+        return rows
+    return [{"prompt": r["prompt"][0]["content"] + " ->", "chosen": " " + r["chosen"][0]["content"],
+             "rejected": " " + r["rejected"][0]["content"]} for r in rows]  # fmt: skip
+
+
+def _trl_step(trainer_cls, config_cls, tiny, records, out, **args):
+    import datasets
+    import torch
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(str(tiny))
+    common = dict(output_dir=str(out), per_device_train_batch_size=len(records),
+                  gradient_accumulation_steps=1, max_steps=1, learning_rate=1e-3,
+                  lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+                  weight_decay=0.0, max_grad_norm=1.0, bf16=False, fp16=False, use_cpu=True,
+                  gradient_checkpointing=False, report_to="none", logging_steps=1,
+                  save_strategy="no", seed=0, dataloader_num_workers=0, max_length=64)  # fmt: skip
+    trainer = trainer_cls(model=str(tiny), args=config_cls(**common, **args),
+                          train_dataset=datasets.Dataset.from_list(records),
+                          processing_class=tok)  # fmt: skip
+    trainer.train()
+    trainer.model.save_pretrained(str(out / "after"))
+    return trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize(
+    ("trl_loss", "ours"),
+    [((["sigmoid"], None), ["dpo.loss_type=sigmoid"]),
+     ((["ipo", "sft"], [1.0, 0.5]), ["dpo.loss_type=ipo", "dpo.rpo_alpha=0.5"])],
+)  # fmt: skip
+def test_dpo_step_equals_trl(tiny, tmp_path, trl_loss, ours):
+    """One DPO step from the same checkpoint on the same pairs (conversational rows; chosen
+    and rejected in one forward) equals TRL 1.16's `DPOTrainer` step: every parameter
+    (1e-5), the loss and TRL's metrics (rpo_alpha as TRL 1.16's `sft` term)."""
+    trl = import_reference("trl")
+    records = _pairs(4)
+    types_, weights = trl_loss
+    extra = {} if weights is None else {"loss_weights": weights}
+    logged = _trl_step(trl.DPOTrainer, trl.DPOConfig, tiny, records, tmp_path / "trl",
+                       beta=0.2, loss_type=types_, **extra)  # fmt: skip
+    path = _write(tmp_path, "pairs", records)
+    cfg = _cfg(DPO, tiny, tmp_path / "run", f"data.train_files={path}", "dpo.beta=0.2",
+               "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "dpo.max_length=64",
+               *ours)  # fmt: skip
+    run = build_preference_run(cfg, ONE)
+    metrics = run.trainer.step(next(run.train_loader), 1)
+    # (not rewards/accuracies: at the first step the policy is the reference, every reward is
+    # 0 up to rounding, and `chosen > rejected` compares rounding noise)
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected"):
+        np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(metrics["grad_norm"], logged["grad_norm"], rtol=1e-4)
+    _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "trl/after"),
+                        atol=1e-5)  # fmt: skip
+
+
+def test_kto_step_equals_trl(tiny, tmp_path):
+    """One KTO step (string rows, the KL estimate from each prompt with the previous row's
+    completion) equals TRL 1.16's `KTOTrainer` step: parameters (1e-5), loss and metrics."""
+    trl = import_reference("trl")
+    pairs = _pairs(3, conversational=False)
+    records = [
+        {"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+        for p in pairs for key in ("chosen", "rejected")
+    ]  # fmt: skip
+    logged = _trl_step(trl.KTOTrainer, trl.KTOConfig, tiny, records, tmp_path / "trl",
+                       beta=0.2, desirable_weight=1.2, undesirable_weight=0.8)  # fmt: skip
+    path = _write(tmp_path, "kto", records)
+    cfg = _cfg(DPO, tiny, tmp_path / "run", f"data.train_files={path}", "dpo.loss_type=kto",
+               "dpo.beta=0.2", "dpo.desirable_weight=1.2", "dpo.undesirable_weight=0.8",
+               "data.train_batch_size=6", "data.micro_batch_size_per_gpu=6",
+               "dpo.max_length=64")  # fmt: skip
+    run = build_preference_run(cfg, ONE)
+    metrics = run.trainer.step(next(run.train_loader), 1)
+    for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+        np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "trl/after"),
+                        atol=1e-5)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- loop properties
+
+
+def _run(cfg, devices=ONE):
+    build = build_preference_run if hasattr(cfg, "dpo") else build_sft_run
+    run = build(cfg, devices)
+    train_run(cfg, run)
+    return run
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto"])
+def test_micro_batches_and_resume(tiny, tmp_path, kind):
+    """Two steps with micro-batches of one example equal two steps without (1e-6); two steps
+    straight equal one step + checkpoint + resume, every metric and parameter exactly."""
+    if kind == "sft":
+        schema, rows, extra = SFT, _sft_rows(8), list(SFT_COLUMNS)
+    elif kind == "dpo":
+        schema, rows, extra = DPO, _pairs(8), ["dpo.loss_type=[sigmoid,bco_pair]"]
+    else:
+        pairs = _pairs(4, conversational=False)
+        rows = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+                for p in pairs for k in ("chosen", "rejected")]  # fmt: skip
+        schema, extra = DPO, ["dpo.loss_type=kto"]
+    path = _write(tmp_path, "rows", rows)
+    common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=1",
+              "trainer.total_training_steps=2", *extra]  # fmt: skip
+
+    def run(name, *more):
+        cfg = _cfg(schema, tiny, tmp_path / name, *common, *more)
+        return _run(cfg), read_metrics(tmp_path / name)
+
+    whole, whole_rows = run("whole", "data.micro_batch_size_per_gpu=4")
+    split, split_rows = run("split", "data.micro_batch_size_per_gpu=1")
+    for a, b in zip(whole_rows, split_rows, strict=True):
+        for key, value in a.items():
+            if key == "rewards/accuracies" and a["training/global_step"] == 1:
+                continue  # step 1: the policy is the reference; it compares rounding noise
+            np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    _assert_trees_close(split.trainer.cluster.actor.params, whole.trainer.cluster.actor.params,
+                        atol=1e-6)  # fmt: skip
+
+    run("resumed", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=1")
+    resumed, resumed_rows = run("resumed", "data.micro_batch_size_per_gpu=4")
+    assert resumed_rows == whole_rows
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        resumed.trainer.cluster.actor.params,
+        whole.trainer.cluster.actor.params,
+    )
+
+
+# -------------------------------------------------------------------------------------- bad rows
+
+
+@pytest.mark.parametrize(
+    ("row", "overrides", "message"),
+    [
+        ({"prompt": "repeat: 1", "chosen": None, "rejected": "2 2"}, [], "column 'chosen'"),
+        ({"prompt": "repeat: 1", "chosen": "", "rejected": "2 2"}, [], "empty chosen"),
+        ({"prompt": "repeat: 1 1 1 1 1 1", "chosen": "1", "rejected": "2"},
+         ["dpo.max_prompt_length=3", "dpo.truncation_mode=error"], "dpo.max_prompt_length=3"),
+    ],
+)  # fmt: skip
+def test_bad_preference_rows_are_named(tiny, tmp_path, row, overrides, message):
+    good = {"prompt": "repeat: 1", "chosen": "1 1", "rejected": "2 2"}
+    path = _write(tmp_path, "bad", [good, good, row, good])
+    tok = load_tokenizer(str(tiny))
+    from jaxrl.data.supervised import PreferenceLimits
+
+    for skip in (False, True):
+        cfg = _cfg(DPO, tiny, tmp_path / "run", f"data.train_files={path}",
+                   f"data.skip_bad_rows={str(skip).lower()}", *overrides)  # fmt: skip
+        d = cfg.dpo
+        limits = PreferenceLimits(d.max_length, d.max_prompt_length, d.max_completion_length,
+                                  d.truncation_mode)  # fmt: skip
+        if not skip:
+            with pytest.raises(DataError, match=f"{path}: row 2: .*{message}"):
+                OfflineDataset.preference(cfg.data, limits, tok, "train", kto=False)
+        else:
+            dataset = OfflineDataset.preference(cfg.data, limits, tok, "train", kto=False)
+            assert len(dataset) == 3 and len(dataset.report.skipped) == 1
+            assert "row 2" in dataset.report.skipped[0]
+
+
+def test_bad_sft_rows_are_named(tiny, tmp_path):
+    path = _write(tmp_path, "bad", [*_sft_rows(2), {"prompt": "copy: 1", "response": ""}])
+    tok = load_tokenizer(str(tiny))
+    cfg = _cfg(SFT, tiny, tmp_path / "run", f"data.train_files={path}", *SFT_COLUMNS)
+    with pytest.raises(DataError, match=f"{path}: row 2: .*'response'"):
+        OfflineDataset.sft(cfg.data, tok, "train")
+    long = _write(tmp_path, "long", [{"prompt": "copy: " + " ".join("1" * 40), "response": "1"}])
+    cfg = _cfg(SFT, tiny, tmp_path / "run", f"data.train_files={long}", "data.max_length=16",
+               *SFT_COLUMNS)  # fmt: skip
+    with pytest.raises(DataError, match=f"{long}: row 0: .*data.max_length=16"):
+        OfflineDataset.sft(cfg.data, tok, "train")
+
+
+# ------------------------------------------------------------------------- reference handling
+
+
+def test_precomputed_reference_equals_per_batch_and_lora(tiny, tmp_path):
+    """`precompute_ref_log_probs` trains exactly as the per-batch reference (and frees the
+    reference model); `reference_free` differs; with LoRA only the adapters move and the
+    reference is the frozen base (no model of its own)."""
+    path = _write(tmp_path, "pairs", _pairs(8))
+    common = [f"data.train_files={path}", f"data.val_files={path}", "data.train_batch_size=4",
+              "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=2",
+              "trainer.test_freq=2"]  # fmt: skip
+
+    def run(name, *more):
+        cfg = _cfg(DPO, tiny, tmp_path / name, *common, *more)
+        return _run(cfg), read_metrics(tmp_path / name)
+
+    per_batch, rows = run("per_batch")
+    pre, pre_rows = run("pre", "dpo.precompute_ref_log_probs=true")
+    assert "ref" in per_batch.trainer.cluster.frozen and "ref" not in pre.trainer.cluster.frozen
+    for a, b in zip(rows, pre_rows, strict=True):
+        for key, value in a.items():
+            if key == "rewards/accuracies" and a["training/global_step"] == 1:
+                continue  # step 1: the policy is the reference; it compares rounding noise
+            np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    _, free_rows = run("free", "dpo.reference_free=true")
+    assert free_rows[-1]["eval_logps/chosen"] == pytest.approx(rows[-1]["eval_logps/chosen"],
+                                                               rel=0.2)  # fmt: skip
+    assert free_rows[0]["rewards/chosen"] != pytest.approx(0.0, abs=1e-3)  # no reference: -> 0
+
+    lora, lora_rows = run("lora", "model.lora_rank=4", "model.lora_alpha=8")
+    cluster = lora.trainer.cluster
+    assert cluster.shared_ref and "ref" not in cluster.frozen
+    base = _torch_params(tiny)
+    _assert_trees_close(cluster.actor.frozen, base, atol=0)  # the base did not move
+    assert lora_rows[-1]["eval_rewards/margins"] > 0  # the adapters learned the preference
+
+
+@pytest.mark.parametrize(
+    ("kind", "mesh"),
+    [("sft", ["mesh.fsdp=2", "mesh.tp=2", "mesh.sp=2"]), ("dpo", ["mesh.fsdp=4", "mesh.tp=2"])],
+)  # fmt: skip
+def test_sharded_equals_one_device_and_exports(tiny, tmp_path, kind, mesh):
+    """Two steps on 8 devices (fsdp x tp, and sp: ring attention, for SFT) equal two steps on
+    one (1e-5); the checkpoint exports to an HF folder with the trained weights."""
+    if kind == "sft":
+        schema, rows, extra = SFT, _sft_rows(8), list(SFT_COLUMNS)
+    else:
+        schema, rows, extra = DPO, _pairs(8), []
+    path = _write(tmp_path, "rows", rows)
+    common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=2",
+              "data.micro_batch_size_per_gpu=1", "trainer.total_training_steps=2",
+              *extra]  # fmt: skip
+    one = _run(_cfg(schema, tiny, tmp_path / "one", *common))
+    cfg = _cfg(schema, tiny, tmp_path / "mesh", *common, *mesh, num_devices=8)
+    sharded = _run(cfg, jax.devices())
+    _assert_trees_close(sharded.trainer.cluster.actor.params, one.trainer.cluster.actor.params,
+                        atol=1e-5)  # fmt: skip
+    from jaxrl import export
+
+    out = tmp_path / "hf"
+    assert export.main(["--checkpoint", str(tmp_path / "mesh"), "--out", str(out)]) == 0
+    _assert_trees_close(sharded.trainer.cluster.actor.params, _torch_params(out), atol=1e-6)
