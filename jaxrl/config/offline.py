@@ -45,10 +45,14 @@ class OfflineModelConfig(ModelConfig):
     Attributes:
         model_dtype: Dtype the trained parameters are held in (verl's `engine.model_dtype`).
         dtype: Dtype the forward pass computes in (verl's `engine.dtype`).
+        logits_chunk_size: *jaxrl*. Sequence positions whose [*, V] logits exist at once when
+            computing log-probs (each chunk's logits recomputed in the backward pass); null:
+            the whole sequence at once (verl's `engine.entropy_from_logits_chunk_size`).
     """
 
     model_dtype: str = "fp32"
     dtype: str = "bf16"
+    logits_chunk_size: int | None = 128
 
 
 @dataclass(frozen=True)
@@ -270,13 +274,14 @@ class DPOAlgoConfig:
         rpo_alpha: *TRL<0.29*. Adds rpo_alpha x the chosen completions' per-token NLL (TRL
             1.16's `sft` loss term with that weight).
         max_length: Tokens of a whole sequence (prompt + completion); null: no limit.
-        max_prompt_length: *TRL<0.29*. Tokens of the prompt; a longer prompt is cut from the
-            left (`keep_end`) or refused (`truncation_mode: error`); null: no limit.
-        max_completion_length: *TRL<0.29*. Tokens of a completion; longer ones are cut at
-            the end; null: no limit.
+        max_prompt_length: *TRL<0.29*. Tokens of the prompt; a longer prompt keeps its last
+            tokens (`truncation_mode: error`: refused); null: no limit. DPO only.
+        max_completion_length: *TRL<0.29*. Tokens of a completion; longer ones keep their
+            first tokens; null: no limit. DPO only.
         truncation_mode: A sequence longer than `max_length`: `keep_start` (drop its end; a
             prompt that alone fills `max_length` drops the row, as TRL), `keep_end` (drop its
-            start) or `error` (*jaxrl*: refuse, naming the file and row).
+            start) or `error` (*jaxrl*: refuse, naming the file and row). KTO: `keep_start`
+            only, as TRL's KTO.
         discopop_tau: DiscoPOP's tau.
         desirable_weight: KTO's weight of desirable rows.
         undesirable_weight: KTO's weight of undesirable rows.
@@ -343,6 +348,7 @@ RENAMED: dict[str, str] = {
     "engine.model_dtype": "model.model_dtype",
     "engine.dtype": "model.dtype",
     "engine.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
+    "engine.entropy_from_logits_chunk_size": "model.logits_chunk_size",
     "use_remove_padding": "model.use_remove_padding",
     "optim.warmup_steps_ratio": "optim.lr_warmup_steps_ratio",
     "optim.lr_scheduler": "optim.lr_scheduler_type",
@@ -420,15 +426,20 @@ def loss_types(cfg: DPOConfig) -> tuple[tuple[str, ...], tuple[float, ...]]:
 
 
 def is_kto(cfg: DPOConfig) -> bool:
-    """Whether the preference run is KTO (unpaired rows)."""
+    """Whether the preference run is KTO (unpaired rows): `loss_type` a KTO type (or a list
+    of exactly one)."""
     types = cfg.dpo.loss_type
-    return isinstance(types, str) and types in KTO_LOSS_TYPES
+    types = (types,) if isinstance(types, str) else tuple(types)
+    return len(types) == 1 and types[0] in KTO_LOSS_TYPES
 
 
 def normalize_dpo(cfg: DPOConfig) -> DPOConfig:
+    """Canonical spellings; `loss_type` a tuple of names (a KTO type: its name alone)."""
     cfg = _normalize_common(cfg)
     if not isinstance(cfg.dpo.loss_type, str):
         cfg = replace(cfg, "dpo.loss_type", tuple(str(t) for t in cfg.dpo.loss_type))
+    if is_kto(cfg) and not isinstance(cfg.dpo.loss_type, str):
+        cfg = replace(cfg, "dpo.loss_type", cfg.dpo.loss_type[0])
     return cfg
 
 
@@ -499,16 +510,33 @@ def check_dpo(cfg: DPOConfig, *, num_devices: int | None = None) -> None:
                 f"dpo.loss_weights has {len(weights)} entries for {len(types)} loss types "
                 f"({', '.join(types)})"
             )
-    elif d.loss_weights is not None or d.rpo_alpha is not None:
-        p.append("dpo.loss_weights and dpo.rpo_alpha apply to DPO losses, not to KTO")
+    else:
+        if d.loss_weights is not None or d.rpo_alpha is not None:
+            p.append("dpo.loss_weights and dpo.rpo_alpha apply to DPO losses, not to KTO")
+        for key, value in (
+            ("truncation_mode", d.truncation_mode != "keep_start"),
+            ("max_prompt_length", d.max_prompt_length is not None),
+            ("max_completion_length", d.max_completion_length is not None),
+        ):
+            if value:
+                p.append(
+                    f"dpo.{key}={getattr(d, key)!r} with KTO: TRL's KTOConfig has no such key "
+                    "(KTO keeps each sequence's start, cut to dpo.max_length); leave it unset"
+                )  # fmt: skip
+        if d.loss_type == "kto" and cfg.data.train_batch_size < 2:
+            p.append(
+                "dpo.loss_type=kto needs data.train_batch_size >= 2 (per process): the KL "
+                "estimate pairs each prompt with another row's completion"
+            )
     if d.beta <= 0:
         p.append(f"dpo.beta must be > 0, got {d.beta}")
-    if "robust" in types and not 0 <= d.label_smoothing < 0.5:
-        p.append(f"dpo.label_smoothing must be in [0, 0.5) for robust, got {d.label_smoothing}")
-    elif "exo_pair" in types and not 0 < d.label_smoothing < 1:
-        p.append(f"dpo.label_smoothing must be in (0, 1) for exo_pair, got {d.label_smoothing}")
-    elif not 0 <= d.label_smoothing < 1:
-        p.append(f"dpo.label_smoothing must be in [0, 1), got {d.label_smoothing}")
+    e = d.label_smoothing
+    if not 0 <= e < 1:
+        p.append(f"dpo.label_smoothing must be in [0, 1), got {e}")
+    if "robust" in types and not 0 <= e < 0.5:
+        p.append(f"dpo.label_smoothing must be in [0, 0.5) for robust, got {e}")
+    if "exo_pair" in types and not 0 < e < 1:
+        p.append(f"dpo.label_smoothing must be in (0, 1) for exo_pair, got {e}")
     if d.label_smoothing and not set(types) & set(SMOOTHED):
         p.append(
             f"dpo.label_smoothing={d.label_smoothing} has no effect on {', '.join(types)}; "

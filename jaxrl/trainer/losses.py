@@ -124,25 +124,31 @@ def critic_loss(
 
 
 def sft_loss(
-    params: Any, mb: dict[str, Array], info: dict[str, Any], *, config: DecoderConfig
+    params: Any,
+    mb: dict[str, Array],
+    info: dict[str, Any],
+    *,
+    config: DecoderConfig,
+    chunk_size: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """verl's SFT loss on one micro-batch: the negative log-likelihood of the trained tokens
     over the whole batch's trained-token count (`info["batch_num_tokens"]`),
 
         loss = -sum_{t in loss_mask} log pi(y_t | y_<t) / N_batch
 
-    so the micro-batch losses sum to the batch's token mean."""
-    lp, _ = response_log_probs(config, params, mb, temperature=1.0)
+    so the micro-batch losses sum to the batch's token mean. `chunk_size`: sequence positions
+    whose logits exist at once."""
+    lp, _ = response_log_probs(config, params, mb, temperature=1.0, chunk_size=chunk_size)
     mask = mb["loss_mask"].astype(jnp.float32)
     nll = agg_loss(-lp, mask, "token-mean", **info)
     return nll, {"sum": {"train/loss": nll}, "mean": {}, "tokens": jnp.sum(mask)}
 
 
 def sequence_log_probs(
-    config: DecoderConfig, params: Any, mb: dict[str, Array]
+    config: DecoderConfig, params: Any, mb: dict[str, Array], chunk_size: int | None = None
 ) -> tuple[Array, Array]:
     """(sum of the trained tokens' log-probs, trained-token count) per row, float32 [m] each."""
-    lp, _ = response_log_probs(config, params, mb, temperature=1.0)
+    lp, _ = response_log_probs(config, params, mb, temperature=1.0, chunk_size=chunk_size)
     mask = mb["loss_mask"].astype(jnp.float32)
     return jnp.sum(lp * mask, axis=-1), jnp.sum(mask, axis=-1)
 
@@ -202,11 +208,17 @@ def kto_terms(
 
 
 def preference_loss(
-    params: Any, mb: dict[str, Array], info: dict[str, Any], *, config: DecoderConfig, spec: Any
+    params: Any,
+    mb: dict[str, Array],
+    info: dict[str, Any],
+    *,
+    config: DecoderConfig,
+    spec: Any,
+    chunk_size: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The DPO (pairs) or KTO (labelled rows) loss of one micro-batch against the reference's
     sequence log-probs in `mb["ref_sequence_log_probs"]` (`jaxrl.core_algos.preference`)."""
-    seq, lengths = sequence_log_probs(config, params, mb)
+    seq, lengths = sequence_log_probs(config, params, mb, chunk_size)
     ref = mb["ref_sequence_log_probs"]
     if spec.kto:
         loss, metrics = kto_terms(seq, lengths, ref, mb["labels"], info, spec=spec)

@@ -166,13 +166,13 @@ class OfflineTrainer:
 
     def log_probs(self, params: Any, rl: RLBatch, config) -> jax.Array:
         """Per-token log-probs [N, R] of `rl`'s completions under `params`."""
-        fn = _log_prob_fn(config, self.layout)
+        fn = _log_prob_fn(config, self.layout, self.cfg.model.logits_chunk_size)
         return infer(fn, params, rl, layout=self.layout, **self.micro())
 
 
 @functools.cache
-def _log_prob_fn(config, layout):
-    return log_prob_fn(config, layout, temperature=1.0, chunk_size=None)
+def _log_prob_fn(config, layout, chunk_size):
+    return log_prob_fn(config, layout, temperature=1.0, chunk_size=chunk_size)
 
 
 def _replicated(x: jax.Array, layout: Layout | None) -> jax.Array:
@@ -209,7 +209,7 @@ class SFTTrainer(OfflineTrainer):
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         learner = self.cluster.actor
         losses_, correct, tokens, exact, rows = [], 0.0, 0.0, 0.0, 0.0
-        fn = _top1_fn(learner.config, self.layout)
+        fn = _top1_fn(learner.config, self.layout, self.cfg.model.logits_chunk_size)
         with self.cluster.on_device("actor"):
             for batch in _one_pass(loader):
                 rl, _ = self.device_batch(batch)
@@ -238,9 +238,9 @@ def _one_pass(loader: PromptIterator) -> Iterator[OfflineBatch]:
 
 
 @functools.cache
-def _top1_fn(config, layout):
+def _top1_fn(config, layout, chunk_size):
     """jit of `(params, mb) -> (log-probs [m, r], whether each token is the argmax [m, r])`."""
-    lp_fn = log_prob_fn(config, layout, temperature=1.0, chunk_size=None)
+    lp_fn = log_prob_fn(config, layout, temperature=1.0, chunk_size=chunk_size)
 
     def fn(params, mb):
         return lp_fn(params, mb), response_top1(config, params, mb).astype(jnp.float32)
@@ -250,7 +250,8 @@ def _top1_fn(config, layout):
 
 def sft_training(cfg: Any, total_steps: int) -> dict[str, Training]:
     optimizer = make_optimizer(cfg.optim, total_steps)
-    loss = lambda config: functools.partial(losses.sft_loss, config=config)  # noqa: E731
+    chunk = cfg.model.logits_chunk_size
+    loss = lambda config: functools.partial(losses.sft_loss, config=config, chunk_size=chunk)  # noqa: E731
     return {"actor": Training(loss, optimizer, cfg.optim.clip_grad)}
 
 
@@ -375,12 +376,16 @@ class PreferenceTrainer(OfflineTrainer):
         metrics = self.update(rl, fields, info)
         if self.spec.kto:
             metrics["kl"] = float(to_host(info["kl"]))
+            metrics = _kto_metrics(metrics, _kto_counts(info))
         return metrics
 
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
+        """TRL's metrics over the validation set (`eval_*`): each a mean over the pairs (DPO)
+        or over the rows it describes (KTO: desirable rows for `*/chosen`, undesirable rows
+        for `*/rejected`, every row for the loss and `kl`)."""
         actor = self.cluster.actor
-        totals: dict[str, float] = {}
-        weight = 0.0
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
         for batch in _one_pass(loader):
             rl, row_ids = self.device_batch(batch)
             ref = self.reference_sums(rl, row_ids, split="val")
@@ -389,25 +394,53 @@ class PreferenceTrainer(OfflineTrainer):
             seq, lengths = _sequence_sums(lp, rl.loss_mask), jnp.sum(rl.loss_mask, axis=-1)
             labels = None if rl.labels is None else np.asarray(to_host(rl.labels))
             info = self._info(rl, labels)
+            lengths = lengths.astype(jnp.float32)
             if self.spec.kto:
                 info["kl"] = self._kl(batch)
-                loss, metrics = losses.kto_terms(seq, lengths.astype(jnp.float32), ref,
-                                                 rl.labels, info, spec=self.spec)  # fmt: skip
-                n = float(info["num_rows"])
-            else:
-                loss, metrics = losses.dpo_terms(seq, lengths.astype(jnp.float32), ref, info,
+                loss, metrics = losses.kto_terms(seq, lengths, ref, rl.labels, info,
                                                  spec=self.spec)  # fmt: skip
-                n = float(info["num_pairs"])
-            values = to_host({"loss": loss, **metrics})
-            for k, v in values.items():
-                totals[k] = totals.get(k, 0.0) + float(v) * n
-            weight += n
-        return {f"eval_{k}": v / max(weight, 1.0) for k, v in totals.items()}
+                metrics["kl"] = info["kl"]
+                weight = _kto_counts(info)
+            else:
+                loss, metrics = losses.dpo_terms(seq, lengths, ref, info, spec=self.spec)
+                weight = {"": float(info["num_pairs"])}
+            for key, value in to_host({"loss": loss, **metrics}).items():
+                n = weight.get(key.rpartition("/")[2], weight[""])
+                sums[key] = sums.get(key, 0.0) + float(value) * n
+                counts[key] = counts.get(key, 0.0) + n
+        out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+        if self.spec.kto:
+            out = _kto_metrics(
+                out, {k: counts.get(f"rewards/{k}", 0.0) for k in ("chosen", "rejected")}
+            )
+        return {f"eval_{k}": v for k, v in out.items()}
+
+
+def _kto_counts(info: dict[str, Any]) -> dict[str, float]:
+    """The rows each KTO metric averages over: "chosen" (desirable), "rejected", "" (all)."""
+    rows, good = float(info["num_rows"]), float(info["num_desirable"])
+    return {"": rows, "chosen": good, "rejected": rows - good}
+
+
+def _kto_metrics(metrics: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+    """KTO's metrics as TRL logs them: a class's metrics only when it has rows, and
+    `rewards/margins` when both have."""
+    out = {
+        k: v for k, v in metrics.items()
+        if k.rpartition("/")[2] not in ("chosen", "rejected") or counts[k.rpartition("/")[2]] > 0
+    }  # fmt: skip
+    if "rewards/chosen" in out and "rewards/rejected" in out:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
 
 
 def preference_training(cfg: Any, total_steps: int, spec: PreferenceSpec) -> dict[str, Training]:
     optimizer = make_optimizer(cfg.optim, total_steps)
-    loss = lambda config: functools.partial(losses.preference_loss, config=config, spec=spec)  # noqa: E731
+    chunk = cfg.model.logits_chunk_size
+
+    def loss(config):
+        return functools.partial(losses.preference_loss, config=config, spec=spec, chunk_size=chunk)
+
     return {"actor": Training(loss, optimizer, cfg.optim.clip_grad)}
 
 

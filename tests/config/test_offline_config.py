@@ -41,6 +41,8 @@ def test_trl_keys_and_loss_terms():
     assert not is_kto(cfg)
     kto = load_config(None, [*BASE, "model.path=/m", "dpo.loss_type=kto"], schema=DPO)
     assert is_kto(kto)
+    listed = load_config(None, [*BASE, "model.path=/m", "dpo.loss_type=[kto]"], schema=DPO)
+    assert is_kto(listed) and listed.dpo.loss_type == "kto"
     assert cfg.optim.lr == 1e-6 and cfg.optim.lr_scheduler_type == "linear"  # TRL's defaults
 
 
@@ -56,6 +58,13 @@ def test_trl_keys_and_loss_terms():
         (["model.path=/m", "dpo.loss_type=kto", "dpo.precompute_ref_log_probs=true"], DPO,
          "mismatched pairs"),
         (["model.path=/m", "dpo.loss_type=kto", "dpo.rpo_alpha=1"], DPO, "not to KTO"),
+        (["model.path=/m", "dpo.loss_type=[robust,exo_pair]"], DPO, "in (0, 1) for exo_pair"),
+        (["model.path=/m", "dpo.loss_type=kto", "dpo.truncation_mode=keep_end"], DPO,
+         "dpo.truncation_mode='keep_end' with KTO"),
+        (["model.path=/m", "dpo.loss_type=kto", "dpo.max_prompt_length=8"], DPO,
+         "dpo.max_prompt_length=8 with KTO"),
+        (["model.path=/m", "dpo.loss_type=kto", "data.train_batch_size=1"], DPO,
+         "needs data.train_batch_size >= 2"),
         (["model.path=/m", "data.train_batch_size=12"], DPO,
          "data.train_batch_size (12) must be a multiple of the data-parallel shards"),
         (["model.path=/m", "dpo.f_divergence_type=js_divergence"], DPO,
