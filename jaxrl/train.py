@@ -190,13 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if distributed.is_main_process():
         path = save_config(cfg, cfg.trainer.default_local_dir)
         print(f"resolved config written to {path} (every key: {REFERENCE})")
-    from jaxrl.data.rows import DataError
-    from jaxrl.trainer.checkpoint import CheckpointError
-    from jaxrl.trainer.fit import TrainingError, fit
+    from jaxrl.trainer.fit import RUN_ERRORS, fit
 
     try:
         metrics = fit(cfg)
-    except (CheckpointError, TrainingError, DataError, FileExistsError, FileNotFoundError) as e:
+    except RUN_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         distributed.mark_failed(f"run stopped: {e}", exit_code=1)
         return 1

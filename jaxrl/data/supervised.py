@@ -3,7 +3,8 @@ carry the loss.
 
     seq = sft_sequence(tokenizer, "What is 2+2?", "4", max_length=64, truncation="error")
     seq = multiturn_sequence(tokenizer, messages, max_length=64, truncation="error")
-    chosen, rejected = preference_sequences(tokenizer, prompt, [chosen, rejected], limits)
+    prompt_ids, bodies = prompt_and_bodies(tokenizer, prompt, [chosen, rejected], limits)
+    chosen, rejected = (cut_sequence(prompt_ids, body, limits) for body in bodies)
 
 A `TokenSeq`'s prompt is what the model reads before the first token trained on; the
 completion's `loss_mask` is 1 on the tokens whose prediction is trained (position t - 1
@@ -267,21 +268,3 @@ def cut_sequence(
             p = max(p - (len(ids) - limit), 1)
             ids = ids[-limit:]
     return TokenSeq(tuple(ids[:p]), tuple(ids[p:]), (1,) * (len(ids) - p))
-
-
-def preference_sequences(
-    tokenizer: Any,
-    prompt: Any,
-    completions: Sequence[Any],
-    limits: PreferenceLimits,
-    *,
-    template_kwargs: Mapping[str, Any] | None = None,
-    where: str = "",
-) -> list[TokenSeq] | None:
-    """One sequence per completion (the same prompt), or None when TRL drops the example (a
-    prompt that alone fills `max_length` under `keep_start`)."""
-    prompt_ids, bodies = prompt_and_bodies(
-        tokenizer, prompt, completions, limits, template_kwargs=template_kwargs, where=where
-    )
-    seqs = [cut_sequence(prompt_ids, body, limits, where) for body in bodies]
-    return None if any(s is None for s in seqs) else seqs

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from jaxrl.agent import load_tools
 from jaxrl.agent.tools.base import schema_dict
-from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
+from jaxrl.data import DataError, PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
 from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
@@ -39,6 +39,10 @@ log = logging.getLogger("jaxrl.train")
 
 class TrainingError(RuntimeError):
     """A run that cannot usefully go on; the message names the steps and what to change."""
+
+
+# What stops a run with a message a user can act on (the command lines print it and exit 1).
+RUN_ERRORS = (CheckpointError, TrainingError, DataError, FileExistsError, FileNotFoundError)
 
 
 class NonFiniteGuard:

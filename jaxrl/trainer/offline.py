@@ -134,11 +134,13 @@ class OfflineTrainer:
         self.rows_per_example = rows_per_example
         self.schedule = learning_rate_schedule(cfg.optim, total_steps)
 
-    def device_batch(self, batch: OfflineBatch) -> tuple[RLBatch, np.ndarray]:
-        """The global batch on the devices (with its labels), and its rows' dataset ids."""
-        arrays = _global(batch)
-        row_ids = arrays.pop("row_ids")
-        return RLBatch.from_host(arrays, self.layout), row_ids
+    def device_batch(self, batch: OfflineBatch) -> tuple[RLBatch, dict[str, np.ndarray]]:
+        """The global batch on the devices (with its labels), and its host arrays (the same,
+        with each row's dataset id `row_ids`): counts are read there, not back from the
+        devices."""
+        host = _global(batch)
+        arrays = {k: v for k, v in host.items() if k != "row_ids"}
+        return RLBatch.from_host(arrays, self.layout), host
 
     def micro(self) -> dict[str, Any]:
         """`Learner.update`'s micro-batch arguments (rows per device: examples x sequences)."""
@@ -212,9 +214,9 @@ class SFTTrainer(OfflineTrainer):
         fn = _top1_fn(learner.config, self.layout, self.cfg.model.logits_chunk_size)
         with self.cluster.on_device("actor"):
             for batch in _one_pass(loader):
-                rl, _ = self.device_batch(batch)
+                rl, host = self.device_batch(batch)
                 lp, top1 = infer(fn, learner.params, rl, layout=self.layout, **self.micro())
-                mask = np.asarray(to_host(rl.loss_mask), np.float64)
+                mask = host["loss_mask"].astype(np.float64)
                 lp, top1 = np.asarray(to_host(lp), np.float64), np.asarray(to_host(top1))
                 n = mask.sum()
                 if n == 0:
@@ -333,7 +335,8 @@ class PreferenceTrainer(OfflineTrainer):
             loader = PromptIterator.for_validation(dataset, batch_size, process_index=0,
                                                    process_count=1)  # fmt: skip
             for batch in _one_pass(loader):
-                rl, row_ids = self.device_batch(batch)
+                rl, host = self.device_batch(batch)
+                row_ids = host["row_ids"]
                 sums = np.asarray(to_host(self.reference_sums(rl, row_ids, split)), np.float64)
                 table[row_ids, np.arange(len(row_ids)) % k] = sums
             self.ref_tables[split] = table
@@ -341,13 +344,13 @@ class PreferenceTrainer(OfflineTrainer):
 
     # ------------------------------------------------------------------------------- step
 
-    def _info(self, rl: RLBatch, labels: np.ndarray | None) -> dict[str, Any]:
-        """The batch's global counts for the micro-batch losses."""
-        trained = np.asarray(to_host(rl.loss_mask)).sum(-1)
+    def _info(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The batch's global counts for the micro-batch losses (from its host arrays)."""
+        trained = host["loss_mask"].sum(-1)
         if self.spec.kto:
             real = trained > 0
             return {"num_rows": jnp.float32(real.sum()),
-                    "num_desirable": jnp.float32((labels[real] > 0).sum())}  # fmt: skip
+                    "num_desirable": jnp.float32((host["labels"][real] > 0).sum())}  # fmt: skip
         return {"num_pairs": jnp.float32((trained[0::2] > 0).sum()),
                 "chosen_tokens": jnp.float32(trained[0::2].sum())}  # fmt: skip
 
@@ -356,19 +359,18 @@ class PreferenceTrainer(OfflineTrainer):
         (the pairs change with the batch, so they are never precomputed)."""
         if batch.kl is None or self.spec.loss_types[0] != "kto":
             return jnp.zeros((), jnp.float32)
-        kl, row_ids = self.device_batch(batch.kl)
+        kl, kl_host = self.device_batch(batch.kl)
         actor = self.cluster.actor
         with self.cluster.on_device("actor"):
             policy = _sequence_sums(self.log_probs(actor.params, kl, actor.config), kl.loss_mask)
-        ref = self.reference_sums(kl, row_ids, split="kl")
+        ref = self.reference_sums(kl, kl_host["row_ids"], split="kl")
         mask = (jnp.sum(kl.loss_mask, axis=-1) > 0).astype(jnp.float32)
         return kl_estimate(policy, ref, mask)
 
     def step(self, batch: OfflineBatch, global_step: int) -> dict[str, float]:
-        rl, row_ids = self.device_batch(batch)
-        rl = rl.replace(ref_sequence_log_probs=self.reference_sums(rl, row_ids))
-        labels = None if rl.labels is None else np.asarray(to_host(rl.labels))
-        info = self._info(rl, labels)
+        rl, host = self.device_batch(batch)
+        rl = rl.replace(ref_sequence_log_probs=self.reference_sums(rl, host["row_ids"]))
+        info = self._info(host)
         fields = ("ref_sequence_log_probs",)
         if self.spec.kto:
             fields += ("labels",)
@@ -387,13 +389,12 @@ class PreferenceTrainer(OfflineTrainer):
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
         for batch in _one_pass(loader):
-            rl, row_ids = self.device_batch(batch)
-            ref = self.reference_sums(rl, row_ids, split="val")
+            rl, host = self.device_batch(batch)
+            ref = self.reference_sums(rl, host["row_ids"], split="val")
             with self.cluster.on_device("actor"):
                 lp = self.log_probs(actor.params, rl, actor.config)
             seq, lengths = _sequence_sums(lp, rl.loss_mask), jnp.sum(rl.loss_mask, axis=-1)
-            labels = None if rl.labels is None else np.asarray(to_host(rl.labels))
-            info = self._info(rl, labels)
+            info = self._info(host)
             lengths = lengths.astype(jnp.float32)
             if self.spec.kto:
                 info["kl"] = self._kl(batch)

@@ -20,7 +20,7 @@ import pytest
 from jaxrl.config.load import load_config
 from jaxrl.config.offline import DPO, SFT
 from jaxrl.data import load_tokenizer, synthetic
-from jaxrl.data.offline import OfflineDataset
+from jaxrl.data.offline import Example, OfflineDataset
 from jaxrl.data.rows import DataError, write_parquet
 from jaxrl.models import from_pretrained
 from jaxrl.testing.reference import import_reference
@@ -180,17 +180,11 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path):
                "trainer.total_training_steps=1")  # fmt: skip
     run = build_sft_run(cfg, ONE)
     dataset = run.train_loader.dataset
-    dataset.examples = [dataclass_seq(s) for s in rows]
+    dataset.examples = [Example((s,), None, ("test", 0)) for s in rows]
     metrics = run.trainer.step(dataset.batch(np.arange(4)), 1)
     np.testing.assert_allclose(metrics["train/loss"], float(want_loss.detach()), rtol=1e-5)
     _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "torch_after"),
                         atol=1e-5)  # fmt: skip
-
-
-def dataclass_seq(seq):
-    from jaxrl.data.offline import Example
-
-    return Example((seq,), None, ("test", 0))
 
 
 # ---------------------------------------------------------------------------------- DPO and KTO
