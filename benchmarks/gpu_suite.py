@@ -162,8 +162,9 @@ def step_tests(dry: bool, limit: float) -> Records:
     env = {**os.environ, "JAX_PLATFORMS": "cpu" if dry else "cuda"}
     env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     files = ["tests/kernels/test_gpu.py", "tests/kernels/test_pallas_gpu.py"]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-               "gpu or not gpu", *files, *(["--collect-only"] if dry else [])]  # fmt: skip
+    # One process (no xdist: the GPU machine lacks it, and one GPU is not to be shared).
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+               "-m", "gpu or not gpu", *files, *(["--collect-only"] if dry else [])]  # fmt: skip
     junit = Path(tempfile.mkdtemp()) / "tests.xml"
     code = run_group([*command, "--junitxml", str(junit)], env, timeout=limit - 10, cwd=ROOT)
     yield {"returncode": code, **_junit_counts(junit)}

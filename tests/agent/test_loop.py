@@ -150,40 +150,48 @@ class Sleepy(Calculator):
 
 
 class Timed(Sleepy):
-    """Sleepy, recording each call's (start, end) times."""
+    """Sleepy, recording each call's (start, end) times; after its delay a call also waits
+    (up to `patience` s) until some decode has started while a call was running, so the
+    overlap is checked by events, not by how fast this machine decodes within the delay."""
 
     def __init__(self, config, tool_schema=None):
         super().__init__(config, tool_schema)
         self.spans = []
+        self.decoded_meanwhile = threading.Event()
 
     def execute(self, instance_id, parameters, **kwargs):
         start = time.perf_counter()
         out = super().execute(instance_id, parameters, **kwargs)
+        with self.lock:
+            self.running += 1  # still running while it waits for a decode
+        self.decoded_meanwhile.wait(self.config["patience"])
+        with self.lock:
+            self.running -= 1
         self.spans.append((start, time.perf_counter()))
         return out
 
 
 def test_slow_tools_overlap_each_other_and_decoding(engine, tokenizer, monkeypatch):
     """Calls of different trajectories run at once, and other trajectories keep decoding
-    while a call runs (single-turn requests queued behind the tool ones take the slots)."""
-    tool = Timed({"delay": 0.5})
-    decodes = []
+    while a call runs (single-turn requests queued behind the tool ones take the slots).
+    A loop that stopped decoding while a call runs would leave each call waiting its whole
+    patience and fail the first two checks."""
+    tool = Timed({"delay": 0.5, "patience": 20.0})
     decode = engine.decode
 
-    def timed_decode(*args, **kwargs):
-        start = time.perf_counter()
-        out = decode(*args, **kwargs)
-        decodes.append((start, time.perf_counter()))
-        return out
+    def watched_decode(*args, **kwargs):
+        with tool.lock:
+            if tool.running:
+                tool.decoded_meanwhile.set()
+        return decode(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "decode", timed_decode)
+    monkeypatch.setattr(engine, "decode", watched_decode)
     with ToolRunner({"calculator": tool}, workers=4) as runner:
         loop = make_loop(engine, tokenizer, runner, max_assistant_turns=2, decode_chunk=2)
         requests = [request(), request(), *[request("single_turn_agent")] * 6]
         out = loop.run(requests, SAMPLED, jax.random.key(3))
+    assert tool.decoded_meanwhile.is_set()  # the loop went on decoding while a call ran
     assert tool.most >= 2 and [t.user_turns for t in out[:2]] == [1, 1]
-    started = [d for d in decodes for a, b in tool.spans if a < d[0] < b]
-    assert started  # the loop went on decoding while a tool call was running
     assert loop.stats.wait_seconds < 0.75 * sum(t.tool_seconds for t in out)
 
 
