@@ -95,8 +95,10 @@ class ModelConfig:
         remat_policy: *jaxrl*. What a checkpointed layer keeps: `full` keeps only the layer
             input; `save_dots` also keeps matmul outputs. Used when
             `enable_gradient_checkpointing` is true.
-        use_remove_padding: verl's padding-removal switch. jaxrl does not pack sequences: it
-            trims every micro-batch to its longest row (bucketed), whatever this says.
+        use_remove_padding: verl's padding-removal switch. The RL trainer does not pack
+            sequences: it trims every micro-batch to its longest row (bucketed), whatever this
+            says. The SFT trainer packs its sequences into rows of `data.max_length` tokens
+            (segment ids keep them apart) when it is true.
         attention_impl: *jaxrl*. `jaxrl.kernels.attention`'s implementation: `auto` (ring over
             `mesh.sp` > 1; Pallas on a GPU; blockwise for long sequences on a CPU; else
             dense), `reference`, `blockwise`, `pallas_gpu` or `ring` (needs `mesh.sp` > 1).

@@ -24,7 +24,14 @@ from jaxrl.data.batch import PromptBatch, bucket, group_ids_from_uids, repeated_
 from jaxrl.data.dataset import RLDataset
 from jaxrl.data.dynamic import dynamic_micro_batches, restore_order
 from jaxrl.data.iterator import PromptIterator
-from jaxrl.data.packing import PackedRows, pack, pack_padded, unpack, unpack_to_padded
+from jaxrl.data.packing import (
+    PackedRows,
+    pack,
+    pack_padded,
+    pack_prompt_response,
+    unpack,
+    unpack_to_padded,
+)
 from jaxrl.data.rows import DataError, ReadReport, Row, read_rows, write_parquet
 from jaxrl.data.templates import TRUNCATIONS, encode_prompts, left_pad, load_tokenizer, truncate
 
@@ -51,6 +58,7 @@ __all__ = [
     "load_tokenizer",
     "pack",
     "pack_padded",
+    "pack_prompt_response",
     "read_rows",
     "repeated_group_ids",
     "restore_order",

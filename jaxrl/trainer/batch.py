@@ -33,8 +33,9 @@ from jaxrl.sharding.layouts import Layout
 from jaxrl.sharding.processes import global_array
 from jaxrl.trainer.microbatch import MicroBatch
 
-PROMPT_FIELDS = ("prompts", "prompt_mask")
+PROMPT_FIELDS = ("prompts", "prompt_mask", "prompt_segment_ids")
 SEQUENCE_FIELDS = ("prompts", "prompt_mask", "responses", "response_mask", "loss_mask")
+PACKED_FIELDS = ("prompt_segment_ids", "response_segment_ids")
 
 
 @flax.struct.dataclass
@@ -61,6 +62,9 @@ class RLBatch:
         ref_sequence_log_probs: The reference's log-prob of each row's trained tokens, summed
             [N] (the offline preference trainers).
         labels: Per-row labels [N] (KTO: 1 desirable, 0 undesirable).
+        prompt_segment_ids: Packed rows' segment ids over the prompt columns [N, P] (1, 2, ...
+            per sequence of a row, 0 on padding); None: one sequence per row.
+        response_segment_ids: The same over the response columns [N, R].
         prompt_lengths: Real prompt tokens per row (host, static).
         response_lengths: Real response tokens per row (host, static).
     """
@@ -83,6 +87,8 @@ class RLBatch:
     rollout_is_weights: Float[Array, "n r"] | None = None
     ref_sequence_log_probs: Float[Array, " n"] | None = None
     labels: Float[Array, " n"] | None = None
+    prompt_segment_ids: Int[Array, "n p"] | None = None
+    response_segment_ids: Int[Array, "n r"] | None = None
     prompt_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     response_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
@@ -118,6 +124,12 @@ class RLBatch:
                 raise ValueError(f"RLBatch.{name} is not filled yet (its pass has not run)")
             out[name] = value
         return out
+
+    def forward_fields(self) -> tuple[str, ...]:
+        """The fields a forward pass over the rows reads: the sequences, and the segment ids
+        of packed rows."""
+        packed = self.prompt_segment_ids is not None
+        return SEQUENCE_FIELDS + (PACKED_FIELDS if packed else ())
 
     def present(self) -> dict[str, jax.Array]:
         """Every filled array by name."""

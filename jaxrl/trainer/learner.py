@@ -28,7 +28,7 @@ from jaxrl.models.config import DecoderConfig
 from jaxrl.models.lora import merge
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import to_host
-from jaxrl.trainer.batch import SEQUENCE_FIELDS, RLBatch, moved_to, scatter, take, take_abstract
+from jaxrl.trainer.batch import RLBatch, moved_to, scatter, take, take_abstract
 from jaxrl.trainer.microbatch import MicroBatch, plan_micro_batches
 from jaxrl.trainer.update import UpdateState, apply_gradients, state_shardings
 
@@ -78,7 +78,7 @@ def infer(
     the whole batch, as float32 [N, R] arrays replicated in `layout` (zeros past each
     micro-batch's trimmed width)."""
     n, r = batch.responses.shape
-    arrays = moved_to(batch.fields(SEQUENCE_FIELDS), layout)
+    arrays = moved_to(batch.fields(batch.forward_fields()), layout)
     plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
     results = [fn(params, take(arrays, mb, layout)) for mb in plans]
     single = not isinstance(results[0], tuple)
@@ -159,7 +159,7 @@ class Learner:
         offline trainers' pair counts, KTO's KL estimate). Returns verl-style metrics
         averaged over the optimizer steps."""
         n = batch.rows
-        arrays = moved_to(batch.fields((*SEQUENCE_FIELDS, *fields)), self.layout)
+        arrays = moved_to(batch.fields((*batch.forward_fields(), *fields)), self.layout)
         rng = np.random.RandomState(seed)
         # Device metrics of every micro-batch and optimizer step, read back once at the end:
         # no host sync inside the loop.
@@ -198,7 +198,7 @@ class Learner:
         (gradients of its widest micro-batch) and "optimizer" (clip and apply), for their
         memory analysis. The state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
         del epochs, shuffle, seed
-        arrays = batch.fields((*SEQUENCE_FIELDS, *fields))
+        arrays = batch.fields((*batch.forward_fields(), *fields))
         rows = np.arange(min(mini_batch_rows, batch.rows))
         plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)
         mb = take_abstract(arrays, _largest(plans), self.layout)
@@ -234,7 +234,7 @@ def compile_infer(
 ) -> jax.stages.Compiled:
     """The program `infer` runs for `batch`'s largest micro-batch, compiled but not run."""
     plans = plan(batch, np.arange(batch.rows), layout, micro_rows, token_budget, balance)
-    mb = take_abstract(batch.fields(SEQUENCE_FIELDS), _largest(plans), layout)
+    mb = take_abstract(batch.fields(batch.forward_fields()), _largest(plans), layout)
     return fn.lower(params, mb).compile()
 
 

