@@ -5,9 +5,10 @@ Log-probs follow verl's `logprobs_from_logits(logits / temperature, labels)`:
     log p(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / temperature
     entropy_t  = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
 
-`token_log_probs` computes both in chunks of the sequence from the final hidden states, so the
-[B, T, V] float32 logits never exist at once; each chunk's logits are recomputed in the backward
-pass (`jax.checkpoint`), keeping the gradient's memory at one chunk too.
+`token_statistics` computes these (and TRL's mean logit and top-1 flags) in chunks of the
+sequence from the final hidden states, so the [B, T, V] float32 logits never exist at once;
+each chunk's logits are recomputed in the backward pass (`jax.checkpoint`), keeping the
+gradient's memory at one chunk too. `token_log_probs` is its log-probs and entropy.
 """
 
 from __future__ import annotations
@@ -36,29 +37,40 @@ def entropy_from_logits(logits: Float[Array, "*batch v"]) -> Float[Array, "*batc
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits) * logits, axis=-1)
 
 
-def token_log_probs(
+TOKEN_STATISTICS = {
+    "log_probs": log_probs_from_logits,
+    "entropy": lambda z, y: entropy_from_logits(z),
+    # TRL's `mean_logits` and `is_top1` (its DPO / KTO metrics)
+    "mean_logit": lambda z, y: jnp.mean(z, axis=-1),
+    "top1": lambda z, y: (jnp.argmax(z, axis=-1) == y).astype(jnp.float32),
+}
+
+
+def token_statistics(
     config: DecoderConfig,
     params: Params,
     h_btd: Float[Array, "b t d"],
     targets: Int[Array, "b t"],
+    names: tuple[str, ...],
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    with_entropy: bool = False,
-) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
-    """Log-probs of `targets` (and entropy) under softmax(logits / temperature), in chunks.
+) -> dict[str, Float[Array, "b t"]]:
+    """Per-position quantities of z = logits / temperature, in chunks of the sequence.
 
     Args:
         config: A causal LM.
         params: Its parameters.
         h_btd: Final hidden states, position t predicting `targets[:, t]`.
         targets: Token ids [B, T].
+        names: Which of `TOKEN_STATISTICS`: `log_probs` (of the targets), `entropy`,
+            `mean_logit` (the mean of z over the vocabulary), `top1` (1.0 where the target is
+            the argmax).
         temperature: Divides the logits (verl applies the rollout temperature here too).
         chunk_size: Sequence positions per chunk; None: the whole sequence at once.
-        with_entropy: Also return the entropy per position.
 
     Returns:
-        (log_probs [B, T], entropy [B, T] or None), float32.
+        {name: [B, T] float32}.
     """
     b, t, d = h_btd.shape
     c = t if chunk_size is None else min(chunk_size, t)
@@ -71,13 +83,28 @@ def token_log_probs(
     def chunk(args):
         h_chunk, y_chunk = args
         z = lm_logits(config, params, h_chunk).astype(jnp.float32) / temperature
-        lp = log_probs_from_logits(z, y_chunk)
-        return lp, (entropy_from_logits(z) if with_entropy else jnp.zeros_like(lp))
+        return {name: TOKEN_STATISTICS[name](z, y_chunk) for name in names}
 
-    lp, ent = jax.lax.map(chunk, (h, y))
-    lp = lp.swapaxes(0, 1).reshape(b, n_chunks * c)[:, :t]
-    ent = ent.swapaxes(0, 1).reshape(b, n_chunks * c)[:, :t]
-    return lp, (ent if with_entropy else None)
+    out = jax.lax.map(chunk, (h, y))
+    return {k: v.swapaxes(0, 1).reshape(b, n_chunks * c)[:, :t] for k, v in out.items()}
+
+
+def token_log_probs(
+    config: DecoderConfig,
+    params: Params,
+    h_btd: Float[Array, "b t d"],
+    targets: Int[Array, "b t"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
+    """Log-probs of `targets` (and entropy) under softmax(logits / temperature), in chunks
+    (`token_statistics`): (log_probs [B, T], entropy [B, T] or None), float32."""
+    names = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+    out = token_statistics(config, params, h_btd, targets, names, temperature=temperature,
+                           chunk_size=chunk_size)  # fmt: skip
+    return out["log_probs"], out.get("entropy")
 
 
 def values(

@@ -25,7 +25,7 @@ from jaxrl.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, k
 from jaxrl.core_algos.common import cfg_get, masked_mean
 from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
-from jaxrl.trainer.sequences import response_log_probs, response_values
+from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
 
 
 class ConfigView:
@@ -144,20 +144,50 @@ def sft_loss(
     return nll, {"sum": {"train/loss": nll}, "mean": {}, "tokens": jnp.sum(mask)}
 
 
-def sequence_log_probs(
-    config: DecoderConfig, params: Any, mb: dict[str, Array], chunk_size: int | None = None
-) -> tuple[Array, Array]:
-    """(sum of the trained tokens' log-probs, trained-token count) per row, float32 [m] each."""
-    lp, _ = response_log_probs(config, params, mb, temperature=1.0, chunk_size=chunk_size)
+# What a preference micro-batch computes per token: the log-probs it is trained on, and what
+# TRL logs besides (entropy, the mean logit, whether the token is the greedy prediction).
+PREFERENCE_STATISTICS = ("log_probs", "entropy", "mean_logit", "top1")
+
+
+def sequence_sums(
+    config: DecoderConfig,
+    params: Any,
+    mb: dict[str, Array],
+    chunk_size: int | None = None,
+    names: tuple[str, ...] = PREFERENCE_STATISTICS,
+) -> dict[str, Array]:
+    """Per row, float32 [m]: the sum over its trained tokens of each statistic in `names`
+    (`response_statistics`; all but the log-probs without gradient) and `tokens`, the
+    trained-token count."""
+    stats = response_statistics(config, params, mb, names, chunk_size=chunk_size)
     mask = mb["loss_mask"].astype(jnp.float32)
-    return jnp.sum(lp * mask, axis=-1), jnp.sum(mask, axis=-1)
+    out = {k: jnp.sum(v * mask, axis=-1) for k, v in stats.items()}
+    out = {k: v if k == "log_probs" else jax.lax.stop_gradient(v) for k, v in out.items()}
+    return {**out, "tokens": jnp.sum(mask, axis=-1)}
+
+
+def _token_metrics(rows: dict[str, Array], chosen: Array, rejected: Array, info, accuracy: bool):
+    """TRL's token-level metrics from per-row sums: `entropy` over every trained token,
+    `logits/chosen|rejected` over the chosen / rejected rows' tokens, `mean_token_accuracy`
+    over the chosen rows' tokens (DPO). Each is a sum / the batch's count."""
+    out = {}
+    if "entropy" in rows:
+        out["entropy"] = jnp.sum(rows["entropy"]) / info["num_tokens"]
+    if "mean_logit" in rows:
+        out["logits/chosen"] = jnp.sum(rows["mean_logit"] * chosen) / info["chosen_tokens"]
+        out["logits/rejected"] = jnp.sum(rows["mean_logit"] * rejected) / info["rejected_tokens"]
+    if "top1" in rows and accuracy:
+        out["mean_token_accuracy"] = jnp.sum(rows["top1"] * chosen) / info["chosen_tokens"]
+    return out
 
 
 def dpo_terms(
-    seq: Array, lengths: Array, ref: Array, info: dict[str, Any], *, spec: Any
+    rows: dict[str, Array], ref: Array, info: dict[str, Any], *, spec: Any
 ) -> tuple[Array, dict[str, Array]]:
     """The DPO loss of rows laid out as pairs (chosen 2i, rejected 2i + 1) and TRL's metrics,
-    each a sum over the pairs / the batch's pair count (so micro-batches add up)."""
+    each a sum over the pairs (or tokens) / the batch's count (so micro-batches add up).
+    `rows`: `sequence_sums` (at least `log_probs` and `tokens`)."""
+    seq, lengths = rows["log_probs"], rows["tokens"]
     c, r = seq[0::2], seq[1::2]
     c_len, r_len = lengths[0::2], lengths[1::2]
     pair = (c_len > 0).astype(jnp.float32)
@@ -181,13 +211,16 @@ def dpo_terms(
         "logps/chosen": mean(c),
         "logps/rejected": mean(r),
     }
-    return loss, metrics
+    is_chosen = (jnp.arange(seq.shape[0]) % 2 == 0).astype(jnp.float32)
+    return loss, metrics | _token_metrics(rows, is_chosen, 1 - is_chosen, info, accuracy=True)
 
 
 def kto_terms(
-    seq: Array, lengths: Array, ref: Array, labels: Array, info: dict[str, Any], *, spec: Any
+    rows: dict[str, Array], ref: Array, labels: Array, info: dict[str, Any], *, spec: Any
 ) -> tuple[Array, dict[str, Array]]:
-    """The KTO loss of labelled rows and TRL's metrics (sums over the batch's counts)."""
+    """The KTO loss of labelled rows and TRL's metrics (sums over the batch's counts; a
+    class's metrics divide by at least 1, and the trainer drops those of an absent class)."""
+    seq, lengths = rows["log_probs"], rows["tokens"]
     row = (lengths > 0).astype(jnp.float32)
     loss = kto_loss(
         seq, ref, labels, info["kl"], loss_type=spec.loss_types[0], beta=spec.beta,
@@ -204,7 +237,9 @@ def kto_terms(
         "logps/chosen": jnp.sum(seq * good) / n_good,
         "logps/rejected": jnp.sum(seq * bad) / n_bad,
     }
-    return loss, metrics
+    info = {**info, "chosen_tokens": jnp.maximum(info["chosen_tokens"], 1.0),
+            "rejected_tokens": jnp.maximum(info["rejected_tokens"], 1.0)}  # fmt: skip
+    return loss, metrics | _token_metrics(rows, good, bad, info, accuracy=False)
 
 
 def preference_loss(
@@ -218,10 +253,10 @@ def preference_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """The DPO (pairs) or KTO (labelled rows) loss of one micro-batch against the reference's
     sequence log-probs in `mb["ref_sequence_log_probs"]` (`jaxrl.core_algos.preference`)."""
-    seq, lengths = sequence_log_probs(config, params, mb, chunk_size)
+    rows = sequence_sums(config, params, mb, chunk_size)
     ref = mb["ref_sequence_log_probs"]
     if spec.kto:
-        loss, metrics = kto_terms(seq, lengths, ref, mb["labels"], info, spec=spec)
+        loss, metrics = kto_terms(rows, ref, mb["labels"], info, spec=spec)
     else:
-        loss, metrics = dpo_terms(seq, lengths, ref, info, spec=spec)
-    return loss, {"sum": {"loss": loss, **metrics}, "mean": {}, "tokens": jnp.sum(lengths)}
+        loss, metrics = dpo_terms(rows, ref, info, spec=spec)
+    return loss, {"sum": {"loss": loss, **metrics}, "mean": {}, "tokens": jnp.sum(rows["tokens"])}

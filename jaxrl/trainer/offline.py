@@ -45,7 +45,7 @@ from jaxrl.trainer.fit import Run
 from jaxrl.trainer.learner import infer
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
 from jaxrl.trainer.roles import LoraOptions, RoleSpec, dtype_name, log_prob_fn
-from jaxrl.trainer.sequences import response_top1
+from jaxrl.trainer.sequences import response_statistics, response_top1
 
 log = logging.getLogger("jaxrl.train")
 
@@ -337,6 +337,7 @@ class PreferenceTrainer(OfflineTrainer):
         self.reference_free = cfg.dpo.reference_free
         # dpo.precompute_ref_log_probs: {"train" | "val": [dataset rows, sequences per row]}
         self.ref_tables: dict[str, np.ndarray] = {}
+        self.num_tokens = 0  # tokens of the examples trained on so far (TRL's num_tokens)
 
     # ------------------------------------------------------------------- reference values
 
@@ -373,14 +374,38 @@ class PreferenceTrainer(OfflineTrainer):
     # ------------------------------------------------------------------------------- step
 
     def _info(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
-        """The batch's global counts for the micro-batch losses (from its host arrays)."""
+        """The batch's global counts for the micro-batch losses (from its host arrays):
+        examples (pairs; rows and desirable rows), trained tokens (all, chosen and rejected:
+        KTO's desirable and undesirable rows)."""
         trained = host["loss_mask"].sum(-1)
         if self.spec.kto:
             real = trained > 0
-            return {"num_rows": jnp.float32(real.sum()),
-                    "num_desirable": jnp.float32((host["labels"][real] > 0).sum())}  # fmt: skip
-        return {"num_pairs": jnp.float32((trained[0::2] > 0).sum()),
-                "chosen_tokens": jnp.float32(trained[0::2].sum())}  # fmt: skip
+            good = host["labels"] > 0
+            counts = {
+                "num_rows": real.sum(),
+                "num_desirable": (good & real).sum(),
+                "chosen_tokens": trained[good].sum(),
+                "rejected_tokens": trained[~good].sum(),
+            }
+        else:
+            counts = {"num_pairs": (trained[0::2] > 0).sum(), "chosen_tokens": trained[0::2].sum(),
+                      "rejected_tokens": trained[1::2].sum()}  # fmt: skip
+        return {k: jnp.float32(v) for k, v in counts.items()} | {
+            "num_tokens": jnp.float32(trained.sum())
+        }
+
+    def _weights(self, info: dict[str, Any]) -> dict[str, float]:
+        """What each metric of a batch averages over (validation weighs batches by it): the
+        pairs (DPO) or rows (KTO: its class's rows for `*/chosen`, `*/rejected`), and the
+        tokens for the token-level metrics."""
+        out = {k: float(info[v]) for k, v in TOKEN_METRIC_COUNTS.items()}
+        if not self.spec.kto:
+            return {"": float(info["num_pairs"]), **out}
+        rows = _kto_counts(info)
+        classes = {
+            f"{k}/{c}": rows[c] for k in ("rewards", "logps") for c in ("chosen", "rejected")
+        }
+        return {"": rows[""], **classes, **out}
 
     def _kl(self, batch: OfflineBatch) -> jax.Array:
         """KTO's KL estimate z from the batch's mismatched pairs, under the current policy
@@ -398,43 +423,54 @@ class PreferenceTrainer(OfflineTrainer):
     def step(self, batch: OfflineBatch, global_step: int) -> dict[str, float]:
         rl, host = self.device_batch(batch)
         rl = rl.replace(ref_sequence_log_probs=self.reference_sums(rl, host["row_ids"]))
+        real = host["loss_mask"].sum(-1) > 0  # TRL's num_tokens: every token trained so far
+        self.num_tokens += int(host["prompt_mask"][real].sum() + host["response_mask"][real].sum())
         info = self._info(host)
         fields = ("ref_sequence_log_probs",)
         if self.spec.kto:
             fields += ("labels",)
             info["kl"] = self._kl(batch)
         metrics = self.update(rl, fields, info)
+        metrics["num_tokens"] = float(self.num_tokens)
         if self.spec.kto:
             metrics["kl"] = float(to_host(info["kl"]))
             metrics = _kto_metrics(metrics, _kto_counts(info))
         return metrics
+
+    def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        items, meta = super().state_items()
+        return items, {**meta, "num_tokens": self.num_tokens}
+
+    def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
+        super().restore(items, meta)
+        self.num_tokens = int(meta.get("num_tokens", 0))
 
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         """TRL's metrics over the validation set (`eval_*`): each a mean over the pairs (DPO)
         or over the rows it describes (KTO: desirable rows for `*/chosen`, undesirable rows
         for `*/rejected`, every row for the loss and `kl`)."""
         actor = self.cluster.actor
+        fn = _statistics_fn(actor.config, self.layout, self.cfg.model.logits_chunk_size)
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
         for batch in _one_pass(loader):
             rl, host = self.device_batch(batch)
             ref = self.reference_sums(rl, host["row_ids"], split="val")
             with self.cluster.on_device("actor"):
-                lp = self.log_probs(actor.params, rl, actor.config)
-            seq, lengths = _sequence_sums(lp, rl.loss_mask), jnp.sum(rl.loss_mask, axis=-1)
+                stats = infer(fn, actor.params, rl, layout=self.layout, **self.micro())
+            rows = {name: _sequence_sums(x, rl.loss_mask) for name, x in
+                    zip(losses.PREFERENCE_STATISTICS, stats, strict=True)}  # fmt: skip
+            rows["tokens"] = jnp.sum(rl.loss_mask, axis=-1).astype(jnp.float32)
             info = self._info(host)
-            lengths = lengths.astype(jnp.float32)
             if self.spec.kto:
                 info["kl"] = self._kl(batch)
-                loss, metrics = losses.kto_terms(seq, lengths, ref, rl.labels, info,
-                                                 spec=self.spec)  # fmt: skip
+                loss, metrics = losses.kto_terms(rows, ref, rl.labels, info, spec=self.spec)
                 metrics["kl"] = info["kl"]
-                weight = _kto_counts(info)
             else:
-                loss, metrics = losses.dpo_terms(seq, lengths, ref, info, spec=self.spec)
-                weight = {"": float(info["num_pairs"])}
+                loss, metrics = losses.dpo_terms(rows, ref, info, spec=self.spec)
+            weight = self._weights(info)
             for key, value in to_host({"loss": loss, **metrics}).items():
-                n = weight.get(key.rpartition("/")[2], weight[""])
+                n = weight.get(key, weight[""])
                 sums[key] = sums.get(key, 0.0) + float(value) * n
                 counts[key] = counts.get(key, 0.0) + n
         out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
@@ -443,6 +479,27 @@ class PreferenceTrainer(OfflineTrainer):
                 out, {k: counts.get(f"rewards/{k}", 0.0) for k in ("chosen", "rejected")}
             )
         return {f"eval_{k}": v for k, v in out.items()}
+
+
+@functools.cache
+def _statistics_fn(config, layout, chunk_size):
+    """jit of `(params, mb) -> ` the response tokens' `PREFERENCE_STATISTICS` ([m, r] each)."""
+
+    def fn(params, mb):
+        stats = response_statistics(config, params, mb, losses.PREFERENCE_STATISTICS,
+                                    chunk_size=chunk_size)  # fmt: skip
+        return tuple(stats[k] for k in losses.PREFERENCE_STATISTICS)
+
+    return jax.jit(fn)
+
+
+# The count each token-level metric divides by (`PreferenceTrainer._info`'s names).
+TOKEN_METRIC_COUNTS = MappingProxyType({
+    "entropy": "num_tokens",
+    "logits/chosen": "chosen_tokens",
+    "logits/rejected": "rejected_tokens",
+    "mean_token_accuracy": "chosen_tokens",
+})  # fmt: skip
 
 
 def _kto_counts(info: dict[str, Any]) -> dict[str, float]:

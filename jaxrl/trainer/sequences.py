@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxrl.models.config import DecoderConfig
-from jaxrl.models.outputs import token_log_probs
+from jaxrl.models.outputs import token_log_probs, token_statistics
 from jaxrl.models.params import Params
 from jaxrl.models.transformer import hidden_states, lm_logits, score_head
 
@@ -59,6 +59,20 @@ def response_log_probs(
         chunk_size=chunk_size,
         with_entropy=with_entropy,
     )
+
+
+def response_statistics(
+    config: DecoderConfig,
+    params: Params,
+    mb: dict[str, Int[Array, "b _"]],
+    names: tuple[str, ...],
+    *,
+    chunk_size: int | None = None,
+) -> dict[str, Float[Array, "b r"]]:
+    """`token_statistics` (temperature 1) of the response tokens of a micro-batch:
+    {name: [B, R]} for `names` among log_probs, entropy, mean_logit, top1."""
+    h = _response_hidden(config, params, mb)
+    return token_statistics(config, params, h, mb["responses"], names, chunk_size=chunk_size)
 
 
 def response_values(

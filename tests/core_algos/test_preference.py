@@ -3,8 +3,9 @@
 TRL 1.16 computes its losses inline in `DPOTrainer._compute_loss` / `KTOTrainer._compute_loss`
 from a model's per-token log-probs; the tests call those methods on a stand-in trainer whose
 "model" returns given per-token log-probs, so TRL's own arithmetic (and its autograd) runs on
-random inputs, and compare the loss, the rewards TRL logs and the gradient with respect to the
-sequence log-probs with jaxrl's (1e-6).
+random inputs (log-probs and the entropy, mean logits and top-1 flags TRL logs), and compare
+the loss, every metric TRL logs and the gradient with respect to the sequence log-probs with
+jaxrl's `dpo_terms` / `kto_terms` (1e-6; jaxrl in float64 here, as TRL's inputs).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import pytest
 
 from jaxrl.config import offline
 from jaxrl.core_algos import preference
-from jaxrl.core_algos.preference import dpo_loss, kl_estimate, kto_loss
+from jaxrl.core_algos.preference import dpo_loss, kl_estimate
+from jaxrl.testing.reference import import_reference
+from jaxrl.trainer.losses import dpo_terms, kto_terms
+from jaxrl.trainer.offline import PreferenceSpec, _kto_metrics
 
-torch = pytest.importorskip("torch")
-trl = pytest.importorskip("trl")
-
-jax.config.update("jax_enable_x64", False)
+torch = import_reference("torch")
+trl = import_reference("trl")
 
 PAIRS, LENGTH = 6, 7
 
@@ -39,7 +41,8 @@ class _Accelerator:
 
 
 class _Model:
-    """Returns the per-token log-probs it holds for the input ids it is called with."""
+    """Returns the per-token log-probs (and entropy, mean logits, top-1 flags) it holds for
+    the input ids it is called with."""
 
     training = True
 
@@ -47,11 +50,34 @@ class _Model:
         self.by_input = by_input
 
     def __call__(self, input_ids, **kwargs):
-        lp = self.by_input[id(input_ids)]
-        zeros = torch.zeros_like(lp)
+        lp, stats = self.by_input[id(input_ids)]
+        entropy, mean_logit, top1 = (torch.tensor(x) for x in stats)
         return types.SimpleNamespace(
-            log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+            log_probs=lp, entropy=entropy, mean_logits=mean_logit, is_top1=top1.bool()
         )
+
+
+def _random_stats(seed: int, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Per-token entropy, mean logit and top-1 flags [rows, L-1] (float64)."""
+    rng = np.random.default_rng(seed)
+    return (
+        rng.uniform(0.1, 3.0, shape),
+        rng.normal(0.0, 2.0, shape),
+        rng.integers(0, 2, shape) * 1.0,
+    )
+
+
+def _rows(lp, stats, mask):
+    """jaxrl's per-row sums (`sequence_sums`) of the per-token arrays over the shifted mask."""
+    m = mask[:, 1:]
+    entropy, mean_logit, top1 = stats
+    sums = {"log_probs": lp, "entropy": entropy, "mean_logit": mean_logit, "top1": top1}
+    return {k: (v * m).sum(-1) for k, v in sums.items()} | {"tokens": m.sum(-1) * 1.0}
+
+
+def _spec(loss_types=("sigmoid",), weights=(1.0,), beta=0.1, smoothing=0.0, kto=False, wd=1.0,
+          wu=1.0):  # fmt: skip
+    return PreferenceSpec(tuple(loss_types), tuple(weights), beta, smoothing, 0.05, kto, wd, wu)
 
 
 def _trainer(**attrs):
@@ -80,10 +106,11 @@ def _random_batch(seed: int, rows: int):
     return mask, lp
 
 
-def _trl_dpo(loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r):
+def _trl_dpo(loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r, stats=None):
     token_lp = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
     input_ids = torch.zeros(mask.shape, dtype=torch.long)
-    model = _Model({id(input_ids): token_lp})
+    stats = stats if stats is not None else _random_stats(0, lp.shape)
+    model = _Model({id(input_ids): (token_lp, stats)})
     trainer = _trainer(
         model=model, beta=beta, label_smoothing=smoothing, loss_types=list(loss_types),
         loss_weights=list(weights), f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
@@ -104,20 +131,30 @@ def _trl_dpo(loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r):
     return float(loss.detach()), seq_grad, {k: v[0] for k, v in trainer._metrics["train"].items()}
 
 
-def _jax_dpo(loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r):
-    seq = lp.sum(-1)
-    lengths = mask.sum(-1).astype(np.float64)
-    p = len(seq) // 2
+def _jax_dpo(loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r, stats=None):
+    """jaxrl's `dpo_terms` (float64) on the same rows, laid out as pairs (chosen 2i,
+    rejected 2i + 1): (loss, d loss / d sequence log-prob in TRL's row order, metrics)."""
+    stats = stats if stats is not None else _random_stats(0, lp.shape)
+    rows = _rows(lp, stats, mask)
+    p = len(lp) // 2
+    order = np.stack([np.arange(p), np.arange(p) + p], axis=1).ravel()  # TRL's rows, paired
+    m = mask[:, 1:]
+    info = {"num_pairs": float(p), "chosen_tokens": m[:p].sum() * 1.0,
+            "rejected_tokens": m[p:].sum() * 1.0, "num_tokens": m.sum() * 1.0}  # fmt: skip
+    ref = np.stack([ref_c, ref_r], axis=1).ravel()
+    spec = _spec(loss_types, weights, beta, smoothing)
+    with jax.enable_x64(True):
 
-    def loss(seq):
-        return dpo_loss(
-            seq[:p], seq[p:], jnp.asarray(ref_c), jnp.asarray(ref_r),
-            loss_types=tuple(loss_types), loss_weights=tuple(weights), beta=beta,
-            label_smoothing=smoothing, chosen_lengths=lengths[:p], rejected_lengths=lengths[p:],
-        )  # fmt: skip
+        def loss(seq):
+            paired = {k: jnp.asarray(v[order]) for k, v in rows.items()} | {"log_probs": seq}
+            return dpo_terms(paired, jnp.asarray(ref), info, spec=spec)
 
-    value, grad = jax.value_and_grad(loss)(jnp.asarray(seq, jnp.float32))
-    return float(value), np.asarray(grad)
+        (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(
+            jnp.asarray(rows["log_probs"][order])
+        )
+        back = np.empty(2 * p)
+        back[order] = np.asarray(grad)
+        return float(value), back, {k: float(v) for k, v in metrics.items()}
 
 
 CASES = [
@@ -140,20 +177,20 @@ CASES = [
 
 @pytest.mark.parametrize(("loss_types", "weights", "smoothing"), CASES)
 def test_dpo_losses_equal_trl(loss_types, weights, smoothing):
+    """The loss, its gradient and every metric TRL logs (rewards, log-probs, entropy, mean
+    logits, chosen token accuracy) equal TRL's (1e-6)."""
     mask, lp = _random_batch(CASES.index((loss_types, weights, smoothing)), 2 * PAIRS)
     rng = np.random.default_rng(1)
     ref_c, ref_r = -rng.uniform(0.5, 6.0, PAIRS), -rng.uniform(0.5, 6.0, PAIRS)
-    beta = 0.3
-    args = (loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r)
-    want, want_grad, metrics = _trl_dpo(*args)
-    got, got_grad = _jax_dpo(*args)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
-    seq = lp.sum(-1)
-    rewards_c, rewards_r = beta * (seq[:PAIRS] - ref_c), beta * (seq[PAIRS:] - ref_r)
-    np.testing.assert_allclose(metrics["rewards/chosen"], rewards_c.mean(), rtol=1e-6)
-    np.testing.assert_allclose(metrics["rewards/rejected"], rewards_r.mean(), rtol=1e-6)
-    np.testing.assert_allclose(metrics["rewards/accuracies"], (rewards_c > rewards_r).mean())
+    args = (loss_types, weights, 0.3, smoothing, lp, mask, ref_c, ref_r)
+    want, want_grad, logged = _trl_dpo(*args)
+    got, got_grad, metrics = _jax_dpo(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-9)
+    compared = set(logged) - {"num_tokens"}  # the trainer's running count (test_offline)
+    assert compared == set(metrics)
+    for key in compared:
+        np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-6, atol=1e-9, err_msg=key)
 
 
 def test_sigmoid_label_smoothing_is_conservative_dpo():
@@ -167,7 +204,7 @@ def test_sigmoid_label_smoothing_is_conservative_dpo():
     swapped_lp = np.concatenate([lp[PAIRS:], lp[:PAIRS]])
     swapped_mask = np.concatenate([mask[PAIRS:], mask[:PAIRS]])
     flipped = _trl_dpo(("sigmoid",), (1.0,), 0.2, 0.0, swapped_lp, swapped_mask, ref_r, ref_c)[0]
-    got, _ = _jax_dpo(("sigmoid",), (1.0,), 0.2, e, lp, mask, ref_c, ref_r)
+    got = _jax_dpo(("sigmoid",), (1.0,), 0.2, e, lp, mask, ref_c, ref_r)[0]
     np.testing.assert_allclose(got, (1 - e) * plain + e * flipped, rtol=1e-6)
 
 
@@ -176,7 +213,7 @@ def test_reference_free_is_a_zero_reference():
     mask, lp = _random_batch(4, 2 * PAIRS)
     zeros = np.zeros(PAIRS)
     want = _trl_dpo(("sigmoid",), (1.0,), 0.1, 0.0, lp, mask, zeros, zeros)[0]
-    got, _ = _jax_dpo(("sigmoid",), (1.0,), 0.1, 0.0, lp, mask, zeros, zeros)
+    got = _jax_dpo(("sigmoid",), (1.0,), 0.1, 0.0, lp, mask, zeros, zeros)[0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
@@ -202,9 +239,12 @@ def test_global_counts_make_micro_batches_add_up():
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_kto_equals_trl(loss_type):
+    """The loss, its gradient (1e-6) and every metric TRL logs (the KL estimate, rewards and
+    log-probs per class, margins, entropy, mean logits) equal TRL's."""
     rows = 8
     mask, lp = _random_batch(7, rows)
     kl_mask, kl_lp = _random_batch(8, rows)
+    stats = _random_stats(10, lp.shape)
     rng = np.random.default_rng(9)
     ref, ref_kl = -rng.uniform(0.5, 6.0, rows), -rng.uniform(0.5, 6.0, rows) - 3.0
     labels = np.array([1, 0, 1, 1, 0, 0, 1, 0], bool)
@@ -215,7 +255,9 @@ def test_kto_equals_trl(loss_type):
         torch.zeros(mask.shape, dtype=torch.long),
         torch.ones(mask.shape, dtype=torch.long),
     )
-    model = _Model({id(ids): token_lp, id(kl_ids): kl_token_lp})
+    model = _Model(
+        {id(ids): (token_lp, stats), id(kl_ids): (kl_token_lp, _random_stats(11, lp.shape))}
+    )
     trainer = _trainer(
         model=model, beta=beta, loss_type=loss_type, desirable_weight=wd,
         undesirable_weight=wu, calculate_KL=loss_type == "kto", router_aux_loss_coef=0.0,
@@ -237,27 +279,34 @@ def test_kto_equals_trl(loss_type):
     want = want.detach()
     grad = token_lp.grad.numpy()
     want_grad = np.array([g[m > 0][0] for g, m in zip(grad, mask[:, 1:], strict=True)])
+    logged = {k: v[0] for k, v in trainer._metrics["train"].items()}
 
-    # TRL orders the rows chosen first; jaxrl's loss is a mean over rows, in any order
-    kl = kl_estimate(jnp.asarray(kl_lp.sum(-1)), jnp.asarray(ref_kl), jnp.ones(rows))
-    if loss_type != "kto":
-        kl = jnp.zeros(())
+    # jaxrl's loss is a sum over rows / the row count, in any order (TRL's: chosen first)
+    sums = _rows(lp, stats, mask)
+    m = mask[:, 1:]
+    info = {"num_rows": float(rows), "num_desirable": float(labels.sum()),
+            "chosen_tokens": m[labels].sum() * 1.0, "rejected_tokens": m[~labels].sum() * 1.0,
+            "num_tokens": m.sum() * 1.0}  # fmt: skip
+    spec = _spec((loss_type,), (1.0,), beta, kto=True, wd=wd, wu=wu)
+    with jax.enable_x64(True):
+        kl = kl_estimate(jnp.asarray(kl_lp.sum(-1)), jnp.asarray(ref_kl), jnp.ones(rows))
+        info["kl"] = kl if loss_type == "kto" else jnp.zeros(())
 
-    def loss(seq):
-        return kto_loss(seq, jnp.asarray(ref), jnp.asarray(labels, jnp.float32), kl,
-                        loss_type=loss_type, beta=beta, desirable_weight=wd,
-                        undesirable_weight=wu)  # fmt: skip
+        def loss(seq):
+            rows_ = {k: jnp.asarray(v) for k, v in sums.items()} | {"log_probs": seq}
+            return kto_terms(rows_, jnp.asarray(ref), jnp.asarray(labels * 1.0), info, spec=spec)
 
-    got, got_grad = jax.value_and_grad(loss)(jnp.asarray(lp.sum(-1), jnp.float32))
-    np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-5, atol=1e-7)
-    metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
-    if loss_type == "kto":
-        np.testing.assert_allclose(metrics["kl"], float(kl), rtol=1e-6)
-    seq = lp.sum(-1)
-    rewards = beta * (seq - ref)
-    np.testing.assert_allclose(metrics["rewards/chosen"], rewards[labels].mean(), rtol=1e-6)
-    np.testing.assert_allclose(metrics["rewards/rejected"], rewards[~labels].mean(), rtol=1e-6)
+        (got, metrics), got_grad = jax.value_and_grad(loss, has_aux=True)(
+            jnp.asarray(sums["log_probs"])
+        )
+        metrics = {k: float(v) for k, v in metrics.items()} | {"kl": float(info["kl"])}
+    metrics = _kto_metrics(metrics, {"chosen": labels.sum(), "rejected": (~labels).sum()})
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-6, atol=1e-9)
+    compared = set(logged) - {"num_tokens"}  # the trainer's running count (test_offline)
+    assert compared == set(metrics)
+    for key in compared:
+        np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-6, atol=1e-9, err_msg=key)
 
 
 def test_config_lists_the_loss_types():
