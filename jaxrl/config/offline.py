@@ -127,12 +127,19 @@ class MultiTurnConfig:
         tools_key: A column of tool schemas given to the chat template (optional).
         enable_thinking_key: A column of per-row `enable_thinking` flags given to the
             template (optional).
+        enable_thinking_default: The flag of rows without an `enable_thinking_key` value
+            (null: the template's own default).
+        ignore_input_ids_mismatch: A conversation the template renders differently from its
+            messages one by one: train on the messages' concatenation with a warning instead
+            of refusing the row (verl 0.9.1).
     """
 
     enable: bool = False
     messages_key: str = "messages"
     tools_key: str = "tools"
     enable_thinking_key: str = "enable_thinking"
+    enable_thinking_default: bool | None = None
+    ignore_input_ids_mismatch: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,6 +363,8 @@ RENAMED: dict[str, str] = {
     "data.messages_key": "data.multiturn.messages_key",
     "data.tools_key": "data.multiturn.tools_key",
     "data.enable_thinking_key": "data.multiturn.enable_thinking_key",
+    "data.enable_thinking_default": "data.multiturn.enable_thinking_default",
+    "data.ignore_input_ids_mismatch": "data.multiturn.ignore_input_ids_mismatch",
 }
 IGNORED: dict[str, Ignored] = {
     "model.fsdp_config.*": Ignored(_ENGINE),
@@ -371,7 +380,10 @@ IGNORED: dict[str, Ignored] = {
     "data.chat_template": Ignored("set model.custom_chat_template"),
     "data.balance_dp_token": Ignored("not implemented in verl either"),
     "data.num_workers": Ignored("rows are tokenized on the main thread"),
-    "data.pad_mode": Ignored("micro-batches are trimmed to their longest row"),
+    "data.pad_mode": Ignored(
+        "model.use_remove_padding packs rows (verl's no_padding); without it each micro-batch "
+        "is trimmed to its longest row; the loss is the same either way"
+    ),
     "data.custom_cls.*": Ignored("custom dataset classes are not supported", (None,)),
     "trainer.default_hdfs_dir": Ignored("HDFS copies are not supported", (None,)),
     "trainer.device": Ignored("JAX uses whatever devices it sees"),

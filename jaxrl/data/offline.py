@@ -253,12 +253,14 @@ class OfflineDataset:
                     raise DataError(f"column {mt.messages_key!r} is not a list of chat messages")
                 tools = raw.get(mt.tools_key)
                 extra = dict(kw["template_kwargs"])
-                if raw.get(mt.enable_thinking_key) is not None:
-                    extra["enable_thinking"] = bool(raw[mt.enable_thinking_key])
+                thinking = raw.get(mt.enable_thinking_key, mt.enable_thinking_default)
+                if thinking is not None:
+                    extra["enable_thinking"] = bool(thinking)
                 seq = multiturn_sequence(
                     tokenizer, messages, max_length=kw["max_length"],
                     truncation=kw["truncation"], tools=tools, template_kwargs=extra,
                     header_kwargs=kw["template_kwargs"], where=where,
+                    allow_mismatch=mt.ignore_input_ids_mismatch,
                 )  # fmt: skip
             else:
                 prompt = _text_or_messages(

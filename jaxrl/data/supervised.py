@@ -36,6 +36,7 @@ predicts token t, so the prompt's last token predicts the completion's first).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -147,11 +148,13 @@ def multiturn_sequence(
     template_kwargs: Mapping[str, Any] | None = None,
     header_kwargs: Mapping[str, Any] | None = None,
     where: str = "",
+    allow_mismatch: bool = False,
 ) -> TokenSeq:
     """The SFT sequence of a conversation: loss on the assistant turns (module doc).
     `template_kwargs` render the messages (the row's `enable_thinking` included);
     `header_kwargs` (the config's, as verl: not the row's) find the system prompt and the
-    role header."""
+    role header. A conversation the template renders differently as a whole is refused, or
+    with `allow_mismatch` trained as its messages' concatenation (logged once)."""
     kwargs = dict(template_kwargs or {})
     system, header = _generation_prompt(tokenizer, dict(header_kwargs or {}))
     ids: list[int] = []
@@ -170,11 +173,18 @@ def multiturn_sequence(
         else:
             mask += [0] * len(part)
     whole = _template(tokenizer, messages, add_generation_prompt=False, tools=tools, **kwargs)
-    if whole != ids:
+    if whole != ids and not allow_mismatch:
         raise DataError(
             f"{where}: the chat template renders the conversation differently from its "
             "messages one by one, so the assistant tokens cannot be located; use a template "
-            "that renders each message independently"
+            "that renders each message independently, or set "
+            "data.multiturn.ignore_input_ids_mismatch=true to train on the concatenation"
+        )
+    if whole != ids:  # one warning per run: the text names no row
+        warnings.warn(
+            "the chat template renders some conversations differently from their messages one "
+            "by one; training on the concatenation (data.multiturn.ignore_input_ids_mismatch)",
+            stacklevel=2,
         )
     return _split(*_cut(ids, mask, max_length, truncation, where), where, len(ids) > max_length)
 

@@ -19,12 +19,15 @@ def test_verl_sft_keys_land_on_jaxrl_keys(caplog):
         [*BASE, "model.partial_pretrain=/m", "optim.warmup_steps_ratio=0.2",
          "optim.lr_scheduler=constant", "data.messages_key=conv",
          "model.fsdp_config.wrap_policy.min_num_params=0", "ulysses_sequence_parallel_size=2",
-         "model.use_liger=true", "data.multiturn.enable=true"],
+         "model.use_liger=true", "data.multiturn.enable=true",
+         "data.enable_thinking_default=false", "data.ignore_input_ids_mismatch=true"],
         num_devices=8, schema=SFT,
     )  # fmt: skip
     assert cfg.model.path == "/m"
     assert cfg.optim.lr_warmup_steps_ratio == 0.2 and cfg.optim.lr_scheduler_type == "constant"
     assert cfg.data.multiturn.messages_key == "conv" and cfg.data.multiturn.enable
+    assert cfg.data.multiturn.enable_thinking_default is False
+    assert cfg.data.multiturn.ignore_input_ids_mismatch
     assert cfg.mesh.sp == 2  # verl's Ulysses size is jaxrl's ring-attention axis
     assert cfg.data.train_files == ("/data/train.parquet",)
     assert "ignoring verl key model.use_liger" in caplog.text

@@ -121,6 +121,38 @@ def test_multiturn_tokens_equal_verl(tiny, tmp_path, monkeypatch, truncation, ma
         assert sum(mask) > 4  # both assistant turns are trained on
 
 
+def test_template_mismatch_refused_or_concatenated_as_verl(tiny, tmp_path, monkeypatch):
+    """A template that renders the last message differently in a whole conversation (as
+    Qwen's thinking templates do) cannot locate the assistant tokens: the row is refused,
+    or with `ignore_input_ids_mismatch` trained on the messages' concatenation, verl's ids
+    and mask exactly; `enable_thinking_default` reaches the template of rows without a flag."""
+    tok = load_tokenizer(str(tiny))
+    tok.chat_template = (  # the synthetic ChatML, "copy" after the last message without thinking
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% if loop.last and enable_thinking is defined and not enable_thinking %} copy"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    path = _write(tmp_path, "mt", [{"messages": MESSAGES}])
+    base = [f"data.train_files={path}", "data.multiturn.enable=true", "data.max_length=64"]
+    cfg = _cfg(SFT, tiny, tmp_path / "run", *base, "data.multiturn.enable_thinking_default=false")
+    with pytest.raises(DataError, match="ignore_input_ids_mismatch=true"):
+        OfflineDataset.sft(cfg.data, tok, "train")
+    cfg = _cfg(SFT, tiny, tmp_path / "run", *base, "data.multiturn.enable_thinking_default=false",
+               "data.multiturn.ignore_input_ids_mismatch=true")  # fmt: skip
+    with pytest.warns(UserWarning, match="concatenation"):
+        (example,) = OfflineDataset.sft(cfg.data, tok, "train").examples
+    flags = dict(enable_thinking_default=False, ignore_input_ids_mismatch=True)
+    ref = _verl_multiturn(monkeypatch, path, tok, max_length=64, truncation="error", **flags)[0]
+    seq = example.sequences[0]
+    n = int(ref["attention_mask"].sum())
+    assert [*seq.prompt, *seq.completion] == ref["input_ids"][:n].tolist()
+    assert [0] * len(seq.prompt) + list(seq.loss_mask) == ref["loss_mask"][:n].tolist()
+    # without the default (the template's own: undefined), pieces and whole agree
+    cfg = _cfg(SFT, tiny, tmp_path / "run", *base)
+    assert len(OfflineDataset.sft(cfg.data, tok, "train").examples) == 1
+
+
 def _verl_sft_loss(hf_model, ids_list, masks_list, batch_tokens):
     """verl's `sft_loss` (no padding: jagged tensors) over HF log-probs of rolled labels."""
     import torch
