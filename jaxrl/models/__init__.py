@@ -23,6 +23,7 @@ from jaxrl.models.outputs import (
     log_probs_from_logits,
     sequence_scores,
     token_log_probs,
+    token_statistics,
     values,
 )
 from jaxrl.models.params import (
@@ -67,5 +68,6 @@ __all__ = [
     "sequence_scores",
     "to_hf_config",
     "token_log_probs",
+    "token_statistics",
     "values",
 ]

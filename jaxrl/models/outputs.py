@@ -13,6 +13,8 @@ gradient's memory at one chunk too. `token_log_probs` is its log-probs and entro
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -37,13 +39,14 @@ def entropy_from_logits(logits: Float[Array, "*batch v"]) -> Float[Array, "*batc
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits) * logits, axis=-1)
 
 
-TOKEN_STATISTICS = {
+# Per-position statistics of the logits z [..., V] and targets y [...]: the log-probs and the
+# entropy (verl's entropy bonus), and TRL's `mean_logits` and `is_top1` (its DPO / KTO metrics).
+TOKEN_STATISTICS = MappingProxyType({
     "log_probs": log_probs_from_logits,
     "entropy": lambda z, y: entropy_from_logits(z),
-    # TRL's `mean_logits` and `is_top1` (its DPO / KTO metrics)
     "mean_logit": lambda z, y: jnp.mean(z, axis=-1),
     "top1": lambda z, y: (jnp.argmax(z, axis=-1) == y).astype(jnp.float32),
-}
+})  # fmt: skip
 
 
 def token_statistics(

@@ -15,6 +15,7 @@ mini-batch is split.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -157,28 +158,35 @@ def sequence_sums(
     names: tuple[str, ...] = PREFERENCE_STATISTICS,
 ) -> dict[str, Array]:
     """Per row, float32 [m]: the sum over its trained tokens of each statistic in `names`
-    (`response_statistics`; all but the log-probs without gradient) and `tokens`, the
+    (`response_statistics`: the metrics' statistics carry no gradient) and `tokens`, the
     trained-token count."""
     stats = response_statistics(config, params, mb, names, chunk_size=chunk_size)
+    stats = {k: v if k == "log_probs" else jax.lax.stop_gradient(v) for k, v in stats.items()}
     mask = mb["loss_mask"].astype(jnp.float32)
     out = {k: jnp.sum(v * mask, axis=-1) for k, v in stats.items()}
-    out = {k: v if k == "log_probs" else jax.lax.stop_gradient(v) for k, v in out.items()}
     return {**out, "tokens": jnp.sum(mask, axis=-1)}
+
+
+# The batch count (`info` key) each token-level metric divides by.
+TOKEN_METRIC_COUNTS = MappingProxyType({
+    "entropy": "trained_tokens",
+    "logits/chosen": "chosen_tokens",
+    "logits/rejected": "rejected_tokens",
+    "mean_token_accuracy": "chosen_tokens",
+})  # fmt: skip
 
 
 def _token_metrics(rows: dict[str, Array], chosen: Array, rejected: Array, info, accuracy: bool):
     """TRL's token-level metrics from per-row sums: `entropy` over every trained token,
     `logits/chosen|rejected` over the chosen / rejected rows' tokens, `mean_token_accuracy`
-    over the chosen rows' tokens (DPO). Each is a sum / the batch's count."""
-    out = {}
-    if "entropy" in rows:
-        out["entropy"] = jnp.sum(rows["entropy"]) / info["num_tokens"]
-    if "mean_logit" in rows:
-        out["logits/chosen"] = jnp.sum(rows["mean_logit"] * chosen) / info["chosen_tokens"]
-        out["logits/rejected"] = jnp.sum(rows["mean_logit"] * rejected) / info["rejected_tokens"]
-    if "top1" in rows and accuracy:
-        out["mean_token_accuracy"] = jnp.sum(rows["top1"] * chosen) / info["chosen_tokens"]
-    return out
+    over the chosen rows' tokens (DPO). Each is a sum / the batch's count (at least 1)."""
+    sums = {"entropy": jnp.sum(rows["entropy"]),
+            "logits/chosen": jnp.sum(rows["mean_logit"] * chosen),
+            "logits/rejected": jnp.sum(rows["mean_logit"] * rejected),
+            "mean_token_accuracy": jnp.sum(rows["top1"] * chosen)}  # fmt: skip
+    if not accuracy:
+        del sums["mean_token_accuracy"]
+    return {k: v / jnp.maximum(info[TOKEN_METRIC_COUNTS[k]], 1.0) for k, v in sums.items()}
 
 
 def dpo_terms(
@@ -237,8 +245,6 @@ def kto_terms(
         "logps/chosen": jnp.sum(seq * good) / n_good,
         "logps/rejected": jnp.sum(seq * bad) / n_bad,
     }
-    info = {**info, "chosen_tokens": jnp.maximum(info["chosen_tokens"], 1.0),
-            "rejected_tokens": jnp.maximum(info["rejected_tokens"], 1.0)}  # fmt: skip
     return loss, metrics | _token_metrics(rows, good, bad, info, accuracy=False)
 
 

@@ -32,9 +32,8 @@ import numpy as np
 from jaxrl.config.mesh import TRAIN_RULES
 from jaxrl.config.offline import is_kto, loss_types, offline_mesh
 from jaxrl.core_algos.preference import kl_estimate
-from jaxrl.data import PromptIterator, load_tokenizer
+from jaxrl.data import PromptIterator, load_tokenizer, pack_prompt_response, row_length
 from jaxrl.data.offline import OfflineBatch, OfflineDataset
-from jaxrl.data.packing import pack_prompt_response
 from jaxrl.data.supervised import PreferenceLimits
 from jaxrl.sharding.layouts import Layout, train_mesh
 from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
@@ -44,8 +43,7 @@ from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.fit import Run
 from jaxrl.trainer.learner import infer
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
-from jaxrl.trainer.roles import LoraOptions, RoleSpec, dtype_name, log_prob_fn
-from jaxrl.trainer.sequences import response_statistics, response_top1
+from jaxrl.trainer.roles import LoraOptions, RoleSpec, dtype_name, log_prob_fn, statistics_fn
 
 log = logging.getLogger("jaxrl.train")
 
@@ -183,7 +181,7 @@ def _replicated(x: jax.Array, layout: Layout | None) -> jax.Array:
 
 
 @jax.jit
-def _sequence_sums(lp: jax.Array, loss_mask: jax.Array) -> jax.Array:
+def _row_sums(lp: jax.Array, loss_mask: jax.Array) -> jax.Array:
     return jnp.sum(lp * loss_mask.astype(lp.dtype), axis=-1)
 
 
@@ -198,11 +196,12 @@ class SFTTrainer(OfflineTrainer):
     greedy prediction: greedy decoding from the prompt writes exactly the target).
 
     With `model.use_remove_padding` (verl's default) a batch's sequences are packed into rows
-    of `data.max_length` tokens (`jaxrl.data.pack_prompt_response`; segment ids keep them
-    apart) and a micro-batch is `data.micro_batch_size_per_gpu` such rows per device (or the
-    rows within `max_token_len_per_gpu` under `use_dynamic_bsz`): the same token budget as
-    unpacked rows at their longest, with no padding computed. The loss, a sum over trained
-    tokens over the batch's count, does not depend on the layout."""
+    of at most `data.max_length` tokens, the length that needs the fewest padded tokens
+    (`jaxrl.data.row_length`, `pack_prompt_response`; segment ids keep them apart), and a
+    micro-batch is `data.micro_batch_size_per_gpu` such rows per device (or the rows within
+    `max_token_len_per_gpu` under `use_dynamic_bsz`): at most the tokens of as many unpacked
+    rows, with no padding computed. The loss, a sum over trained tokens over the batch's count,
+    does not depend on the layout."""
 
     metric_names = MappingProxyType(
         {"grad_norm": "train/grad_norm", "lr": "train/lr", "skipped_steps": "train/skipped_steps"}
@@ -211,7 +210,10 @@ class SFTTrainer(OfflineTrainer):
     def device_batch(self, batch: OfflineBatch) -> tuple[RLBatch, dict[str, np.ndarray]]:
         if not self.cfg.model.use_remove_padding:
             return super().device_batch(batch)
-        host = pack_prompt_response(_global(batch), self.cfg.data.max_length)
+        host = _global(batch)
+        trained = host["loss_mask"].sum(-1) > 0  # the sequences packed (not filler)
+        lengths = host["prompt_mask"].sum(-1) + host["response_mask"].sum(-1)
+        host = pack_prompt_response(host, row_length(lengths[trained], self.cfg.data.max_length))
         return RLBatch.from_host(host, self.layout), host
 
     def step(self, batch: OfflineBatch, global_step: int) -> dict[str, float]:
@@ -225,16 +227,17 @@ class SFTTrainer(OfflineTrainer):
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         learner = self.cluster.actor
         losses_, correct, tokens, exact, sequences = [], 0.0, 0.0, 0.0, 0.0
-        fn = _top1_fn(learner.config, self.layout, self.cfg.model.logits_chunk_size)
+        fn = _statistics_fn(learner.config, self.layout, self.cfg.model.logits_chunk_size,
+                            ("log_probs", "top1"))  # fmt: skip
         with self.cluster.on_device("actor"):
             for batch in _one_pass(loader):
+                if batch.loss_mask.sum() == 0:  # filler only: nothing to score (or pack)
+                    continue
                 rl, host = self.device_batch(batch)
                 lp, top1 = infer(fn, learner.params, rl, layout=self.layout, **self.micro())
                 mask = host["loss_mask"].astype(np.float64)
                 lp, top1 = np.asarray(to_host(lp), np.float64), np.asarray(to_host(top1))
                 n = mask.sum()
-                if n == 0:
-                    continue
                 losses_.append(-(lp * mask).sum() / n)
                 correct += (top1 * mask).sum()
                 tokens += n
@@ -268,14 +271,9 @@ def _one_pass(loader: PromptIterator) -> Iterator[OfflineBatch]:
 
 
 @functools.cache
-def _top1_fn(config, layout, chunk_size):
-    """jit of `(params, mb) -> (log-probs [m, r], whether each token is the argmax [m, r])`."""
-    lp_fn = log_prob_fn(config, layout, temperature=1.0, chunk_size=chunk_size)
-
-    def fn(params, mb):
-        return lp_fn(params, mb), response_top1(config, params, mb).astype(jnp.float32)
-
-    return jax.jit(fn)
+def _statistics_fn(config, layout, chunk_size, names):
+    """`roles.statistics_fn`, built once per model, layout and statistics."""
+    return statistics_fn(config, layout, names, chunk_size)
 
 
 def sft_training(cfg: Any, total_steps: int) -> dict[str, Training]:
@@ -325,8 +323,9 @@ class PreferenceSpec:
 class PreferenceTrainer(OfflineTrainer):
     """DPO (pairs) or KTO (labelled rows) against a frozen reference; TRL's metric names
     (`loss`, `grad_norm`, `learning_rate`, `rewards/chosen`, `rewards/rejected`,
-    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`, KTO's `kl`;
-    on validation the same with `eval_`)."""
+    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`, `entropy`,
+    `logits/chosen`, `logits/rejected`, `mean_token_accuracy`, `num_tokens`, KTO's `kl`; on
+    validation the same with `eval_`, but `num_tokens`)."""
 
     metric_names = MappingProxyType({"lr": "learning_rate"})
 
@@ -352,7 +351,7 @@ class PreferenceTrainer(OfflineTrainer):
         ref = self.cluster.ref
         with self.cluster.on_device("ref"):
             lp = self.log_probs(ref.params, rl, ref.config)
-        return _sequence_sums(lp, rl.loss_mask)
+        return _row_sums(lp, rl.loss_mask)
 
     def precompute_reference(self, datasets: dict[str, OfflineDataset], batch_size: int) -> None:
         """`dpo.precompute_ref_log_probs`: the reference's sequence log-probs of every row of
@@ -391,14 +390,14 @@ class PreferenceTrainer(OfflineTrainer):
             counts = {"num_pairs": (trained[0::2] > 0).sum(), "chosen_tokens": trained[0::2].sum(),
                       "rejected_tokens": trained[1::2].sum()}  # fmt: skip
         return {k: jnp.float32(v) for k, v in counts.items()} | {
-            "num_tokens": jnp.float32(trained.sum())
+            "trained_tokens": jnp.float32(trained.sum())
         }
 
     def _weights(self, info: dict[str, Any]) -> dict[str, float]:
         """What each metric of a batch averages over (validation weighs batches by it): the
         pairs (DPO) or rows (KTO: its class's rows for `*/chosen`, `*/rejected`), and the
         tokens for the token-level metrics."""
-        out = {k: float(info[v]) for k, v in TOKEN_METRIC_COUNTS.items()}
+        out = {k: float(info[v]) for k, v in losses.TOKEN_METRIC_COUNTS.items()}
         if not self.spec.kto:
             return {"": float(info["num_pairs"]), **out}
         rows = _kto_counts(info)
@@ -415,7 +414,7 @@ class PreferenceTrainer(OfflineTrainer):
         kl, kl_host = self.device_batch(batch.kl)
         actor = self.cluster.actor
         with self.cluster.on_device("actor"):
-            policy = _sequence_sums(self.log_probs(actor.params, kl, actor.config), kl.loss_mask)
+            policy = _row_sums(self.log_probs(actor.params, kl, actor.config), kl.loss_mask)
         ref = self.reference_sums(kl, kl_host["row_ids"], split="kl")
         mask = (jnp.sum(kl.loss_mask, axis=-1) > 0).astype(jnp.float32)
         return kl_estimate(policy, ref, mask)
@@ -446,11 +445,13 @@ class PreferenceTrainer(OfflineTrainer):
         self.num_tokens = int(meta.get("num_tokens", 0))
 
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
-        """TRL's metrics over the validation set (`eval_*`): each a mean over the pairs (DPO)
-        or over the rows it describes (KTO: desirable rows for `*/chosen`, undesirable rows
-        for `*/rejected`, every row for the loss and `kl`)."""
+        """TRL's metrics over the validation set (`eval_*`): each a mean over what it describes
+        (`_weights`): the pairs (DPO) or rows (KTO: desirable rows for `*/chosen`,
+        undesirable rows for `*/rejected`, every row for the loss and `kl`), the tokens for
+        the token-level metrics."""
         actor = self.cluster.actor
-        fn = _statistics_fn(actor.config, self.layout, self.cfg.model.logits_chunk_size)
+        fn = _statistics_fn(actor.config, self.layout, self.cfg.model.logits_chunk_size,
+                            losses.PREFERENCE_STATISTICS)  # fmt: skip
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
         for batch in _one_pass(loader):
@@ -458,7 +459,7 @@ class PreferenceTrainer(OfflineTrainer):
             ref = self.reference_sums(rl, host["row_ids"], split="val")
             with self.cluster.on_device("actor"):
                 stats = infer(fn, actor.params, rl, layout=self.layout, **self.micro())
-            rows = {name: _sequence_sums(x, rl.loss_mask) for name, x in
+            rows = {name: _row_sums(x, rl.loss_mask) for name, x in
                     zip(losses.PREFERENCE_STATISTICS, stats, strict=True)}  # fmt: skip
             rows["tokens"] = jnp.sum(rl.loss_mask, axis=-1).astype(jnp.float32)
             info = self._info(host)
@@ -479,27 +480,6 @@ class PreferenceTrainer(OfflineTrainer):
                 out, {k: counts.get(f"rewards/{k}", 0.0) for k in ("chosen", "rejected")}
             )
         return {f"eval_{k}": v for k, v in out.items()}
-
-
-@functools.cache
-def _statistics_fn(config, layout, chunk_size):
-    """jit of `(params, mb) -> ` the response tokens' `PREFERENCE_STATISTICS` ([m, r] each)."""
-
-    def fn(params, mb):
-        stats = response_statistics(config, params, mb, losses.PREFERENCE_STATISTICS,
-                                    chunk_size=chunk_size)  # fmt: skip
-        return tuple(stats[k] for k in losses.PREFERENCE_STATISTICS)
-
-    return jax.jit(fn)
-
-
-# The count each token-level metric divides by (`PreferenceTrainer._info`'s names).
-TOKEN_METRIC_COUNTS = MappingProxyType({
-    "entropy": "num_tokens",
-    "logits/chosen": "chosen_tokens",
-    "logits/rejected": "rejected_tokens",
-    "mean_token_accuracy": "chosen_tokens",
-})  # fmt: skip
 
 
 def _kto_counts(info: dict[str, Any]) -> dict[str, float]:

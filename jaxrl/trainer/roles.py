@@ -31,7 +31,7 @@ from jaxrl.models.params import abstract_params, adapter_spec, param_shardings
 from jaxrl.models.peft_io import load_adapter, read_spec
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import global_array
-from jaxrl.trainer.sequences import response_log_probs, response_values
+from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
 
 log = logging.getLogger("jaxrl.train")
 
@@ -350,6 +350,20 @@ def log_prob_fn(
                 with_entropy=with_entropy,
             )
         return (lp, entropy) if with_entropy else lp
+
+    return jax.jit(fn)
+
+
+def statistics_fn(
+    config: DecoderConfig, layout: Layout | None, names: tuple[str, ...], chunk_size: int | None
+):
+    """jit of `(params, micro_batch) -> ` a tuple of `response_statistics` [m, r] in the order
+    of `names` (log_probs, entropy, mean_logit, top1; temperature 1): one chunked pass."""
+
+    def fn(params, mb):
+        with use_layout(layout):
+            stats = response_statistics(config, params, mb, names, chunk_size=chunk_size)
+        return tuple(stats[k] for k in names)
 
     return jax.jit(fn)
 

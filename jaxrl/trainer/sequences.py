@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.outputs import token_log_probs, token_statistics
 from jaxrl.models.params import Params
-from jaxrl.models.transformer import hidden_states, lm_logits, score_head
+from jaxrl.models.transformer import hidden_states, score_head
 
 
 def _response_hidden(
@@ -86,12 +86,3 @@ def response_values(
         )
     h = _response_hidden(config, params, mb)
     return score_head(config, params, h)[..., 0].astype(jnp.float32)
-
-
-def response_top1(
-    config: DecoderConfig, params: Params, mb: dict[str, Int[Array, "b _"]]
-) -> Int[Array, "b r"]:
-    """Whether each response token is the model's greedy (argmax) prediction [B, R] (the
-    whole [B, R, V] logits: for validation-sized micro-batches)."""
-    h = _response_hidden(config, params, mb)
-    return (jnp.argmax(lm_logits(config, params, h), axis=-1) == mb["responses"]).astype(jnp.int32)

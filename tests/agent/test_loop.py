@@ -149,25 +149,22 @@ class Sleepy(Calculator):
         return ToolResponse(text="7"), 0.0, {}
 
 
-class Timed(Sleepy):
-    """Sleepy, recording each call's (start, end) times; after its delay a call also waits
-    (up to `patience` s) until some decode has started while a call was running, so the
-    overlap is checked by events, not by how fast this machine decodes within the delay."""
+class Patient(Sleepy):
+    """Sleepy that, after its delay, also waits (up to `patience` s) until some decode has
+    started while a call was running, so the overlap is checked by events, not by how fast
+    this machine decodes within the delay."""
 
     def __init__(self, config, tool_schema=None):
         super().__init__(config, tool_schema)
-        self.spans = []
         self.decoded_meanwhile = threading.Event()
 
     def execute(self, instance_id, parameters, **kwargs):
-        start = time.perf_counter()
         out = super().execute(instance_id, parameters, **kwargs)
         with self.lock:
             self.running += 1  # still running while it waits for a decode
         self.decoded_meanwhile.wait(self.config["patience"])
         with self.lock:
             self.running -= 1
-        self.spans.append((start, time.perf_counter()))
         return out
 
 
@@ -175,8 +172,8 @@ def test_slow_tools_overlap_each_other_and_decoding(engine, tokenizer, monkeypat
     """Calls of different trajectories run at once, and other trajectories keep decoding
     while a call runs (single-turn requests queued behind the tool ones take the slots).
     A loop that stopped decoding while a call runs would leave each call waiting its whole
-    patience and fail the first two checks."""
-    tool = Timed({"delay": 0.5, "patience": 20.0})
+    patience and fail the first check (and the last: it would wait for the tools)."""
+    tool = Patient({"delay": 0.5, "patience": 20.0})
     decode = engine.decode
 
     def watched_decode(*args, **kwargs):

@@ -140,7 +140,7 @@ def _jax_dpo(loss_types, weights, beta, smoothing, lp, mask, ref_c, ref_r, stats
     order = np.stack([np.arange(p), np.arange(p) + p], axis=1).ravel()  # TRL's rows, paired
     m = mask[:, 1:]
     info = {"num_pairs": float(p), "chosen_tokens": m[:p].sum() * 1.0,
-            "rejected_tokens": m[p:].sum() * 1.0, "num_tokens": m.sum() * 1.0}  # fmt: skip
+            "rejected_tokens": m[p:].sum() * 1.0, "trained_tokens": m.sum() * 1.0}  # fmt: skip
     ref = np.stack([ref_c, ref_r], axis=1).ravel()
     spec = _spec(loss_types, weights, beta, smoothing)
     with jax.enable_x64(True):
@@ -286,7 +286,7 @@ def test_kto_equals_trl(loss_type):
     m = mask[:, 1:]
     info = {"num_rows": float(rows), "num_desirable": float(labels.sum()),
             "chosen_tokens": m[labels].sum() * 1.0, "rejected_tokens": m[~labels].sum() * 1.0,
-            "num_tokens": m.sum() * 1.0}  # fmt: skip
+            "trained_tokens": m.sum() * 1.0}  # fmt: skip
     spec = _spec((loss_type,), (1.0,), beta, kto=True, wd=wd, wu=wu)
     with jax.enable_x64(True):
         kl = kl_estimate(jnp.asarray(kl_lp.sum(-1)), jnp.asarray(ref_kl), jnp.ones(rows))

@@ -5,9 +5,17 @@ import numpy as np
 import pytest
 
 import jaxrl.models as M
-from jaxrl.data import pack, pack_padded, unpack, unpack_to_padded
+from jaxrl.data import (
+    pack,
+    pack_padded,
+    pack_prompt_response,
+    row_length,
+    unpack,
+    unpack_to_padded,
+)
 from jaxrl.data.packing import plan_packing
 from jaxrl.testing.tiny import tiny_decoder
+from jaxrl.trainer.sequences import response_log_probs
 
 LENGTHS = [5, 3, 7, 1, 4, 6]
 
@@ -42,6 +50,21 @@ def test_fixed_row_count_and_errors():
         plan_packing([5], 4)
     with pytest.raises(ValueError, match="need 2 rows of 4 tokens, more than the 1 given"):
         plan_packing([3, 3], 4, num_rows=1)
+
+
+def test_row_length_needs_the_fewest_padded_tokens():
+    # a short batch: rows of its longest sequence's bucket, not of max_len
+    assert row_length([5, 3], 384) == 8
+    # about equal lengths: two per 32-token row (2 x 32) beat one per 16-token row (4 x 16)
+    # on rows at equal padded tokens, and beat 24-token rows (4 x 24)
+    assert row_length([14, 14, 14, 14], 32) == 32
+    # 30 + 30 + 20 fits in 96 tokens as one row of 96, or 3 rows of 32 (also 96): fewer rows win
+    assert row_length([30, 30, 20], 96) == 96
+    # max_len need not be a bucket size
+    assert row_length([40, 40], 90) == 90
+    assert row_length([], 64) == 8
+    with pytest.raises(ValueError, match="does not fit in a row of 16"):
+        row_length([17], 16)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +122,7 @@ def test_prompt_response_packing_keeps_every_trained_log_prob(model):
     """A batch in the RL layout, packed by `pack_prompt_response`: the trained tokens'
     log-probs (`response_log_probs` over the packed rows and their segment ids) are those of
     the padded rows, so the masked sum and count are unchanged; a row without trained tokens
-    (filler) is left out, and a sequence's first token is never trained on."""
-    from jaxrl.data import pack_prompt_response
-    from jaxrl.trainer.sequences import response_log_probs
-
+    (filler) is left out."""
     config, params = model
     rng = np.random.default_rng(2)
     prompt_len, resp_len = [3, 1, 5, 2, 4], [4, 6, 2, 3, 5]
@@ -131,7 +151,17 @@ def test_prompt_response_packing_keeps_every_trained_log_prob(model):
     mask, packed_mask = batch["loss_mask"].astype(bool), packed["loss_mask"].astype(bool)
     np.testing.assert_allclose(np.sort(got[packed_mask]), np.sort(padded[mask]), rtol=1e-5)
     np.testing.assert_allclose((got * packed_mask).sum(), (padded * mask).sum(), rtol=1e-5)
-    # each segment's first token is in the prompt or untrained
+
+
+def test_a_sequences_first_token_is_never_trained():
+    """A row without prompt tokens whose first response token is trained: packed, that token
+    would be predicted by the previous sequence's last token, so it is not trained on."""
+    batch = {"prompts": np.array([[5, 6], [0, 0]]), "prompt_mask": np.array([[1, 1], [0, 0]]),
+             "responses": np.array([[7, 8], [9, 10]]), "response_mask": np.ones((2, 2), int),
+             "loss_mask": np.ones((2, 2), int)}  # fmt: skip
+    packed = pack_prompt_response(batch, row_len=8)
     seg = np.concatenate([packed["prompt_segment_ids"], packed["response_segment_ids"]], 1)
-    starts = seg != np.pad(seg, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
-    assert not (packed["loss_mask"].astype(bool) & starts[:, 1:]).any()
+    ids = np.concatenate([packed["prompts"], packed["responses"]], 1)
+    assert len(ids) == 1 and ids[0, :6].tolist() == [5, 6, 7, 8, 9, 10]
+    assert seg[0, :6].tolist() == [1, 1, 1, 1, 2, 2]
+    assert packed["loss_mask"][0, :5].tolist() == [0, 1, 1, 0, 1]  # token 9 (column 4) is out

@@ -9,25 +9,28 @@ TRL, verl and jaxrl tokenize the same rows into the same ids.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrl.config.load import load_config
 from jaxrl.config.offline import DPO, SFT
-from jaxrl.data import load_tokenizer, synthetic
+from jaxrl.data import load_tokenizer, supervised, synthetic
 from jaxrl.data.offline import Example, OfflineDataset
 from jaxrl.data.rows import DataError, write_parquet
-from jaxrl.models import from_pretrained
+from jaxrl.models import from_pretrained, outputs
 from jaxrl.testing.reference import import_reference
 from jaxrl.testing.tiny import save_tiny
+from jaxrl.trainer import offline
 from jaxrl.trainer.fit import train_run
 from jaxrl.trainer.loggers import read_metrics
-from jaxrl.trainer.offline import _exact_sequences, build_preference_run, build_sft_run
+from jaxrl.trainer.offline import build_preference_run, build_sft_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -121,7 +124,7 @@ def test_multiturn_tokens_equal_verl(tiny, tmp_path, monkeypatch, truncation, ma
         assert sum(mask) > 4  # both assistant turns are trained on
 
 
-def test_template_mismatch_refused_or_concatenated_as_verl(tiny, tmp_path, monkeypatch):
+def test_template_mismatch_refused_or_concatenated_as_verl(tiny, tmp_path, monkeypatch, caplog):
     """A template that renders the last message differently in a whole conversation (as
     Qwen's thinking templates do) cannot locate the assistant tokens: the row is refused,
     or with `ignore_input_ids_mismatch` trained on the messages' concatenation, verl's ids
@@ -140,8 +143,10 @@ def test_template_mismatch_refused_or_concatenated_as_verl(tiny, tmp_path, monke
         OfflineDataset.sft(cfg.data, tok, "train")
     cfg = _cfg(SFT, tiny, tmp_path / "run", *base, "data.multiturn.enable_thinking_default=false",
                "data.multiturn.ignore_input_ids_mismatch=true")  # fmt: skip
-    with pytest.warns(UserWarning, match="concatenation"):
+    supervised._warn_mismatch.cache_clear()  # once per process
+    with caplog.at_level(logging.WARNING, "jaxrl.data"):
         (example,) = OfflineDataset.sft(cfg.data, tok, "train").examples
+    assert "training on the concatenation" in caplog.text
     flags = dict(enable_thinking_default=False, ignore_input_ids_mismatch=True)
     ref = _verl_multiturn(monkeypatch, path, tok, max_length=64, truncation="error", **flags)[0]
     seq = example.sequences[0]
@@ -225,10 +230,20 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
                         atol=1e-5)  # fmt: skip
 
 
-def test_packed_validation_equals_padded(tiny, tmp_path):
+def test_packed_validation_equals_padded(tiny, tmp_path, monkeypatch):
     """SFT validation over packed rows gives the padded rows' loss, token accuracy and exact
-    match (per sequence: a (row, segment) of the packed arrays)."""
-    path = _write(tmp_path, "rows", _sft_rows(6))
+    match (per sequence: a (row, segment) of the packed arrays). The greedy check is stubbed
+    to "right unless the target is one digit token", so some sequences match exactly and
+    others do not."""
+    tok = load_tokenizer(str(tiny))
+    rows = _sft_rows(6)
+    wrong = tok(rows[0]["response"])["input_ids"][0]  # in some responses, not in all
+    statistics = dict(outputs.TOKEN_STATISTICS)
+    statistics["top1"] = lambda z, y: (y != wrong).astype(jnp.float32)
+    monkeypatch.setattr(outputs, "TOKEN_STATISTICS", statistics)
+    offline._statistics_fn.cache_clear()  # trace with the stub (and again after)
+    monkeypatch.setattr(offline, "_statistics_fn", offline._statistics_fn.__wrapped__)
+    path = _write(tmp_path, "rows", rows)
     got = {}
     for packed in (True, False):
         flag = f"model.use_remove_padding={str(packed).lower()}"
@@ -236,7 +251,10 @@ def test_packed_validation_equals_padded(tiny, tmp_path):
                    f"data.val_files={path}", *SFT_COLUMNS, "data.max_length=32",
                    "data.train_batch_size=4", flag)  # fmt: skip
         run = build_sft_run(cfg, ONE)
+        rl, _ = run.trainer.device_batch(next(iter(run.val_loader)))
+        assert rl.rows == (2 if packed else 4)  # two sequences a packed row
         got[packed] = run.trainer.validate(run.val_loader, 0)
+    assert 0 < got[False]["val/exact_match"] < 1
     for key, value in got[False].items():
         np.testing.assert_allclose(got[True][key], value, rtol=1e-6, err_msg=key)
     # exact match per sequence: row 0 holds segments 1 (all right) and 2 (one wrong), row 1
@@ -244,10 +262,27 @@ def test_packed_validation_equals_padded(tiny, tmp_path):
     top1 = np.array([[1, 1, 1, 0, 1, 0], [1, 0, 1, 1, 0, 0]], float)
     mask = np.array([[1, 1, 1, 1, 1, 0], [1, 0, 1, 0, 0, 0]], float)
     seg = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
-    assert _exact_sequences(top1, mask, seg) == (2.0, 3.0)
+    assert offline._exact_sequences(top1, mask, seg) == (2.0, 3.0)
 
 
 # ---------------------------------------------------------------------------------- DPO and KTO
+
+
+def test_dpo_validation_does_not_depend_on_its_batch_size(tiny, tmp_path):
+    """Validation weighs each batch's metrics by what they average over (pairs, chosen or
+    rejected tokens, all trained tokens): batches of 4 pairs (the last half filler) give the
+    metrics of one batch of all 6."""
+    path = _write(tmp_path, "pairs", _pairs(6))
+    got = []
+    for size in (4, 6):
+        cfg = _cfg(DPO, tiny, tmp_path / f"run{size}", f"data.train_files={path}",
+                   f"data.val_files={path}", "data.train_batch_size=4",
+                   f"data.val_batch_size={size}")  # fmt: skip
+        run = build_preference_run(cfg, ONE)
+        got.append(run.trainer.validate(run.val_loader, 0))
+    assert {"eval_entropy", "eval_logits/rejected", "eval_mean_token_accuracy"} <= set(got[1])
+    for key, value in got[1].items():
+        np.testing.assert_allclose(got[0][key], value, rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def _pairs(n, seed=0, conversational=True):
@@ -256,6 +291,13 @@ def _pairs(n, seed=0, conversational=True):
         return rows
     return [{"prompt": r["prompt"][0]["content"] + " ->", "chosen": " " + r["chosen"][0]["content"],
              "rejected": " " + r["rejected"][0]["content"]} for r in rows]  # fmt: skip
+
+
+def _kto_rows(pairs):
+    """KTO's unpaired rows: each pair's chosen (desirable) and rejected completion."""
+    rows = _pairs(pairs, conversational=False)
+    return [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+            for p in rows for k in ("chosen", "rejected")]  # fmt: skip
 
 
 def _trl_step(trainer_cls, config_cls, tiny, records, out, **args):
@@ -325,11 +367,7 @@ def test_kto_step_equals_trl(tiny, tmp_path):
     """One KTO step (string rows, the KL estimate from each prompt with the previous row's
     completion) equals TRL 1.16's `KTOTrainer` step: parameters (1e-5), loss and metrics."""
     trl = import_reference("trl")
-    pairs = _pairs(3, conversational=False)
-    records = [
-        {"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
-        for p in pairs for key in ("chosen", "rejected")
-    ]  # fmt: skip
+    records = _kto_rows(3)
     logged = _trl_step(trl.KTOTrainer, trl.KTOConfig, tiny, records, tmp_path / "trl",
                        beta=0.2, desirable_weight=1.2, undesirable_weight=0.8)  # fmt: skip
     path = _write(tmp_path, "kto", records)
@@ -361,19 +399,17 @@ def _run(cfg, devices=ONE):
 @pytest.mark.parametrize("kind", ["sft", "dpo", "kto"])
 def test_micro_batches_and_resume(tiny, tmp_path, kind):
     """Two steps with micro-batches of one example equal two steps without (1e-6); two steps
-    straight equal one step + checkpoint + resume, every metric and parameter exactly."""
+    straight equal one step + checkpoint + resume (shuffled rows: the data order resumes
+    too), every metric and parameter exactly."""
     if kind == "sft":  # packed two sequences a row: two rows a batch
         schema, rows, extra = SFT, _sft_rows(8), [*SFT_COLUMNS, "data.max_length=32"]
     elif kind == "dpo":
         schema, rows, extra = DPO, _pairs(8), ["dpo.loss_type=[sigmoid,bco_pair]"]
     else:
-        pairs = _pairs(4, conversational=False)
-        rows = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
-                for p in pairs for k in ("chosen", "rejected")]  # fmt: skip
-        schema, extra = DPO, ["dpo.loss_type=kto"]
+        schema, rows, extra = DPO, _kto_rows(4), ["dpo.loss_type=kto"]
     path = _write(tmp_path, "rows", rows)
     common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=1",
-              "trainer.total_training_steps=2", *extra]  # fmt: skip
+              "trainer.total_training_steps=2", "data.shuffle=true", *extra]  # fmt: skip
 
     def run(name, *more):
         cfg = _cfg(schema, tiny, tmp_path / name, *common, *more)
@@ -484,15 +520,18 @@ def test_precomputed_reference_equals_per_batch_and_lora(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     ("kind", "mesh"),
-    [("sft", ["mesh.fsdp=2", "mesh.tp=2", "mesh.sp=2"]), ("dpo", ["mesh.fsdp=4", "mesh.tp=2"])],
+    [("sft", ["mesh.fsdp=2", "mesh.tp=2", "mesh.sp=2"]), ("dpo", ["mesh.fsdp=4", "mesh.tp=2"]),
+     ("kto", ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"])],
 )  # fmt: skip
 def test_sharded_equals_one_device_and_exports(tiny, tmp_path, kind, mesh):
     """Two steps on 8 devices (fsdp x tp, and sp: ring attention, for SFT) equal two steps on
     one (1e-5); the checkpoint exports to an HF folder with the trained weights."""
     if kind == "sft":
         schema, rows, extra = SFT, _sft_rows(8), list(SFT_COLUMNS)
-    else:
+    elif kind == "dpo":
         schema, rows, extra = DPO, _pairs(8), []
+    else:
+        schema, rows, extra = DPO, _kto_rows(4), ["dpo.loss_type=kto"]
     path = _write(tmp_path, "rows", rows)
     common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=2",
               "data.micro_batch_size_per_gpu=1", "trainer.total_training_steps=2",
