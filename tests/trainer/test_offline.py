@@ -19,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl import export
 from jaxrl.config.load import load_config
 from jaxrl.config.offline import DPO, SFT
 from jaxrl.data import load_tokenizer, supervised, synthetic
 from jaxrl.data.offline import Example, OfflineDataset
 from jaxrl.data.rows import DataError, write_parquet
+from jaxrl.data.supervised import PreferenceLimits
 from jaxrl.models import from_pretrained, outputs
 from jaxrl.testing.reference import import_reference
 from jaxrl.testing.tiny import save_tiny
@@ -37,6 +39,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 ONE = jax.devices()[:1]
 SFT_COLUMNS = ("data.prompt_key=prompt", "data.response_key=response")
+KTO = ("dpo.loss_type=kto",)
 MESSAGES = [
     {"role": "system", "content": "copy"},
     {"role": "user", "content": "copy: 1 2 3"},
@@ -406,7 +409,7 @@ def test_micro_batches_and_resume(tiny, tmp_path, kind):
     elif kind == "dpo":
         schema, rows, extra = DPO, _pairs(8), ["dpo.loss_type=[sigmoid,bco_pair]"]
     else:
-        schema, rows, extra = DPO, _kto_rows(4), ["dpo.loss_type=kto"]
+        schema, rows, extra = DPO, _kto_rows(4), KTO
     path = _write(tmp_path, "rows", rows)
     common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=1",
               "trainer.total_training_steps=2", "data.shuffle=true", *extra]  # fmt: skip
@@ -417,13 +420,17 @@ def test_micro_batches_and_resume(tiny, tmp_path, kind):
 
     whole, whole_rows = run("whole", "data.micro_batch_size_per_gpu=4")
     split, split_rows = run("split", "data.micro_batch_size_per_gpu=1")
-    for a, b in zip(whole_rows, split_rows, strict=True):
-        for key, value in a.items():
-            if key == "rewards/accuracies" and a["training/global_step"] == 1:
-                continue  # step 1: the policy is the reference; it compares rounding noise
-            np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-    _assert_trees_close(split.trainer.cluster.actor.params, whole.trainer.cluster.actor.params,
-                        atol=1e-6)  # fmt: skip
+    others = [(split, split_rows)]
+    if kind == "sft":  # micro-batches of at most 32 tokens: one packed row each
+        others.append(run("dynamic", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32"))
+    for other, other_rows in others:
+        for a, b in zip(whole_rows, other_rows, strict=True):
+            for key, value in a.items():
+                if key == "rewards/accuracies" and a["training/global_step"] == 1:
+                    continue  # step 1: the policy is the reference; it compares rounding noise
+                np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        _assert_trees_close(other.trainer.cluster.actor.params,
+                            whole.trainer.cluster.actor.params, atol=1e-6)  # fmt: skip
 
     run("resumed", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=1")
     resumed, resumed_rows = run("resumed", "data.micro_batch_size_per_gpu=4")
@@ -445,14 +452,20 @@ def test_micro_batches_and_resume(tiny, tmp_path, kind):
         ({"prompt": "repeat: 1", "chosen": "", "rejected": "2 2"}, [], "empty chosen"),
         ({"prompt": "repeat: 1 1 1 1 1 1", "chosen": "1", "rejected": "2"},
          ["dpo.max_prompt_length=3", "dpo.truncation_mode=error"], "dpo.max_prompt_length=3"),
+        ({"prompt": "repeat: 1", "completion": None, "label": 1}, KTO, "column 'completion'"),
+        ({"prompt": "repeat: 1", "completion": "", "label": 0}, KTO, "empty completion"),
+        ({"prompt": "repeat: 1", "completion": "1", "label": 2}, KTO, "2 is not a boolean"),
+        ({"prompt": "repeat: 1", "completion": "1", "label": None}, KTO, "column 'label'"),
     ],
 )  # fmt: skip
 def test_bad_preference_rows_are_named(tiny, tmp_path, row, overrides, message):
-    good = {"prompt": "repeat: 1", "chosen": "1 1", "rejected": "2 2"}
+    kto = overrides == KTO
+    if kto:
+        good = {"prompt": "repeat: 1", "completion": "1 1", "label": 1}  # 0/1 labels are booleans
+    else:
+        good = {"prompt": "repeat: 1", "chosen": "1 1", "rejected": "2 2"}
     path = _write(tmp_path, "bad", [good, good, row, good])
     tok = load_tokenizer(str(tiny))
-    from jaxrl.data.supervised import PreferenceLimits
-
     for skip in (False, True):
         cfg = _cfg(DPO, tiny, tmp_path / "run", f"data.train_files={path}",
                    f"data.skip_bad_rows={str(skip).lower()}", *overrides)  # fmt: skip
@@ -461,9 +474,9 @@ def test_bad_preference_rows_are_named(tiny, tmp_path, row, overrides, message):
                                   d.truncation_mode)  # fmt: skip
         if not skip:
             with pytest.raises(DataError, match=f"{path}: row 2: .*{message}"):
-                OfflineDataset.preference(cfg.data, limits, tok, "train", kto=False)
+                OfflineDataset.preference(cfg.data, limits, tok, "train", kto=kto)
         else:
-            dataset = OfflineDataset.preference(cfg.data, limits, tok, "train", kto=False)
+            dataset = OfflineDataset.preference(cfg.data, limits, tok, "train", kto=kto)
             assert len(dataset) == 3 and len(dataset.report.skipped) == 1
             assert "row 2" in dataset.report.skipped[0]
 
@@ -518,6 +531,30 @@ def test_precomputed_reference_equals_per_batch_and_lora(tiny, tmp_path):
     assert lora_rows[-1]["eval_rewards/margins"] > 0  # the adapters learned the preference
 
 
+@pytest.mark.parametrize("kind", ["sft", "kto"])
+def test_lora_trains_only_the_adapters(tiny, tmp_path, kind):
+    """SFT and KTO with `model.lora_rank`: the base weights stay as loaded, the adapters
+    learn (SFT: the validation loss falls; KTO: desirable rows' rewards rise above the
+    undesirable ones')."""
+    if kind == "sft":
+        schema, rows, extra = SFT, _sft_rows(8), [*SFT_COLUMNS, "data.max_length=32"]
+    else:
+        schema, rows, extra = DPO, _kto_rows(4), KTO
+    path = _write(tmp_path, "rows", rows)
+    cfg = _cfg(schema, tiny, tmp_path / "run", f"data.train_files={path}",
+               f"data.val_files={path}", "data.train_batch_size=8", "optim.lr=1e-2",
+               "trainer.total_training_steps=4", "trainer.test_freq=4", "trainer.val_before_train=true",
+               "model.lora_rank=4",
+               "model.lora_alpha=8", *extra)  # fmt: skip
+    run = _run(cfg)
+    rows = read_metrics(tmp_path / "run")
+    _assert_trees_close(run.trainer.cluster.actor.frozen, _torch_params(tiny), atol=0)
+    if kind == "sft":
+        assert rows[-1]["val/loss"] < 0.8 * rows[0]["val/loss"]
+    else:
+        assert rows[-1]["eval_rewards/margins"] > 0
+
+
 @pytest.mark.parametrize(
     ("kind", "mesh"),
     [("sft", ["mesh.fsdp=2", "mesh.tp=2", "mesh.sp=2"]), ("dpo", ["mesh.fsdp=4", "mesh.tp=2"]),
@@ -531,7 +568,7 @@ def test_sharded_equals_one_device_and_exports(tiny, tmp_path, kind, mesh):
     elif kind == "dpo":
         schema, rows, extra = DPO, _pairs(8), []
     else:
-        schema, rows, extra = DPO, _kto_rows(4), ["dpo.loss_type=kto"]
+        schema, rows, extra = DPO, _kto_rows(4), KTO
     path = _write(tmp_path, "rows", rows)
     common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=2",
               "data.micro_batch_size_per_gpu=1", "trainer.total_training_steps=2",
@@ -541,8 +578,6 @@ def test_sharded_equals_one_device_and_exports(tiny, tmp_path, kind, mesh):
     sharded = _run(cfg, jax.devices())
     _assert_trees_close(sharded.trainer.cluster.actor.params, one.trainer.cluster.actor.params,
                         atol=1e-5)  # fmt: skip
-    from jaxrl import export
-
     out = tmp_path / "hf"
     assert export.main(["--checkpoint", str(tmp_path / "mesh"), "--out", str(out)]) == 0
     _assert_trees_close(sharded.trainer.cluster.actor.params, _torch_params(out), atol=1e-6)
