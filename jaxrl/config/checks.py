@@ -203,6 +203,14 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
             "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
             "null"
         )
+    p.choice(cfg, "algorithm.pf_ppo.reweight_method", ("pow", "max_min", "max_random"))
+    if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
+        p.append(
+            f"algorithm.use_pf_ppo=true with adv_estimator={cfg.algorithm.adv_estimator!r}: "
+            "verl 0.9.1 resamples the batch after GAE only (with any other estimator it "
+            "silently does nothing); set algorithm.adv_estimator=gae, or "
+            "algorithm.use_pf_ppo=false"
+        )
     p.choice(cfg, "actor_rollout_ref.rollout.decode_backend", DECODE_BACKENDS)
     p.choice(cfg, "assets.task", ("repeat", "copy", "reverse", "add"))
     p.choice(cfg, "reward_model.reward_manager", ("naive", "batch", "dapo", "prime", "parallel"))

@@ -681,6 +681,22 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class PFPPOConfig:
+    """`algorithm.pf_ppo.*`: PF-PPO's resampling of the batch by reward
+    (`jaxrl.core_algos.reweight`).
+
+    Attributes:
+        reweight_method: A row's weight from its score: `pow` (|score| ** weight_pow),
+            `max_min` (1 for the batch's best and worst scores, else 0) or `max_random` (0.4
+            for the best score, else 0.1).
+        weight_pow: The exponent of `pow`.
+    """
+
+    reweight_method: str = "pow"
+    weight_pow: float = 2.0
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """`algorithm.*`: advantage estimation and KL in the reward.
 
@@ -697,6 +713,9 @@ class AlgorithmConfig:
         gdpo_reward_keys: GDPO: the reward components (keys of the scorer's returned dict)
             normalised separately.
         gdpo_reward_weights: GDPO: their weights (null: equal).
+        use_pf_ppo: PF-PPO: after GAE, train on N rows drawn with replacement from the batch
+            of N, weighted by their scores (`pf_ppo`); as verl, with `adv_estimator: gae` only.
+        pf_ppo: PF-PPO's weighting.
     """
 
     adv_estimator: str = "gae"
@@ -709,6 +728,8 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     gdpo_reward_keys: list[str] | None = None
     gdpo_reward_weights: list[float] | None = None
+    use_pf_ppo: bool = False
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
 
 
 # --------------------------------------------------------------------------------------- trainer

@@ -273,8 +273,6 @@ IGNORED: dict[str, Ignored] = {
     "distillation.enabled": Ignored("distillation is not implemented in jaxrl yet", (False,)),
     "distillation.*": Ignored("distillation is not implemented in jaxrl yet"),
     # algorithm
-    "algorithm.use_pf_ppo": Ignored("PF-PPO reweighting is not implemented in jaxrl", (False,)),
-    "algorithm.pf_ppo.*": Ignored("PF-PPO reweighting is not implemented in jaxrl"),
     "algorithm.filter_groups.enable": Ignored(_NO_DAPO, (False,)),
     "algorithm.filter_groups.*": Ignored(_NO_DAPO),
     # rewards

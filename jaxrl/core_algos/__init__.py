@@ -95,6 +95,7 @@ from jaxrl.core_algos.registry import (
     register_adv_est,
     register_policy_loss,
 )
+from jaxrl.core_algos.reweight import pf_ppo_indices, pf_ppo_weights
 from jaxrl.core_algos.value import compute_entropy_loss, compute_value_loss
 
 # verl 0.9.1 names of `verl.trainer.ppo.core_algos` that jaxrl deliberately does not provide.
@@ -102,7 +103,8 @@ from jaxrl.core_algos.value import compute_entropy_loss, compute_value_loss
 VERL_NAMES_NOT_PROVIDED: dict[str, str] = {
     "compute_pf_ppo_reweight_data": (
         "PF-PPO resamples a verl DataProto (batch, non_tensor_batch, meta_info) with torch's "
-        "global RNG; jaxrl has no DataProto, and its config refuses algorithm.use_pf_ppo"
+        "global RNG; jaxrl has no DataProto: pf_ppo_weights and pf_ppo_indices (a jax key) "
+        "give the weights and the drawn rows, and the trainer gathers its batch by them"
     ),
     "ActorConfig": (
         "verl's actor config class, imported by core_algos for type checks; jaxrl's functions "
@@ -182,6 +184,8 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "pf_ppo_indices",
+    "pf_ppo_weights",
     "register_adv_est",
     "register_policy_loss",
 ]

@@ -7,7 +7,7 @@
       old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward)
       ref           reference log-probs (KL loss / KL in reward)
       values        critic pass (GAE)
-      adv           KL in reward, then the advantage estimator (jitted)
+      adv           KL in reward, then the advantage estimator (jitted); PF-PPO resamples rows
       update_critic, update_actor (after `critic_warmup` steps)
 
 From the reward on, the step's data is one `RLBatch` on the trainer's devices: the passes
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config.checks import critic_enabled
-from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller
+from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller, pf_ppo_indices
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
 from jaxrl.models.lora import split
@@ -207,6 +207,12 @@ class PPOTrainer:
             functools.partial(kl_in_reward, penalty=cfg.algorithm.kl_penalty)
         )
         self._advantage = jax.jit(functools.partial(compute_advantage, algorithm=cfg.algorithm))
+        pf = cfg.algorithm.pf_ppo
+        self._pf_ppo_rows = jax.jit(
+            lambda key, scores: pf_ppo_indices(
+                key, scores.sum(-1), pf.reweight_method, pf.weight_pow
+            )
+        )
         self.sampling = SamplingParams.from_config(rollout_cfg)
         self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
         self._rollout = StepRollout(cfg, cluster, tokenizer, tools)
@@ -338,6 +344,11 @@ class PPOTrainer:
                     batch = batch.replace(values=jax.block_until_ready(values))
             with timer("adv", timing):
                 batch, beta = self._advantages(batch, extra, scalars)
+                conversations = generated.conversations
+                if cfg.algorithm.use_pf_ppo:
+                    drawn = self._pf_ppo(batch, global_step)
+                    batch = batch.select(drawn)
+                    conversations = conversations and [conversations[i] for i in drawn]
             if critic is not None:
                 with timer("update_critic", timing), on_device("critic", optimizer=True):
                     critic_metrics = critic.update(
@@ -372,9 +383,7 @@ class PPOTrainer:
         metrics["training/global_step"] = global_step
         metrics.update(step_fingerprints(host, self.cluster.param_hashes()))
         if cfg.trainer.rollout_data_dir:
-            self._dump_rollout(
-                host, global_step, cfg.trainer.rollout_data_dir, generated.conversations
-            )
+            self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir, conversations)
         return metrics
 
     def _advantages(
@@ -400,6 +409,16 @@ class PPOTrainer:
         components = gdpo_components(self.cfg.algorithm, extra)
         adv, ret = self._advantage(inputs, components)
         return batch.replace(advantages=adv, returns=jax.block_until_ready(ret)), beta
+
+    def _pf_ppo(self, batch: RLBatch, global_step: int) -> np.ndarray:
+        """PF-PPO (`algorithm.use_pf_ppo`): N rows of the batch drawn with replacement by
+        their scores' weights (`jaxrl.core_algos.reweight`), host int [N], from the step's
+        own key (seed `rollout.seed + 2`; validation draws from + 1), so a resumed run draws
+        the same rows."""
+        key = jax.random.fold_in(
+            jax.random.key(self.cfg.actor_rollout_ref.rollout.seed + 2), global_step
+        )
+        return np.asarray(to_host(self._pf_ppo_rows(key, batch.token_level_scores)))
 
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         """One pass over the validation set: verl's `val-core/*`, `val-aux/*` metrics (and

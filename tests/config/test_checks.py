@@ -280,3 +280,16 @@ def test_decoupled_rollout_correction_is_refused():
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.bypass_mode=true",
     )
+
+
+def test_pf_ppo_needs_gae_and_a_known_method():
+    msg = problem("algorithm.use_pf_ppo=true", "algorithm.adv_estimator=grpo")
+    assert "algorithm.adv_estimator=gae" in msg and "silently does nothing" in msg
+    msg = problem("algorithm.adv_estimator=gae", "algorithm.pf_ppo.reweight_method=maxmin")
+    assert "did you mean 'max_min'" in msg
+    ok(
+        "algorithm.use_pf_ppo=true",
+        "algorithm.adv_estimator=gae",
+        "algorithm.pf_ppo.reweight_method=max_random",
+        "algorithm.pf_ppo.weight_pow=1.5",
+    )

@@ -217,3 +217,24 @@ def test_export_loads_in_transformers_with_trained_weights(assets, tmp_path):
     prompt = tokenizer("repeat: 7", return_tensors="pt")
     generated = trained.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
+
+
+@pytest.mark.entry
+def test_pf_ppo_trains_on_rows_drawn_by_score(assets, tmp_path):
+    """PF-PPO (GAE): step 1 generates the same rows with and without it (same seed and
+    weights); with `pow` weights a zero-score row (weight 1e-8) is never drawn, so the rows
+    trained on (the dump of the resampled batch) all score above 0, where the plain run's
+    batch has some at 0."""
+    common = ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=1",
+              "trainer.test_freq=-1", "trainer.val_before_train=false",
+              "trainer.total_training_steps=1"]  # fmt: skip
+    scores = {}
+    for name, extra in (("plain", []), ("pf", ["algorithm.use_pf_ppo=true"])):
+        dump = tmp_path / f"dump_{name}"
+        fit(config(assets, tmp_path / name, *common, *extra, f"trainer.rollout_data_dir={dump}"))
+        rows = [json.loads(line) for line in (dump / "1.jsonl").read_text().splitlines()]
+        scores[name] = np.array([r["score"] for r in rows])
+    assert len(scores["pf"]) == len(scores["plain"]) == 16
+    assert (scores["plain"] == 0).any() and (scores["plain"] > 0).any()  # the premise
+    assert (scores["pf"] > 0).all()
+    assert set(scores["pf"]) <= set(scores["plain"])  # the same rows, drawn again

@@ -543,9 +543,9 @@ def test_lora_trains_only_the_adapters(tiny, tmp_path, kind):
     path = _write(tmp_path, "rows", rows)
     cfg = _cfg(schema, tiny, tmp_path / "run", f"data.train_files={path}",
                f"data.val_files={path}", "data.train_batch_size=8", "optim.lr=1e-2",
-               "trainer.total_training_steps=4", "trainer.test_freq=4", "trainer.val_before_train=true",
-               "model.lora_rank=4",
-               "model.lora_alpha=8", *extra)  # fmt: skip
+               "trainer.total_training_steps=4", "trainer.test_freq=4",
+               "trainer.val_before_train=true", "model.lora_rank=4", "model.lora_alpha=8",
+               *extra)  # fmt: skip
     run = _run(cfg)
     rows = read_metrics(tmp_path / "run")
     _assert_trees_close(run.trainer.cluster.actor.frozen, _torch_params(tiny), atol=0)
