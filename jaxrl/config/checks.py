@@ -203,6 +203,19 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
             "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
             "null"
         )
+    if cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        estimator = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}"
+        if not cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
+            p.append(
+                f"{estimator} reads the actor's sum_v pi_v^2 (verl asserts the same); set "
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=true"
+            )
+        if rc.bypass_mode:
+            p.append(
+                f"{estimator} with algorithm.rollout_correction.bypass_mode: bypass mode skips "
+                "the old-log-prob pass that computes sum_v pi_v^2 (verl fails the same way); "
+                "set bypass_mode=false or use another estimator"
+            )
     p.choice(cfg, "algorithm.pf_ppo.reweight_method", ("pow", "max_min", "max_random"))
     if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
         p.append(

@@ -231,8 +231,9 @@ class ActorConfig:
             length.
         entropy_coeff: Weight of the entropy bonus.
         calculate_entropy: Compute the entropy metric even when `entropy_coeff` is 0.
-        calculate_sum_pi_squared: Compute sum(pi^2) per token (needed by the optimal token
-            baseline estimators).
+        calculate_sum_pi_squared: Compute sum_v pi_v^2 per token in the old-log-prob pass:
+            required by the optimal-token-baseline estimators (as in verl), the only ones
+            that read it (jaxrl computes it only for them).
         use_kl_loss: Add a KL(actor || reference) term to the loss (GRPO style).
         kl_loss_coef: Weight of that term.
         kl_loss_type: KL estimator of that term (`kl`, `abs`, `mse`, `low_var_kl`, ... and `+`

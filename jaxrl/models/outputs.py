@@ -4,8 +4,10 @@ Log-probs follow verl's `logprobs_from_logits(logits / temperature, labels)`:
 
     log p(y_t) = z_t[y_t] - logsumexp(z_t),   z_t = logits_t / temperature
     entropy_t  = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
+    sum_pi2_t  = sum_v softmax(z_t)_v^2 = exp(logsumexp(2 z_t) - 2 logsumexp(z_t))
 
-`token_statistics` computes these (and TRL's mean logit and top-1 flags) in chunks of the
+`token_statistics` computes these (sum_pi2 for verl's optimal-token-baseline estimators, and
+TRL's mean logit and top-1 flags) in chunks of the
 sequence from the final hidden states, so the [B, T, V] float32 logits never exist at once;
 each chunk's logits are recomputed in the backward pass (`jax.checkpoint`), keeping the
 gradient's memory at one chunk too. `token_log_probs` is its log-probs and entropy.
@@ -39,11 +41,21 @@ def entropy_from_logits(logits: Float[Array, "*batch v"]) -> Float[Array, "*batc
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits) * logits, axis=-1)
 
 
+def sum_pi_squared_from_logits(logits: Float[Array, "*batch v"]) -> Float[Array, "*batch"]:
+    """sum_v softmax(logits)_v^2 in float32 (verl's `calculate_sum_pi_squared_from_logits`),
+    as exp(logsumexp(2 z) - 2 logsumexp(z)): no [.., V] probabilities squared and summed."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.exp(jax.nn.logsumexp(2 * logits, axis=-1) - 2 * lse)
+
+
 # Per-position statistics of the logits z [..., V] and targets y [...]: the log-probs and the
-# entropy (verl's entropy bonus), and TRL's `mean_logits` and `is_top1` (its DPO / KTO metrics).
+# entropy (verl's entropy bonus), sum_v pi_v^2 (verl's optimal token baseline), and TRL's
+# `mean_logits` and `is_top1` (its DPO / KTO metrics).
 TOKEN_STATISTICS = MappingProxyType({
     "log_probs": log_probs_from_logits,
     "entropy": lambda z, y: entropy_from_logits(z),
+    "sum_pi_squared": lambda z, y: sum_pi_squared_from_logits(z),
     "mean_logit": lambda z, y: jnp.mean(z, axis=-1),
     "top1": lambda z, y: (jnp.argmax(z, axis=-1) == y).astype(jnp.float32),
 })  # fmt: skip
@@ -67,8 +79,8 @@ def token_statistics(
         h_btd: Final hidden states, position t predicting `targets[:, t]`.
         targets: Token ids [B, T].
         names: Which of `TOKEN_STATISTICS`: `log_probs` (of the targets), `entropy`,
-            `mean_logit` (the mean of z over the vocabulary), `top1` (1.0 where the target is
-            the argmax).
+            `sum_pi_squared`, `mean_logit` (the mean of z over the vocabulary), `top1` (1.0
+            where the target is the argmax).
         temperature: Divides the logits (verl applies the rollout temperature here too).
         chunk_size: Sequence positions per chunk; None: the whole sequence at once.
 

@@ -32,6 +32,13 @@ from jaxrl.core_algos import (
     masked_mean,
 )
 
+# The estimators that read the actor's sum_v pi_v^2 and old log-probs (verl:
+# `actor.calculate_sum_pi_squared`).
+NEEDS_SUM_PI_SQUARED = (
+    AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
+    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
+)
+
 
 def kl_in_reward(
     scores: Float[Array, "n r"],
@@ -61,7 +68,8 @@ def compute_advantage(
     Args:
         batch: token_level_rewards, loss_mask, group_ids (int [N], the prompt group of every
             response: verl's `uid`) and per estimator values (gae), reward_baselines (remax),
-            prompt_mask / response_mask (gdpo).
+            prompt_mask / response_mask (gdpo), old_log_probs / sum_pi_squared /
+            rollout_is_weights (the optimal-token-baseline estimators).
         extra: The scorer's per-row reward components as float arrays [N] (gdpo).
         algorithm: The `algorithm` config (gamma, lam, norm_adv_by_std_in_grpo, ...).
     """
@@ -97,8 +105,10 @@ def compute_advantage(
             kwargs["non_tensor_batch"] = dict(extra)
             attention = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
             kwargs["batch"] = {"attention_mask": attention}
-        # (optimal_token_baseline needs the actor's sum_pi_squared, which the trainer does not
-        # compute: PPOTrainer refuses that estimator, so it never reaches here.)
+        if name in NEEDS_SUM_PI_SQUARED:  # the old-log-prob pass's sum_pi_squared
+            kwargs["old_log_probs"] = batch["old_log_probs"]
+            kwargs["sum_pi_squared"] = batch["sum_pi_squared"]
+            kwargs["rollout_is_weights"] = batch.get("rollout_is_weights")
         adv, ret = fn(**kwargs)
     return adv.astype(jnp.float32), ret.astype(jnp.float32)
 

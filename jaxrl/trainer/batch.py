@@ -53,6 +53,8 @@ class RLBatch:
         token_level_scores: The reward, on each response's last token [N, R].
         reward_baselines: ReMax's greedy-response reward [N].
         old_log_probs: The actor's log-probs before the update [N, R].
+        sum_pi_squared: sum_v pi_v^2 of the actor's distributions at each response token,
+            from the old-log-prob pass [N, R] (the optimal-token-baseline estimators).
         ref_log_probs: The reference policy's log-probs [N, R].
         values: The critic's values [N, R].
         token_level_rewards: Scores after KL in the reward [N, R].
@@ -79,6 +81,7 @@ class RLBatch:
     token_level_scores: Float[Array, "n r"] | None = None
     reward_baselines: Float[Array, " n"] | None = None
     old_log_probs: Float[Array, "n r"] | None = None
+    sum_pi_squared: Float[Array, "n r"] | None = None
     ref_log_probs: Float[Array, "n r"] | None = None
     values: Float[Array, "n r"] | None = None
     token_level_rewards: Float[Array, "n r"] | None = None

@@ -4,7 +4,8 @@
     step(prompts) :
       sync_weights  actor -> rollout (jitted reshard); generate n responses per prompt; free
       reward        scores on the last valid response token (host)
-      old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward)
+      old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward,
+                    no optimal token baseline, which reads its sum_pi_squared)
       ref           reference log-probs (KL loss / KL in reward)
       values        critic pass (GAE)
       adv           KL in reward, then the advantage estimator (jitted); PF-PPO resamples rows
@@ -43,7 +44,12 @@ from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
 from jaxrl.trainer import losses
-from jaxrl.trainer.advantage import compute_advantage, gdpo_components, kl_in_reward
+from jaxrl.trainer.advantage import (
+    NEEDS_SUM_PI_SQUARED,
+    compute_advantage,
+    gdpo_components,
+    kl_in_reward,
+)
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.fingerprint import step_fingerprints
@@ -57,7 +63,7 @@ from jaxrl.trainer.metrics import (
     timing_metrics,
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
-from jaxrl.trainer.roles import log_prob_fn, values_fn
+from jaxrl.trainer.roles import log_prob_fn, statistics_fn, values_fn
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 CRITIC_FIELDS = ("values", "returns")
@@ -70,6 +76,9 @@ ADVANTAGE_INPUTS = (
     "reward_baselines",
     "prompt_mask",
     "response_mask",
+    "old_log_probs",
+    "sum_pi_squared",
+    "rollout_is_weights",
 )
 
 # (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
@@ -157,14 +166,6 @@ class PPOTrainer:
         tokenizer: Any = None,
         tools: dict[str, Any] | None = None,
     ):
-        if cfg.algorithm.adv_estimator in (
-            AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
-            AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
-        ):
-            raise ValueError(
-                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the trainer does not "
-                "compute sum_pi_squared yet; the estimator itself is in jaxrl.core_algos"
-            )
         dumps = [k for k in ("rollout_data_dir", "validation_data_dir") if getattr(cfg.trainer, k)]
         if dumps and tokenizer is None:
             raise ValueError(
@@ -184,12 +185,16 @@ class PPOTrainer:
             if actor_cfg.entropy_from_logits_with_chunking
             else None
         )
-        self._log_prob = log_prob_fn(
+        # the old-log-prob pass: log-probs, entropy and, for the optimal-token-baseline
+        # estimators, sum_v pi_v^2 (then the pass runs on-policy too)
+        self.sum_pi_squared = cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
+        old_names = ("log_probs", "entropy", "sum_pi_squared")
+        self._log_prob = statistics_fn(
             cluster.actor.config,
             cluster.actor.layout,
+            old_names if self.sum_pi_squared else old_names[:2],
+            chunk,
             temperature=self.temperature,
-            chunk_size=chunk,
-            with_entropy=True,
         )
         if cluster.ref is not None:
             self._ref_log_prob = log_prob_fn(
@@ -314,12 +319,13 @@ class PPOTrainer:
             micro = self._log_prob_micro()
             if self.bypass:
                 batch = batch.replace(old_log_probs=batch.rollout_log_probs)
-            elif not on_policy:
+            elif not on_policy or self.sum_pi_squared:
                 with timer("old_log_prob", timing), on_device("actor"):
-                    old, entropy = infer(
+                    old, entropy, *pi2 = infer(
                         self._log_prob, actor.params, batch, layout=layout, **micro
                     )
-                    batch = batch.replace(old_log_probs=jax.block_until_ready(old))
+                    batch = batch.replace(old_log_probs=old, sum_pi_squared=pi2[0] if pi2 else None)
+                    batch = jax.block_until_ready(batch)
                     scalars["actor/entropy"] = agg_loss(
                         entropy,
                         batch.loss_mask.astype(np.float32),
@@ -504,7 +510,7 @@ class PPOTrainer:
         fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)
         micro = self._log_prob_micro()
-        if not on_policy and not self.bypass:
+        if (not on_policy or self.sum_pi_squared) and not self.bypass:
             programs["actor log-probs"] = compile_infer(
                 self._log_prob, actor.params, batch, layout=actor.layout, **micro
             )

@@ -355,14 +355,19 @@ def log_prob_fn(
 
 
 def statistics_fn(
-    config: DecoderConfig, layout: Layout | None, names: tuple[str, ...], chunk_size: int | None
+    config: DecoderConfig,
+    layout: Layout | None,
+    names: tuple[str, ...],
+    chunk_size: int | None,
+    temperature: float = 1.0,
 ):
     """jit of `(params, micro_batch) -> ` a tuple of `response_statistics` [m, r] in the order
-    of `names` (log_probs, entropy, mean_logit, top1; temperature 1): one chunked pass."""
+    of `names` (log_probs, entropy, sum_pi_squared, mean_logit, top1): one chunked pass."""
 
     def fn(params, mb):
         with use_layout(layout):
-            stats = response_statistics(config, params, mb, names, chunk_size=chunk_size)
+            stats = response_statistics(config, params, mb, names, temperature=temperature,
+                                        chunk_size=chunk_size)  # fmt: skip
         return tuple(stats[k] for k in names)
 
     return jax.jit(fn)

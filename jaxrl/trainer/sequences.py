@@ -67,12 +67,15 @@ def response_statistics(
     mb: dict[str, Int[Array, "b _"]],
     names: tuple[str, ...],
     *,
+    temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> dict[str, Float[Array, "b r"]]:
-    """`token_statistics` (temperature 1) of the response tokens of a micro-batch:
-    {name: [B, R]} for `names` among log_probs, entropy, mean_logit, top1."""
+    """`token_statistics` of the response tokens of a micro-batch under logits /
+    temperature: {name: [B, R]} for `names` among log_probs, entropy, sum_pi_squared,
+    mean_logit, top1."""
     h = _response_hidden(config, params, mb)
-    return token_statistics(config, params, h, mb["responses"], names, chunk_size=chunk_size)
+    return token_statistics(config, params, h, mb["responses"], names,
+                            temperature=temperature, chunk_size=chunk_size)  # fmt: skip
 
 
 def response_values(

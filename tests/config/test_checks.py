@@ -293,3 +293,13 @@ def test_pf_ppo_needs_gae_and_a_known_method():
         "algorithm.pf_ppo.reweight_method=max_random",
         "algorithm.pf_ppo.weight_pow=1.5",
     )
+
+
+def test_optimal_token_baseline_needs_sum_pi_squared_and_no_bypass():
+    otb = "algorithm.adv_estimator=optimal_token_baseline"
+    assert "calculate_sum_pi_squared=true" in problem(otb)
+    spi = "actor_rollout_ref.actor.calculate_sum_pi_squared=true"
+    msg = problem(otb, spi, "algorithm.rollout_correction.bypass_mode=true")
+    assert "bypass mode skips the old-log-prob pass" in msg
+    ok(otb, spi)
+    ok("algorithm.adv_estimator=tir_optimal_token_baseline", spi)

@@ -43,6 +43,29 @@ def test_log_probs_and_entropy_match_verl(model, inputs):
     np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_sum_pi_squared_matches_verl(model, inputs, chunk_size):
+    """sum_v pi_v^2 of logits / temperature (the optimal token baseline's input), chunked or
+    not, equals verl's `calculate_sum_pi_squared_from_logits`; extreme logits stay finite."""
+    torch_functional = import_reference("verl.utils.torch_functional")
+    import torch
+
+    config, params = model
+    ids, mask = inputs
+    temperature = 0.7
+    logits = np.asarray(M.forward(config, params, ids, mask), np.float32)
+    want = torch_functional.calculate_sum_pi_squared_from_logits(
+        torch.tensor(logits) / temperature
+    ).numpy()
+    h = M.hidden_states(config, params, ids, mask)
+    targets = np.roll(ids, -1, axis=1)
+    got = M.token_statistics(config, params, h, targets, ("sum_pi_squared",),
+                             temperature=temperature, chunk_size=chunk_size)  # fmt: skip
+    np.testing.assert_allclose(got["sum_pi_squared"], want, rtol=1e-5, atol=1e-7)
+    extreme = np.array([[1e4, 0.0, -1e4], [0.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_allclose(M.sum_pi_squared_from_logits(extreme), [1.0, 1 / 3], rtol=1e-6)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
 def test_chunked_equals_whole(model, inputs, chunk_size):
     config, params = model

@@ -56,14 +56,11 @@ def test_micro_batches_and_passes_stay_on_the_devices(model, layout):
     np.testing.assert_allclose(np.asarray(whole)[mask], np.asarray(expected)[mask], atol=2e-5)
 
 
-NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
-ESTIMATORS = [e for e in AdvantageEstimator if e not in NEEDS_SUM_PI_SQUARED]
-
-
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("estimator", list(AdvantageEstimator))
 def test_every_estimator_runs_jitted_as_it_runs_eagerly(estimator):
     overrides = ["actor_rollout_ref.model.path=unused", f"algorithm.adv_estimator={estimator}"]
     overrides += ["algorithm.gdpo_reward_keys=[acc,format]"]
+    overrides += ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
     algorithm = load_config(None, overrides).algorithm
     rng = np.random.RandomState(0)
     n, r = 12, 7
@@ -75,6 +72,8 @@ def test_every_estimator_runs_jitted_as_it_runs_eagerly(estimator):
         "prompt_mask": jnp.ones((n, 3), jnp.int32),
         "group_ids": jnp.asarray(np.repeat(np.arange(n // 4), 4), jnp.int32),
         "values": jnp.asarray(rng.randn(n, r).astype(np.float32)),
+        "old_log_probs": jnp.asarray(-rng.rand(n, r).astype(np.float32)),
+        "sum_pi_squared": jnp.asarray(rng.rand(n, r).astype(np.float32)),
     }
     if estimator == AdvantageEstimator.REMAX:  # the trainer's greedy-response rewards
         batch["reward_baselines"] = jnp.asarray(rng.randn(n).astype(np.float32))

@@ -16,8 +16,11 @@ from _quickstart import asset_paths
 from jaxrl.config import load_config
 from jaxrl.data import load_tokenizer
 from jaxrl.plot import plot_run
+from jaxrl.sharding.processes import to_host
+from jaxrl.testing.reference import import_reference
 from jaxrl.trainer.fit import fit
 from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.ppo_trainer import PPOTrainer
 
 MESH_2221 = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "mesh.sp=1"]
 
@@ -238,3 +241,60 @@ def test_pf_ppo_trains_on_rows_drawn_by_score(assets, tmp_path):
     assert (scores["plain"] == 0).any() and (scores["plain"] > 0).any()  # the premise
     assert (scores["pf"] > 0).all()
     assert set(scores["pf"]) <= set(scores["plain"])  # the same rows, drawn again
+
+
+@pytest.mark.entry
+@pytest.mark.parametrize(
+    ("estimator", "verl_name"),
+    [("optimal_token_baseline", "compute_optimal_token_baseline_advantage"),
+     ("tir_optimal_token_baseline", "compute_multi_turn_optimal_token_baseline_advantage")],
+)  # fmt: skip
+def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatch, estimator,
+                                                    verl_name):  # fmt: skip
+    """A step with an optimal-token-baseline estimator: the old-log-prob pass's sum_v pi_v^2
+    (logits / rollout temperature, chunked, on the 8-device mesh) equals verl's
+    `calculate_sum_pi_squared_from_logits` on the HF torch model's logits of the same rows,
+    and the step's advantages equal verl's estimator on the step's batch."""
+    torch = pytest.importorskip("torch")
+    verl = import_reference()
+    torch_functional = import_reference("verl.utils.torch_functional")
+    transformers = pytest.importorskip("transformers")
+    captured = []
+    advantages = PPOTrainer._advantages
+
+    def spy(self, batch, extra, scalars):
+        out = advantages(self, batch, extra, scalars)
+        captured.append((self.temperature, to_host(out[0].present())))
+        return out
+
+    monkeypatch.setattr(PPOTrainer, "_advantages", spy)
+    fit(config(assets, tmp_path, f"algorithm.adv_estimator={estimator}",
+               "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
+               "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
+               "actor_rollout_ref.actor.entropy_from_logits_chunk_size=3",
+               "trainer.test_freq=-1", "trainer.val_before_train=false",
+               "trainer.total_training_steps=1"))  # fmt: skip
+    ((temperature, host),) = captured
+    mask = host["loss_mask"].astype(np.float32)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(f"{assets}/model", dtype=torch.float32)
+    ids = np.concatenate([host["prompts"], host["responses"]], axis=1)
+    attention = np.concatenate([host["prompt_mask"], host["response_mask"]], axis=1)
+    positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
+                    position_ids=torch.tensor(positions)).logits  # fmt: skip
+    p, r = host["prompts"].shape[1], host["responses"].shape[1]
+    z = logits[:, p - 1 : p - 1 + r] / temperature  # position t predicts response token t
+    want = torch_functional.calculate_sum_pi_squared_from_logits(z).numpy()
+    np.testing.assert_allclose(host["sum_pi_squared"] * mask, want * mask, rtol=1e-4, atol=1e-5)
+
+    ref_adv, _ = getattr(verl, verl_name)(
+        token_level_rewards=torch.tensor(host["token_level_rewards"]),
+        response_mask=torch.tensor(mask),
+        index=np.array([f"uid{g}" for g in host["group_ids"]], dtype=object),
+        old_log_probs=torch.tensor(host["old_log_probs"]),
+        sum_pi_squared=torch.tensor(host["sum_pi_squared"]),
+    )
+    np.testing.assert_allclose(host["advantages"], ref_adv.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.abs(host["advantages"]).max() > 0
