@@ -216,6 +216,24 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
                 "the old-log-prob pass that computes sum_v pi_v^2 (verl fails the same way); "
                 "set bypass_mode=false or use another estimator"
             )
+    fg, data = cfg.algorithm.filter_groups, cfg.data
+    if fg.enable and not fg.metric:
+        p.append(
+            "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (acc, "
+            "score, seq_reward, seq_final_reward or another key the reward function returns)"
+        )
+    if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        p.append(
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: "
+            "the KL penalty needs the log-probs of responses not yet filtered (verl's recipe "
+            "fails here too); use seq_reward, or use_kl_in_reward=false"
+        )
+    if data.gen_batch_size not in (None, data.train_batch_size) and not fg.enable:
+        p.append(
+            f"data.gen_batch_size={data.gen_batch_size} differs from data.train_batch_size="
+            f"{data.train_batch_size} without algorithm.filter_groups.enable: only dynamic "
+            "sampling generates batches of another size; drop gen_batch_size or enable it"
+        )
     p.choice(cfg, "algorithm.pf_ppo.reweight_method", ("pow", "max_min", "max_random"))
     if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
         p.append(

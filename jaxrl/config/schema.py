@@ -40,6 +40,8 @@ class DataConfig:
         max_prompt_length: Prompt length in tokens after the chat template (left-padded to it).
         max_response_length: Longest response in tokens.
         train_batch_size: Prompts per training step (before `rollout.n` repetition).
+        gen_batch_size: Prompts per generation batch of dynamic sampling
+            (`algorithm.filter_groups`); null: `train_batch_size`.
         val_batch_size: Prompts per validation generation batch; null: the whole validation set.
         shuffle: Shuffle the training rows each epoch.
         seed: Seed of the training shuffle; null means 1, as in verl.
@@ -65,6 +67,7 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024
+    gen_batch_size: int | None = None
     val_batch_size: int | None = None
     shuffle: bool = True
     seed: int | None = None
@@ -682,6 +685,26 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """`algorithm.filter_groups.*`: DAPO's dynamic sampling (`jaxrl.trainer.dynamic_sampling`).
+
+    Attributes:
+        enable: Train only on prompt groups whose responses' `metric` varies, generating
+            batches of `data.gen_batch_size` prompts until `data.train_batch_size` such groups
+            exist.
+        metric: `seq_reward` (or `reward`: the summed token scores), `seq_final_reward` (the
+            summed token rewards), or a key of the reward function's extra info (`acc`,
+            `score`, ...).
+        max_num_gen_batches: Stop the run when a step has generated this many batches without
+            enough groups; 0 or less: no limit.
+    """
+
+    enable: bool = False
+    metric: str | None = None
+    max_num_gen_batches: int = 0
+
+
+@dataclass(frozen=True)
 class PFPPOConfig:
     """`algorithm.pf_ppo.*`: PF-PPO's resampling of the batch by reward
     (`jaxrl.core_algos.reweight`).
@@ -717,6 +740,7 @@ class AlgorithmConfig:
         use_pf_ppo: PF-PPO: after GAE, train on N rows drawn with replacement from the batch
             of N, weighted by their scores (`pf_ppo`); as verl, with `adv_estimator: gae` only.
         pf_ppo: PF-PPO's weighting.
+        filter_groups: DAPO's dynamic sampling.
     """
 
     adv_estimator: str = "gae"
@@ -731,6 +755,7 @@ class AlgorithmConfig:
     gdpo_reward_weights: list[float] | None = None
     use_pf_ppo: bool = False
     pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 # --------------------------------------------------------------------------------------- trainer

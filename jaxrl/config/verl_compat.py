@@ -63,7 +63,6 @@ _TORCH = "a PyTorch/CUDA performance switch with no JAX counterpart (XLA compile
 _RAY = "a Ray/cluster setting; jaxrl is one JAX program (see launch/ for several hosts)"
 _PROFILER = "a verl profiler setting; use JAX's profiler (jax.profiler) instead"
 _DEPRECATED_MICRO = "deprecated in verl; use the matching `*_per_gpu` key (per device in jaxrl)"
-_NO_DAPO = "dynamic sampling (DAPO `filter_groups`) is not implemented in jaxrl yet"
 _MEGATRON_LORA = (
     "Megatron's LoRA group; jaxrl takes verl's FSDP keys: model.lora_rank, lora_alpha, "
     "target_modules, exclude_modules, lora_adapter_path"
@@ -249,7 +248,6 @@ IGNORED: dict[str, Ignored] = {
     },
     "data.custom_cls.path": Ignored("custom torch Dataset classes cannot be used", (None,)),
     "data.custom_cls.name": Ignored("custom torch Dataset classes cannot be used"),
-    "data.gen_batch_size": Ignored(_NO_DAPO, (None,)),
     # trainer / cluster
     "actor_rollout_ref.hybrid_engine": Ignored(
         "jaxrl always colocates actor and rollout and reshards under jit", (True,)
@@ -273,8 +271,9 @@ IGNORED: dict[str, Ignored] = {
     "distillation.enabled": Ignored("distillation is not implemented in jaxrl yet", (False,)),
     "distillation.*": Ignored("distillation is not implemented in jaxrl yet"),
     # algorithm
-    "algorithm.filter_groups.enable": Ignored(_NO_DAPO, (False,)),
-    "algorithm.filter_groups.*": Ignored(_NO_DAPO),
+    "algorithm.filter_groups.max_inflight_gen_batches": Ignored(
+        "verl's v1 asynchronous replay buffer's concurrency; jaxrl generates one batch at a time"
+    ),
     # rewards
     **{
         f"reward_model.{k}": Ignored(_RAY)

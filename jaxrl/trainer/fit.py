@@ -30,6 +30,7 @@ from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
 from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
 from jaxrl.trainer.cluster import Cluster
+from jaxrl.trainer.dynamic_sampling import DynamicSamplingError
 from jaxrl.trainer.loggers import Tracking, read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn, ppo_training
 from jaxrl.trainer.protocol import Trainer
@@ -42,7 +43,14 @@ class TrainingError(RuntimeError):
 
 
 # What stops a run with a message a user can act on (the command lines print it and exit 1).
-RUN_ERRORS = (CheckpointError, TrainingError, DataError, FileExistsError, FileNotFoundError)
+RUN_ERRORS = (
+    CheckpointError,
+    TrainingError,
+    DynamicSamplingError,
+    DataError,
+    FileExistsError,
+    FileNotFoundError,
+)
 
 
 class NonFiniteGuard:
@@ -183,7 +191,7 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
     schemas = [schema_dict(t.tool_schema) for t in tools.values()] if tools else None
     train_loader = PromptIterator(
         RLDataset.from_config(cfg.data, tokenizer, "train", schemas),
-        cfg.data.train_batch_size,
+        cfg.data.gen_batch_size or cfg.data.train_batch_size,  # a generation batch (DAPO)
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,
     )
@@ -206,6 +214,7 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
         val_reward_fn=reward_fn_from(val_manager, cluster.reward_model),
         tokenizer=tokenizer,
         tools=tools,
+        prompt_source=train_loader,
     )
     return Run(tokenizer, train_loader, val_loader, steps, trainer)
 

@@ -52,6 +52,12 @@ from jaxrl.trainer.advantage import (
 )
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
+from jaxrl.trainer.dynamic_sampling import (
+    DynamicSamplingError,
+    GroupPool,
+    metric_values,
+    too_many_batches_message,
+)
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.generation import Generated, StepRollout
 from jaxrl.trainer.learner import compile_infer, infer
@@ -83,6 +89,26 @@ ADVANTAGE_INPUTS = (
 
 # (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
 RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
+
+
+@dataclasses.dataclass
+class Scored:
+    """A step's generated and scored rows, before the batch is built.
+
+    Attributes:
+        rows: The global batch's host arrays (prompts, masks, responses, token_level_scores,
+            group_ids, and reward_baselines / rollout_log_probs when there are any).
+        device: Fields already on the devices (the rollout's log-probs, one process).
+        extra: The reward function's extra info ({name: per-row list}).
+        reward_metrics: The reward manager's metrics.
+        conversations: The agent loop's conversations per row (None: batch generation).
+    """
+
+    rows: dict[str, np.ndarray]
+    device: dict[str, jax.Array]
+    extra: dict[str, list]
+    reward_metrics: dict[str, float]
+    conversations: list[dict[str, Any]] | None
 
 
 @contextlib.contextmanager
@@ -151,6 +177,9 @@ class PPOTrainer:
             `validation_data_dir`); None: no dumps.
         tools: The multi-turn run's tools by name; None: those of
             `multi_turn.tool_config_path`.
+        prompt_source: The iterator `step`'s prompts come from (the train loader): dynamic
+            sampling takes its further generation batches from it, so the loader's saved
+            state covers them.
 
     A cluster loaded with `abstract=True` only compiles (`compile_step`, `memory_plan`).
     """
@@ -165,6 +194,7 @@ class PPOTrainer:
         val_reward_fn: RewardFn | None = None,
         tokenizer: Any = None,
         tools: dict[str, Any] | None = None,
+        prompt_source: Iterator[PromptBatch] | None = None,
     ):
         dumps = [k for k in ("rollout_data_dir", "validation_data_dir") if getattr(cfg.trainer, k)]
         if dumps and tokenizer is None:
@@ -173,6 +203,7 @@ class PPOTrainer:
                 "decode the dumped generations"
             )
         self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
+        self.prompt_source = prompt_source
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn or reward_fn
         actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         self.devices = cluster.num_devices
@@ -276,7 +307,7 @@ class PPOTrainer:
         reads back the responses for the reward, each update's metrics, and the finished
         batch once, for the step's metrics. Each phase's timing waits for its results."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
-        actor_cfg, n = actor_rollout_ref.actor, self.sampling.n
+        actor_cfg = actor_rollout_ref.actor
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
         on_device, layout = self.cluster.on_device, actor.layout
         timing: dict[str, float] = {}
@@ -284,37 +315,12 @@ class PPOTrainer:
         scalars: dict[str, jax.Array] = {}  # device metrics, read back with the batch
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
         with timer("step", timing):
-            with timer("gen", timing):
-                generated = self.generate(prompts, self.sampling, rng)
-                rows, log_probs = generated.rows, generated.log_probs
-                metrics.update(generated.metrics)
-            repeated = generated.scored(prompts.repeat(n))
-            group_ids = repeated.group_ids
-            with timer("reward", timing):
-                scores, reward_metrics, extra = self.reward_fn(
-                    repeated, rows["responses"], rows["response_mask"]
-                )
-                rows["token_level_scores"] = scores.astype(np.float32)
-            if cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
-                with timer("gen_max", timing):
-                    greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
-                    base = self.generate(prompts, dataclasses.replace(greedy, n=1), rng).rows
-                    base_scores, _, _ = self.reward_fn(
-                        prompts, base["responses"], base["response_mask"]
-                    )
-                    rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
-            device_fields: dict[str, jax.Array] = {}
-            if jax.process_count() > 1:
-                with timer("gather", timing):
-                    if log_probs is not None:
-                        rows["rollout_log_probs"] = log_probs
-                    rows, group_ids, extra, reward_metrics = gather_processes(
-                        rows, group_ids, extra, reward_metrics
-                    )
-            elif log_probs is not None:
-                device_fields["rollout_log_probs"] = moved_to(log_probs, layout)
-            batch = RLBatch.from_host({**rows, "group_ids": group_ids}, layout, **device_fields)
-            metrics.update(reward_metrics)
+            if cfg.algorithm.filter_groups.enable:
+                scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
+            else:
+                scored = self._scored_rows(prompts, rng, timing, metrics)
+            batch = RLBatch.from_host(scored.rows, layout, **scored.device)
+            metrics.update(scored.reward_metrics)
             on_policy = self._on_policy(batch.rows)
             micro = self._log_prob_micro()
             if self.bypass:
@@ -349,8 +355,8 @@ class PPOTrainer:
                     values = moved_to(values, layout)
                     batch = batch.replace(values=jax.block_until_ready(values))
             with timer("adv", timing):
-                batch, beta = self._advantages(batch, extra, scalars)
-                conversations = generated.conversations
+                batch, beta = self._advantages(batch, scored.extra, scalars)
+                conversations = scored.conversations
                 if cfg.algorithm.use_pf_ppo:
                     drawn = self._pf_ppo(batch, global_step)
                     batch = batch.select(drawn)
@@ -415,6 +421,94 @@ class PPOTrainer:
         components = gdpo_components(self.cfg.algorithm, extra)
         adv, ret = self._advantage(inputs, components)
         return batch.replace(advantages=adv, returns=jax.block_until_ready(ret)), beta
+
+    def _scored_rows(
+        self,
+        prompts: PromptBatch,
+        rng: jax.Array,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+        *,
+        on_host: bool = False,
+    ) -> Scored:
+        """Generate `rollout.n` responses per prompt and score them (and ReMax's greedy
+        baselines): the global batch's rows, on every process (`gather_processes`). The
+        rollout's log-probs stay on the devices (one process) unless `on_host`."""
+        n, layout = self.sampling.n, self.cluster.actor.layout
+        with timer("gen", timing):
+            generated = self.generate(prompts, self.sampling, rng)
+            rows, log_probs = generated.rows, generated.log_probs
+            metrics.update(generated.metrics)
+        repeated = generated.scored(prompts.repeat(n))
+        group_ids = repeated.group_ids
+        with timer("reward", timing):
+            scores, reward_metrics, extra = self.reward_fn(
+                repeated, rows["responses"], rows["response_mask"]
+            )
+            rows["token_level_scores"] = scores.astype(np.float32)
+        if self.cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
+            with timer("gen_max", timing):
+                greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
+                base = self.generate(prompts, dataclasses.replace(greedy, n=1), rng).rows
+                base_scores, _, _ = self.reward_fn(
+                    prompts, base["responses"], base["response_mask"]
+                )
+                rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
+        device: dict[str, jax.Array] = {}
+        conversations = generated.conversations
+        if jax.process_count() > 1:
+            with timer("gather", timing):
+                if log_probs is not None:
+                    rows["rollout_log_probs"] = log_probs
+                rows, group_ids, extra, reward_metrics = gather_processes(
+                    rows, group_ids, extra, reward_metrics
+                )
+        elif log_probs is not None and on_host:
+            rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
+        elif log_probs is not None:
+            device["rollout_log_probs"] = moved_to(log_probs, layout)
+        rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
+        return Scored(rows, device, extra, reward_metrics, conversations)
+
+    def _dynamic_sampling(
+        self,
+        prompts: PromptBatch,
+        global_step: int,
+        rng: jax.Array,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+    ) -> Scored:
+        """DAPO's dynamic sampling (`jaxrl.trainer.dynamic_sampling`): generation batches
+        from `prompts` on (the next ones from `prompt_source`) until `train_batch_size`
+        groups with non-zero `filter_groups.metric` variance exist; their first
+        `train_batch_size`. Batch k > 0 samples from `fold_in(key(seed + 3), step)` folded
+        with k (batch 0 from the step's key), so a resumed run generates the same."""
+        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        extra_key = jax.random.fold_in(
+            jax.random.key(self.cfg.actor_rollout_ref.rollout.seed + 3), global_step
+        )
+        pool = GroupPool()
+        while True:
+            key = rng if pool.batches == 0 else jax.random.fold_in(extra_key, pool.batches)
+            scored = self._scored_rows(prompts, key, timing, metrics, on_host=True)
+            values = metric_values(fg.metric, scored.rows["token_level_scores"], scored.extra)
+            conversations = scored.conversations if jax.process_count() == 1 else None
+            pool.add(scored.rows, scored.extra, conversations, values)
+            if pool.groups >= target:
+                break
+            if 0 < fg.max_num_gen_batches <= pool.batches:
+                raise DynamicSamplingError(
+                    too_many_batches_message(pool.batches, fg.max_num_gen_batches)
+                )
+            if self.prompt_source is None:
+                raise ValueError(
+                    "algorithm.filter_groups needs more prompts than one batch: give "
+                    "PPOTrainer a prompt_source (fit passes its train loader)"
+                )
+            prompts = next(self.prompt_source)
+        rows, extra, conversations = pool.take(target)
+        metrics.update(pool.metrics(target))
+        return Scored(rows, {}, extra, scored.reward_metrics, conversations)
 
     def _pf_ppo(self, batch: RLBatch, global_step: int) -> np.ndarray:
         """PF-PPO (`algorithm.use_pf_ppo`): N rows of the batch drawn with replacement by

@@ -303,3 +303,13 @@ def test_optimal_token_baseline_needs_sum_pi_squared_and_no_bypass():
     assert "bypass mode skips the old-log-prob pass" in msg
     ok(otb, spi)
     ok("algorithm.adv_estimator=tir_optimal_token_baseline", spi)
+
+
+def test_dynamic_sampling_keys():
+    assert "needs algorithm.filter_groups.metric" in problem("algorithm.filter_groups.enable=true")
+    fg = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward"]
+    assert "verl's recipe fails here too" in problem(*fg, "algorithm.use_kl_in_reward=true")
+    assert "without algorithm.filter_groups.enable" in problem("data.gen_batch_size=16")
+    cfg = ok(*fg, "data.gen_batch_size=16", "algorithm.filter_groups.max_num_gen_batches=5",
+             "algorithm.filter_groups.max_inflight_gen_batches=2")  # fmt: skip
+    assert cfg.data.gen_batch_size == 16 and cfg.algorithm.filter_groups.max_num_gen_batches == 5

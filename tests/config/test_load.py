@@ -280,12 +280,12 @@ def test_verl_offload_keys_are_jaxrls():
 def test_ignored_verl_key_with_result_changing_value_is_an_error():
     (msg,) = problems("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
     assert "mesh.sp" in msg
-    (msg,) = problems("algorithm.filter_groups.enable=true")
+    (msg,) = problems("distillation.enabled=true")
     assert "not supported by jaxrl" in msg and "False" in msg
     (msg,) = problems("actor_rollout_ref.model.lora.rank=8")
     assert "Megatron's LoRA" in msg and "lora_rank" in msg
     # The accepted value itself passes.
-    load("actor_rollout_ref.model.lora.rank=0", "algorithm.filter_groups.enable=false")
+    load("actor_rollout_ref.model.lora.rank=0", "distillation.enabled=false")
 
 
 def test_lora_keys():

@@ -298,3 +298,34 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
     )
     np.testing.assert_allclose(host["advantages"], ref_adv.numpy(), rtol=1e-5, atol=1e-5)
     assert np.abs(host["advantages"]).max() > 0
+
+
+@pytest.mark.entry
+def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_path):
+    """DAPO dynamic sampling (generation batches of 4 prompts for a step of 8): every trained
+    group's two responses score differently, each step took at least two generation batches,
+    and 3 steps straight equal 1 step + checkpoint + resume to 3 (the extra batches come from
+    the loader, whose saved state covers them)."""
+    common = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+              "data.gen_batch_size=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
+              "trainer.save_freq=1"]  # fmt: skip
+    mesh = ["mesh.fsdp=4", "mesh.dp=2", "mesh.tp=1"]
+    dump = tmp_path / "dump"
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    fit(config(assets, straight, *common, "trainer.total_training_steps=3",
+               f"trainer.rollout_data_dir={dump}", mesh=mesh))  # fmt: skip
+    fit(config(assets, stopped, *common, "trainer.total_training_steps=1", mesh=mesh))
+    fit(config(assets, stopped, *common, "trainer.total_training_steps=3", mesh=mesh))
+    a, b = read_metrics(straight), read_metrics(stopped)
+    for ra, rb in zip(a, b, strict=True):
+        for key, value in ra.items():
+            if not key.startswith(("timing", "perf/time", "perf/throughput")):
+                assert rb[key] == value, (ra["training/global_step"], key, value, rb[key])
+    for row in a:
+        assert row["train/num_gen_batches"] >= 2
+        assert row["training/filter_groups/evicted_samples"] >= 0
+        scores = [json.loads(x)["score"] for x in (dump / f"{row['training/global_step']}.jsonl")
+                  .read_text().splitlines()]  # fmt: skip
+        assert len(scores) == 16  # 8 groups of 2
+        assert all(scores[i] != scores[i + 1] for i in range(0, 16, 2))
+    assert sum(row["training/filter_groups/evicted_samples"] for row in a) > 0  # it filtered

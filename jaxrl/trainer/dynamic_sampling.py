@@ -1,0 +1,178 @@
+"""DAPO's dynamic sampling (`algorithm.filter_groups`): train only on prompt groups whose
+responses disagree.
+
+A group whose n responses all get the same `metric` has GRPO advantage 0 everywhere: it costs
+a whole update and teaches nothing. With `filter_groups.enable`, each generation batch
+(`data.gen_batch_size` prompts, default `data.train_batch_size`) is generated and scored, and
+only the groups kept by verl's DAPO recipe rule survive:
+
+    keep group g  iff  std_i(v_i) > 0  or  |g| = 1      (population std over its responses)
+
+where v_i is the response's `metric`: `seq_reward` (or v1's name `reward`) the summed token
+scores, `seq_final_reward` the summed token rewards (the same without KL in the reward), or
+any key of the reward function's extra info (`acc`, `score`, ...). Kept groups accumulate over
+generation batches, in order, until `train_batch_size` of them exist; the first
+`train_batch_size` are trained on and the rest are dropped (as verl: not carried over). With
+`max_num_gen_batches > 0`, a step that has generated that many batches without enough groups
+stops the run with verl's message; 0 or less: no limit.
+
+`GroupPool` holds the kept rows on the host (the step's rows are host arrays until the batch is
+built), padding prompts on the left and responses on the right to a common width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl.trainer.batch import PROMPT_FIELDS
+
+# the per-response values of `filter_groups.metric` computed from the batch, not read from the
+# reward function's extra info
+SEQUENCE_METRICS = ("seq_reward", "reward", "seq_final_reward")
+
+
+def metric_values(
+    metric: str, token_level_scores: np.ndarray, extra: Mapping[str, Sequence[Any]]
+) -> np.ndarray:
+    """float64 [N]: each response's `metric` (module doc). `seq_final_reward` is the summed
+    scores: the trainer refuses it with KL in the reward, whose log-probs do not exist yet.
+
+    Raises:
+        ValueError: `metric` is not a sequence metric nor a key of the extra info.
+    """
+    if metric in SEQUENCE_METRICS:
+        return np.asarray(token_level_scores, np.float64).sum(-1)
+    if metric not in extra:
+        raise ValueError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no "
+            f"{metric!r} (its extra info has {sorted(extra)}); use seq_reward (the summed "
+            "token scores) or one of those keys"
+        )
+    return np.asarray(extra[metric], np.float64)
+
+
+def kept_rows(group_ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, int]:
+    """(the rows of the kept groups in their order, how many groups were kept): a group is
+    kept when its values' population std is > 0 or it has one response (a NaN std is not)."""
+    group_ids = np.asarray(group_ids)
+    values = np.asarray(values, np.float64)
+    groups, first = np.unique(group_ids, return_index=True)
+    keep = set()
+    for g in groups[np.argsort(first)]:
+        v = values[group_ids == g]
+        if len(v) == 1 or np.std(v) > 0:
+            keep.add(g)
+    rows = np.flatnonzero(np.isin(group_ids, list(keep)))
+    return rows, len(keep)
+
+
+def _by_appearance(group_ids: np.ndarray) -> np.ndarray:
+    """Group ids renumbered 0, 1, ... in the order the groups first appear."""
+    _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
+    rank = np.argsort(np.argsort(first))
+    return rank[inverse]
+
+
+def select_rows(rows: Mapping[str, np.ndarray], index: np.ndarray) -> dict[str, np.ndarray]:
+    """Every host array's rows `index`."""
+    return {k: np.asarray(v)[index] for k, v in rows.items()}
+
+
+def concat_rows(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Row-wise concatenation of host batches whose columns may differ in width: prompt
+    fields are padded on the left, [N, R] fields on the right (with 0)."""
+    out = {}
+    for key in parts[0]:
+        arrays = [np.asarray(p[key]) for p in parts]
+        if arrays[0].ndim == 2:
+            width = max(a.shape[1] for a in arrays)
+            left = key in PROMPT_FIELDS
+            arrays = [
+                np.pad(a, ((0, 0), (width - a.shape[1], 0) if left else (0, width - a.shape[1])))
+                for a in arrays
+            ]
+        out[key] = np.concatenate(arrays)
+    return out
+
+
+@dataclasses.dataclass
+class GroupPool:
+    """The kept groups of a step's generation batches (module doc).
+
+    Attributes:
+        rows: Host arrays per part (prompts, masks, responses, scores, group ids, ...).
+        extra: The reward function's extra info per part ({name: per-row list}).
+        conversations: The agent loop's conversations per part (None: batch generation).
+        groups: Groups kept so far.
+        generated: Groups generated so far.
+        batches: Generation batches so far.
+    """
+
+    rows: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    extra: list[dict[str, list]] = dataclasses.field(default_factory=list)
+    conversations: list[list | None] = dataclasses.field(default_factory=list)
+    groups: int = 0
+    generated: int = 0
+    batches: int = 0
+
+    def add(
+        self,
+        rows: dict[str, np.ndarray],
+        extra: dict[str, list],
+        conversations: list | None,
+        values: np.ndarray,
+    ) -> None:
+        """Keep the groups of one generation batch (`rows["group_ids"]`, `values` [N]) that
+        pass the rule; their group ids are renumbered after the pool's."""
+        self.batches += 1
+        group_ids = np.asarray(rows["group_ids"])
+        self.generated += len(np.unique(group_ids))
+        index, kept = kept_rows(group_ids, values)
+        part = select_rows(rows, index)
+        part["group_ids"] = (_by_appearance(part["group_ids"]) + self.groups).astype(np.int32)
+        self.rows.append(part)
+        self.extra.append({k: [v[i] for i in index] for k, v in extra.items()})
+        self.conversations.append(None if conversations is None else
+                                  [conversations[i] for i in index])  # fmt: skip
+        self.groups += kept
+
+    def take(self, groups: int) -> tuple[dict[str, np.ndarray], dict[str, list], list | None]:
+        """The first `groups` kept groups: (rows, extra info, conversations or None)."""
+        rows = concat_rows(self.rows)
+        keep = np.flatnonzero(rows["group_ids"] < groups)
+        extra = {k: [v for part in self.extra for v in part[k]] for k in self.extra[0]}
+        conversations = None
+        if self.conversations[0] is not None:
+            everything = [c for part in self.conversations for c in part]
+            conversations = [everything[i] for i in keep]
+        return (
+            select_rows(rows, keep),
+            {k: [v[i] for i in keep] for k, v in extra.items()},
+            (conversations),
+        )
+
+    def metrics(self, groups: int) -> dict[str, float]:
+        """verl's `train/num_gen_batches` and v1's filter counts (in groups)."""
+        return {
+            "train/num_gen_batches": float(self.batches),
+            "training/filter_groups/evicted_samples": float(self.generated - self.groups),
+            "training/filter_groups/discarded_surplus_samples": float(self.groups - groups),
+        }
+
+
+class DynamicSamplingError(RuntimeError):
+    """`max_num_gen_batches` generation batches gave fewer than `train_batch_size` groups."""
+
+
+def too_many_batches_message(batches: int, limit: int) -> str:
+    """verl's error when `max_num_gen_batches` batches did not give enough groups."""
+    return (
+        f"num_gen_batches={batches} >= max_num_gen_batches={limit}. Generated too many. "
+        "Please check if your data are too difficult. You could also try set "
+        "max_num_gen_batches=0 to enable endless trials "
+        "(algorithm.filter_groups.max_num_gen_batches)."
+    )

@@ -1,0 +1,140 @@
+"""DAPO's dynamic sampling (`jaxrl.trainer.dynamic_sampling`) against verl's DAPO recipe.
+
+The recipe's filter lives in `recipe/dapo/dapo_ray_trainer.py` (`RayDAPOTrainer.fit`), which the
+verl wheel does not ship, so `recipe_step` restates it here on plain arrays: per generation
+batch, group the metric values by uid, keep uids with `np.std(values) > 0 or len == 1` in
+first-appearance order, keep their rows in row order, append to the batch, and once
+`train_batch_size` prompts are kept cut it to `train_batch_size * n` rows; past
+`max_num_gen_batches` (if > 0) raise.
+"""
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from jaxrl.trainer.dynamic_sampling import (
+    GroupPool,
+    kept_rows,
+    metric_values,
+    too_many_batches_message,
+)
+
+
+def recipe_step(gen_batches, train_batch_size, n, max_num_gen_batches):
+    """The recipe's accumulation over generation batches [(uids, values, row labels)]:
+    (row labels trained on, num_gen_batches)."""
+    batch, num_prompts, num_gen_batches = [], 0, 0
+    for uids, values, labels in gen_batches:
+        num_gen_batches += 1
+        by_uid = defaultdict(list)
+        for uid, value in zip(uids, values, strict=True):
+            by_uid[uid].append(value)
+        kept = [u for u, v in by_uid.items() if np.std(v) > 0 or len(v) == 1]
+        num_prompts += len(kept)
+        batch += [label for uid, label in zip(uids, labels, strict=True) if uid in kept]
+        if num_prompts < train_batch_size:
+            if max_num_gen_batches <= 0 or num_gen_batches < max_num_gen_batches:
+                continue
+            raise ValueError(f"{num_gen_batches=} >= {max_num_gen_batches=}.")
+        return batch[: train_batch_size * n], num_gen_batches
+    raise AssertionError("ran out of generation batches")
+
+
+def gen_batch(seed, prompts=4, n=3, tie_rate=0.5):
+    """One generation batch: interleaved groups of n responses, values with whole-group ties
+    (all equal), NaNs and mixed groups; rows labelled (seed, row)."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 2, (prompts, n)).astype(np.float64)
+    values[rng.random(prompts) < tie_rate] = 1.0
+    if seed % 2:
+        values[0, 0] = np.nan  # a NaN std: dropped
+    uids = np.repeat([f"{seed}-{p}" for p in range(prompts)], n)
+    group_ids = np.repeat(np.arange(prompts), n)
+    return uids, group_ids, values.ravel(), [(seed, i) for i in range(prompts * n)]
+
+
+def jaxrl_step(batches, train_batch_size, n, max_num_gen_batches):
+    pool = GroupPool()
+    for _, group_ids, values, labels in batches:
+        rows = {"group_ids": group_ids, "label": np.asarray(labels)}
+        pool.add(rows, {"value": list(values)}, None, values)
+        if pool.groups >= train_batch_size:
+            rows, extra, _ = pool.take(train_batch_size)
+            return [tuple(x) for x in rows["label"]], pool, rows, extra
+        if 0 < max_num_gen_batches <= pool.batches:
+            raise ValueError(too_many_batches_message(pool.batches, max_num_gen_batches))
+    raise AssertionError("ran out of generation batches")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("train_batch_size", [1, 3, 5])
+def test_kept_rows_equal_the_recipes(seed, train_batch_size):
+    n = 3
+    batches = [gen_batch(seed * 10 + k, n=n) for k in range(12)]
+    want, num_gen_batches = recipe_step(
+        [(u, v, lab) for u, _, v, lab in batches], train_batch_size, n, 0
+    )
+    got, pool, rows, extra = jaxrl_step(batches, train_batch_size, n, 0)
+    assert got == want
+    assert pool.metrics(train_batch_size)["train/num_gen_batches"] == num_gen_batches
+    # group ids: 0, 1, ... per kept group in order, n rows each; extra info follows the rows
+    np.testing.assert_array_equal(rows["group_ids"], np.repeat(np.arange(train_batch_size), n))
+    labels = {lab: v for _, _, vals, labs in batches for lab, v in zip(labs, vals, strict=True)}
+    np.testing.assert_array_equal(extra["value"], [labels[x] for x in got])
+
+
+def test_singletons_are_kept_and_nan_groups_dropped():
+    group_ids = np.array([0, 0, 1, 2, 2, 3, 3])
+    values = np.array([1.0, 1.0, 0.0, 0.0, 1.0, np.nan, 1.0])
+    rows, kept = kept_rows(group_ids, values)
+    np.testing.assert_array_equal(rows, [2, 3, 4])
+    assert kept == 2
+
+
+def test_cap_raises_verls_error_after_the_capth_batch():
+    batches = [gen_batch(k, tie_rate=1.0) for k in range(1, 4)]  # every group tied: none kept
+    for batch in batches:
+        batch[2][:] = 1.0
+    with pytest.raises(ValueError, match="num_gen_batches=2 >= max_num_gen_batches=2"):
+        recipe_step([(u, v, lab) for u, _, v, lab in batches], 2, 3, 2)
+    with pytest.raises(ValueError, match="num_gen_batches=2 >= max_num_gen_batches=2"):
+        jaxrl_step(batches, 2, 3, 2)
+
+
+def test_surplus_and_eviction_counts():
+    pool = GroupPool()
+    group_ids = np.repeat(np.arange(4), 2)
+    values = np.array([0, 1, 1, 1, 0, 1, 0, 1], np.float64)  # group 1 tied
+    pool.add({"group_ids": group_ids}, {}, [{"i": i} for i in range(8)], values)
+    rows, _, conversations = pool.take(2)
+    np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
+    assert pool.metrics(2) == {
+        "train/num_gen_batches": 1.0,
+        "training/filter_groups/evicted_samples": 1.0,
+        "training/filter_groups/discarded_surplus_samples": 1.0,
+    }
+    assert [c["i"] for c in conversations] == [0, 1, 4, 5]
+
+
+def test_metric_values():
+    scores = np.array([[0.0, 1.0], [0.5, 0.0]], np.float32)
+    np.testing.assert_array_equal(metric_values("seq_reward", scores, {}), [1.0, 0.5])
+    np.testing.assert_array_equal(metric_values("reward", scores, {}), [1.0, 0.5])
+    np.testing.assert_array_equal(metric_values("acc", scores, {"acc": [True, False]}), [1, 0])
+    with pytest.raises(ValueError, match=r"metric='score'.*\['acc'\]"):
+        metric_values("score", scores, {"acc": [1, 0]})
+
+
+def test_rows_of_different_widths_concatenate_with_their_padding():
+    pool = GroupPool()
+    a = {"prompts": np.array([[0, 5], [0, 6]]), "responses": np.array([[7], [8]]),
+         "group_ids": np.array([0, 0])}  # fmt: skip
+    b = {"prompts": np.array([[9], [9]]), "responses": np.array([[1, 2], [3, 0]]),
+         "group_ids": np.array([0, 0])}  # fmt: skip
+    pool.add(a, {}, None, np.array([0.0, 1.0]))
+    pool.add(b, {}, None, np.array([1.0, 0.0]))
+    rows, _, _ = pool.take(2)
+    np.testing.assert_array_equal(rows["prompts"], [[0, 5], [0, 6], [0, 9], [0, 9]])
+    np.testing.assert_array_equal(rows["responses"], [[7, 0], [8, 0], [1, 2], [3, 0]])
+    np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
