@@ -194,14 +194,10 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
     p.choice(cfg, "algorithm.rollout_correction.rollout_is", (None, "token", "sequence"))
     p.choice(cfg, "algorithm.rollout_correction.loss_type", ("ppo_clip", "reinforce"))
     rc = cfg.algorithm.rollout_correction
-    if (rc.rollout_is or rc.rollout_rs) and not rc.bypass_mode:
-        keys = [f"algorithm.rollout_correction.{k}" for k in ("rollout_is", "rollout_rs")]
-        given = ", ".join(k for k in keys if get(cfg, k))
+    if rc.rollout_rs and rc.rollout_rs_threshold is None:
         p.append(
-            f"{given} without algorithm.rollout_correction.bypass_mode (verl's decoupled mode) "
-            "is not implemented in jaxrl's trainer; set "
-            "algorithm.rollout_correction.bypass_mode=true, or leave rollout_is and rollout_rs "
-            "null"
+            f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs!r} needs "
+            "algorithm.rollout_correction.rollout_rs_threshold (verl raises the same)"
         )
     if cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         estimator = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}"

@@ -5,10 +5,12 @@
       sync_weights  actor -> rollout (jitted reshard); generate n responses per prompt; free
       reward        scores on the last valid response token (host)
       old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward,
-                    no optimal token baseline, which reads its sum_pi_squared)
+                    no optimal token baseline, which reads its sum_pi_squared, no decoupled
+                    rollout correction)
       ref           reference log-probs (KL loss / KL in reward)
       values        critic pass (GAE)
-      adv           KL in reward, then the advantage estimator (jitted); PF-PPO resamples rows
+      adv           KL in reward, decoupled rollout correction (IS weights, rejection), the
+                    advantage estimator (jitted); PF-PPO resamples rows
       update_critic, update_actor (after `critic_warmup` steps)
 
 From the reward on, the step's data is one `RLBatch` on the trainer's devices: the passes
@@ -37,7 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config.checks import critic_enabled
-from jaxrl.core_algos import AdvantageEstimator, agg_loss, get_kl_controller, pf_ppo_indices
+from jaxrl.core_algos import (
+    AdvantageEstimator,
+    agg_loss,
+    compute_rollout_correction_and_rejection_mask,
+    get_kl_controller,
+    pf_ppo_indices,
+)
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
 from jaxrl.models.lora import split
@@ -208,7 +216,21 @@ class PPOTrainer:
         actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         self.devices = cluster.num_devices
         self._actor_size = sum(x.size for x in jax.tree.leaves(cluster.actor.params))
-        self.bypass = bool(cfg.algorithm.rollout_correction.bypass_mode)
+        correction = cfg.algorithm.rollout_correction
+        self.bypass = bool(correction.bypass_mode)
+        self.decoupled_correction = not self.bypass and bool(
+            correction.rollout_is or correction.rollout_rs
+        )
+        self._correction = jax.jit(
+            functools.partial(
+                compute_rollout_correction_and_rejection_mask,
+                rollout_is=correction.rollout_is,
+                rollout_is_threshold=correction.rollout_is_threshold,
+                rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
+                rollout_rs=correction.rollout_rs,
+                rollout_rs_threshold=correction.rollout_rs_threshold,
+            )
+        )
         self._actor_lr = learning_rate_schedule(actor_cfg.optim, total_steps)
         self.temperature = _temperature(cfg)
         chunk = (
@@ -325,7 +347,7 @@ class PPOTrainer:
             micro = self._log_prob_micro()
             if self.bypass:
                 batch = batch.replace(old_log_probs=batch.rollout_log_probs)
-            elif not on_policy or self.sum_pi_squared:
+            elif not on_policy or self.sum_pi_squared or self.decoupled_correction:
                 with timer("old_log_prob", timing), on_device("actor"):
                     old, entropy, *pi2 = infer(
                         self._log_prob, actor.params, batch, layout=layout, **micro
@@ -417,10 +439,32 @@ class PPOTrainer:
         else:
             rewards = batch.token_level_scores
         batch = batch.replace(token_level_rewards=rewards)
+        if self.decoupled_correction:
+            batch = self._rollout_correction(batch, scalars)
         inputs = {k: v for k, v in batch.present().items() if k in ADVANTAGE_INPUTS}
         components = gdpo_components(self.cfg.algorithm, extra)
         adv, ret = self._advantage(inputs, components)
         return batch.replace(advantages=adv, returns=jax.block_until_ready(ret)), beta
+
+    def _rollout_correction(self, batch: RLBatch, scalars: dict[str, jax.Array]) -> RLBatch:
+        """verl's decoupled rollout correction (`algorithm.rollout_correction` without
+        `bypass_mode`): importance weights and rejection from the recomputed old log-probs
+        against the rollout's (`compute_rollout_correction_and_rejection_mask`); the
+        rejection mask replaces the loss mask (advantages and losses skip rejected tokens)
+        and the actor's loss multiplies its per-token terms by the weights. Its
+        `rollout_corr/*` metrics go to `scalars`."""
+        if batch.rollout_log_probs is None:
+            raise ValueError(
+                "algorithm.rollout_correction needs the rollout's log-probs, and this "
+                "rollout returned none"
+            )
+        weights, mask, corr_metrics = self._correction(
+            batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask.astype(jnp.float32)
+        )
+        scalars.update(corr_metrics)
+        return batch.replace(
+            loss_mask=mask.astype(batch.loss_mask.dtype), rollout_is_weights=weights
+        )
 
     def _scored_rows(
         self,
@@ -604,7 +648,7 @@ class PPOTrainer:
         fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)
         micro = self._log_prob_micro()
-        if (not on_policy or self.sum_pi_squared) and not self.bypass:
+        if (not on_policy or self.sum_pi_squared or self.decoupled_correction) and not self.bypass:
             programs["actor log-probs"] = compile_infer(
                 self._log_prob, actor.params, batch, layout=actor.layout, **micro
             )

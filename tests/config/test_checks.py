@@ -273,13 +273,14 @@ def test_critic_micro_batch_checked_when_mini_follows_actor():
     assert "actor_rollout_ref.actor" not in msg
 
 
-def test_decoupled_rollout_correction_is_refused():
-    msg = problem("algorithm.rollout_correction.rollout_is=token")
-    assert "bypass_mode=true" in msg
+def test_rollout_correction_in_both_modes():
+    ok("algorithm.rollout_correction.rollout_is=token")  # decoupled
     ok(
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.bypass_mode=true",
     )
+    msg = problem("algorithm.rollout_correction.rollout_rs=token_k1")
+    assert "rollout_rs_threshold" in msg
 
 
 def test_pf_ppo_needs_gae_and_a_known_method():

@@ -329,3 +329,47 @@ def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_p
         assert len(scores) == 16  # 8 groups of 2
         assert all(scores[i] != scores[i + 1] for i in range(0, 16, 2))
     assert sum(row["training/filter_groups/evicted_samples"] for row in a) > 0  # it filtered
+
+
+@pytest.mark.entry
+def test_decoupled_rollout_correction_equals_verls(assets, tmp_path, monkeypatch):
+    """Decoupled rollout correction (no bypass) with a top-16 rollout (its log-probs are
+    renormalised over 16 tokens, the trained policy's are not): the step's IS weights,
+    rejection mask and `rollout_corr/*` metrics equal verl's
+    `compute_rollout_correction_and_add_to_batch` on the step's old and rollout log-probs
+    (the rejection bounds keep every token here: the rejection's own cases are compared with
+    verl in tests/core_algos/test_policy_losses.py), and the actor trains with the weights."""
+    torch = pytest.importorskip("torch")
+    helper = import_reference("verl.trainer.ppo.rollout_corr_helper")
+    protocol = import_reference("verl.protocol")
+    captured = []
+    correction = PPOTrainer._rollout_correction
+
+    def spy(self, batch, scalars):
+        out = correction(self, batch, scalars)
+        captured.append((to_host(batch.present()), to_host(out.present())))
+        return out
+
+    monkeypatch.setattr(PPOTrainer, "_rollout_correction", spy)
+    rc = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1",
+          "rollout_rs_threshold": "0.6_1.7"}  # fmt: skip
+    fit(config(assets, tmp_path, *(f"algorithm.rollout_correction.{k}={v}" for k, v in rc.items()),
+               "actor_rollout_ref.rollout.top_k=16", "trainer.test_freq=-1",
+               "trainer.val_before_train=false", "trainer.total_training_steps=1"))  # fmt: skip
+    ((before, after),) = captured
+    data = protocol.DataProto.from_dict(tensors={
+        "old_log_probs": torch.tensor(before["old_log_probs"]),
+        "rollout_log_probs": torch.tensor(before["rollout_log_probs"]),
+        "response_mask": torch.tensor(before["loss_mask"].astype(np.float32)),
+    })  # fmt: skip
+    ref, ref_metrics = helper.compute_rollout_correction_and_add_to_batch(data, rc)
+    mask = ref.batch["response_mask"].numpy()
+    np.testing.assert_array_equal(after["loss_mask"], mask)
+    np.testing.assert_allclose(after["rollout_is_weights"], ref.batch["rollout_is_weights"].numpy(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    weights = after["rollout_is_weights"][mask > 0]
+    assert np.abs(weights - 1).max() > 0.05  # the premise: the two policies differ
+    (row,) = read_metrics(tmp_path)
+    for key, value in ref_metrics.items():
+        np.testing.assert_allclose(row[key], float(value), rtol=1e-4, atol=1e-5, err_msg=key)
+    assert np.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0
