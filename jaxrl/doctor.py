@@ -368,7 +368,8 @@ def _data(cfg: Config, report: Report, state: dict[str, Any]) -> None:
     if train is None:
         return
     try:
-        loader = PromptIterator(train, cfg.data.train_batch_size, seed=cfg.data.seed)
+        batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size  # as fit's loader
+        loader = PromptIterator(train, batch_size, seed=cfg.data.seed)
     except DataError as e:
         report.problem(f"data.train_files: {e}")
         return

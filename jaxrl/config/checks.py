@@ -230,6 +230,9 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
             f"{data.train_batch_size} without algorithm.filter_groups.enable: only dynamic "
             "sampling generates batches of another size; drop gen_batch_size or enable it"
         )
+    if data.gen_batch_size is not None:
+        p.at_least(cfg, "data.gen_batch_size", 1)
+    p.at_least(cfg, "algorithm.pf_ppo.weight_pow", 0)
     p.choice(cfg, "algorithm.pf_ppo.reweight_method", ("pow", "max_min", "max_random"))
     if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
         p.append(

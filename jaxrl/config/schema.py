@@ -41,7 +41,10 @@ class DataConfig:
         max_response_length: Longest response in tokens.
         train_batch_size: Prompts per training step (before `rollout.n` repetition).
         gen_batch_size: Prompts per generation batch of dynamic sampling
-            (`algorithm.filter_groups`); null: `train_batch_size`.
+            (`algorithm.filter_groups`); null: `train_batch_size`. Steps default to its
+            batches per epoch x `total_epochs`; a step draws as many as it needs, so a run
+            may pass over the data more often than verl's recipe, which stops after
+            `total_epochs` passes.
         val_batch_size: Prompts per validation generation batch; null: the whole validation set.
         shuffle: Shuffle the training rows each epoch.
         seed: Seed of the training shuffle; null means 1, as in verl.

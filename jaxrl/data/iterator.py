@@ -78,7 +78,8 @@ class PromptIterator:
         if drop_last and self.batch_size > len(dataset):
             raise DataError(
                 f"batch size {self.batch_size} is larger than the dataset ({len(dataset)} rows "
-                "after filtering); lower data.train_batch_size or add rows"
+                "after filtering); lower data.train_batch_size (data.gen_batch_size with "
+                "dynamic sampling) or add rows"
             )
         self.epoch = 0
         self.position = 0

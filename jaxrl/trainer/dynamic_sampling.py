@@ -17,7 +17,14 @@ generation batches, in order, until `train_batch_size` of them exist; the first
 stops the run with verl's message; 0 or less: no limit.
 
 `GroupPool` holds the kept rows on the host (the step's rows are host arrays until the batch is
-built), padding prompts on the left and responses on the right to a common width.
+built), padding prompts on the left and responses on the right to a common width. As in verl's
+recipe, a step's timings add up over its generation batches, while the reward manager's and
+the agent loop's metrics are the last batch's.
+
+A run takes `trainer.total_training_steps` steps (default: generation batches per epoch x
+`total_epochs`), each drawing as many generation batches as it needs from the endless loader:
+it may pass over the data more than `total_epochs` times, where verl's recipe stops when its
+`total_epochs` passes end.
 """
 
 from __future__ import annotations
@@ -42,12 +49,12 @@ def metric_values(
     scores: the trainer refuses it with KL in the reward, whose log-probs do not exist yet.
 
     Raises:
-        ValueError: `metric` is not a sequence metric nor a key of the extra info.
+        DynamicSamplingError: `metric` is not a sequence metric nor a key of the extra info.
     """
     if metric in SEQUENCE_METRICS:
         return np.asarray(token_level_scores, np.float64).sum(-1)
     if metric not in extra:
-        raise ValueError(
+        raise DynamicSamplingError(
             f"algorithm.filter_groups.metric={metric!r}: the reward function returned no "
             f"{metric!r} (its extra info has {sorted(extra)}); use seq_reward (the summed "
             "token scores) or one of those keys"
@@ -140,11 +147,24 @@ class GroupPool:
                                   [conversations[i] for i in index])  # fmt: skip
         self.groups += kept
 
+    def full(self, groups: int, max_num_gen_batches: int) -> bool:
+        """Whether `groups` groups are kept (the step can train); raises
+        `DynamicSamplingError` when not and `max_num_gen_batches` (> 0) batches are spent."""
+        if self.groups >= groups:
+            return True
+        if 0 < max_num_gen_batches <= self.batches:
+            raise DynamicSamplingError(too_many_batches_message(self.batches, max_num_gen_batches))
+        return False
+
     def take(self, groups: int) -> tuple[dict[str, np.ndarray], dict[str, list], list | None]:
         """The first `groups` kept groups: (rows, extra info, conversations or None)."""
         rows = concat_rows(self.rows)
         keep = np.flatnonzero(rows["group_ids"] < groups)
-        extra = {k: [v for part in self.extra for v in part[k]] for k in self.extra[0]}
+        # a key one batch's reward function did not return is None on its rows
+        keys = sorted({k for part in self.extra for k in part})
+        sizes = [len(rows["group_ids"]) for rows in self.rows]
+        extra = {k: [v for size, part in zip(sizes, self.extra, strict=True)
+                     for v in part.get(k, [None] * size)] for k in keys}  # fmt: skip
         conversations = None
         if self.conversations[0] is not None:
             everything = [c for part in self.conversations for c in part]

@@ -231,7 +231,8 @@ class SFTTrainer(OfflineTrainer):
                             ("log_probs", "top1"))  # fmt: skip
         with self.cluster.on_device("actor"):
             for batch in _one_pass(loader):
-                if batch.loss_mask.sum() == 0:  # filler only: nothing to score (or pack)
+                trained = sum(allgather_objects(int(batch.loss_mask.sum())))
+                if trained == 0:  # filler only on every process: nothing to score (or pack)
                     continue
                 rl, host = self.device_batch(batch)
                 lp, top1 = infer(fn, learner.params, rl, layout=self.layout, **self.micro())

@@ -60,12 +60,7 @@ from jaxrl.trainer.advantage import (
 )
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
-from jaxrl.trainer.dynamic_sampling import (
-    DynamicSamplingError,
-    GroupPool,
-    metric_values,
-    too_many_batches_message,
-)
+from jaxrl.trainer.dynamic_sampling import GroupPool, metric_values
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.generation import Generated, StepRollout
 from jaxrl.trainer.learner import compile_infer, infer
@@ -286,6 +281,7 @@ class PPOTrainer:
         tokenizer: Any = None,
         devices=None,
         abstract: bool = False,
+        prompt_source: Iterator[PromptBatch] | None = None,
     ) -> PPOTrainer:
         """A trainer over a freshly loaded cluster (`Cluster.load`; see its `abstract`)."""
         cluster = Cluster.load(
@@ -302,6 +298,7 @@ class PPOTrainer:
             total_steps=total_steps,
             val_reward_fn=val_reward_fn,
             tokenizer=tokenizer,
+            prompt_source=prompt_source,
         )
 
     # ----------------------------------------------------------------------------- rollout
@@ -524,7 +521,7 @@ class PPOTrainer:
     ) -> Scored:
         """DAPO's dynamic sampling (`jaxrl.trainer.dynamic_sampling`): generation batches
         from `prompts` on (the next ones from `prompt_source`) until `train_batch_size`
-        groups with non-zero `filter_groups.metric` variance exist; their first
+        groups whose `filter_groups.metric` varies (or singletons) exist; their first
         `train_batch_size`. Batch k > 0 samples from `fold_in(key(seed + 3), step)` folded
         with k (batch 0 from the step's key), so a resumed run generates the same."""
         fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
@@ -538,12 +535,8 @@ class PPOTrainer:
             values = metric_values(fg.metric, scored.rows["token_level_scores"], scored.extra)
             conversations = scored.conversations if jax.process_count() == 1 else None
             pool.add(scored.rows, scored.extra, conversations, values)
-            if pool.groups >= target:
+            if pool.full(target, fg.max_num_gen_batches):
                 break
-            if 0 < fg.max_num_gen_batches <= pool.batches:
-                raise DynamicSamplingError(
-                    too_many_batches_message(pool.batches, fg.max_num_gen_batches)
-                )
             if self.prompt_source is None:
                 raise ValueError(
                     "algorithm.filter_groups needs more prompts than one batch: give "
@@ -637,7 +630,8 @@ class PPOTrainer:
         prompts, n = cfg.data.train_batch_size, self.sampling.n
         p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
         rollout = self.cluster.rollout
-        programs = {"generate": rollout.compile(actor.params, prompts, p, self.sampling)}
+        generated = cfg.data.gen_batch_size or prompts  # dynamic sampling's generation batch
+        programs = {"generate": rollout.compile(actor.params, generated, p, self.sampling)}
         if val_prompts:
             programs["validate generate"] = rollout.compile(
                 actor.params, val_prompts, p, self.val_sampling

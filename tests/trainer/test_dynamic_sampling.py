@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from jaxrl.trainer.dynamic_sampling import (
+    DynamicSamplingError,
     GroupPool,
     kept_rows,
     metric_values,
-    too_many_batches_message,
 )
 
 
@@ -55,15 +55,14 @@ def gen_batch(seed, prompts=4, n=3, tie_rate=0.5):
 
 
 def jaxrl_step(batches, train_batch_size, n, max_num_gen_batches):
+    """The trainer's loop (`PPOTrainer._dynamic_sampling`) over fixed generation batches."""
     pool = GroupPool()
     for _, group_ids, values, labels in batches:
         rows = {"group_ids": group_ids, "label": np.asarray(labels)}
         pool.add(rows, {"value": list(values)}, None, values)
-        if pool.groups >= train_batch_size:
+        if pool.full(train_batch_size, max_num_gen_batches):
             rows, extra, _ = pool.take(train_batch_size)
             return [tuple(x) for x in rows["label"]], pool, rows, extra
-        if 0 < max_num_gen_batches <= pool.batches:
-            raise ValueError(too_many_batches_message(pool.batches, max_num_gen_batches))
     raise AssertionError("ran out of generation batches")
 
 
@@ -98,7 +97,7 @@ def test_cap_raises_verls_error_after_the_capth_batch():
         batch[2][:] = 1.0
     with pytest.raises(ValueError, match="num_gen_batches=2 >= max_num_gen_batches=2"):
         recipe_step([(u, v, lab) for u, _, v, lab in batches], 2, 3, 2)
-    with pytest.raises(ValueError, match="num_gen_batches=2 >= max_num_gen_batches=2"):
+    with pytest.raises(DynamicSamplingError, match="num_gen_batches=2 >= max_num_gen_batches=2"):
         jaxrl_step(batches, 2, 3, 2)
 
 
@@ -117,12 +116,21 @@ def test_surplus_and_eviction_counts():
     assert [c["i"] for c in conversations] == [0, 1, 4, 5]
 
 
+def test_extra_info_keys_missing_in_a_batch_are_none():
+    pool = GroupPool()
+    two = {"group_ids": np.array([0, 0])}
+    pool.add(two, {"acc": [0, 1]}, None, np.array([0.0, 1.0]))
+    pool.add(dict(two), {"pred": ["a", "b"]}, None, np.array([0.0, 1.0]))
+    _, extra, _ = pool.take(2)
+    assert extra == {"acc": [0, 1, None, None], "pred": [None, None, "a", "b"]}
+
+
 def test_metric_values():
     scores = np.array([[0.0, 1.0], [0.5, 0.0]], np.float32)
     np.testing.assert_array_equal(metric_values("seq_reward", scores, {}), [1.0, 0.5])
     np.testing.assert_array_equal(metric_values("reward", scores, {}), [1.0, 0.5])
     np.testing.assert_array_equal(metric_values("acc", scores, {"acc": [True, False]}), [1, 0])
-    with pytest.raises(ValueError, match=r"metric='score'.*\['acc'\]"):
+    with pytest.raises(DynamicSamplingError, match=r"metric='score'.*\['acc'\]"):
         metric_values("score", scores, {"acc": [1, 0]})
 
 

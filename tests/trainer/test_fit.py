@@ -322,8 +322,7 @@ def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_p
             if not key.startswith(("timing", "perf/time", "perf/throughput")):
                 assert rb[key] == value, (ra["training/global_step"], key, value, rb[key])
     for row in a:
-        assert row["train/num_gen_batches"] >= 2
-        assert row["training/filter_groups/evicted_samples"] >= 0
+        assert row["train/num_gen_batches"] >= 2  # batches of 4 prompts for 8 groups
         scores = [json.loads(x)["score"] for x in (dump / f"{row['training/global_step']}.jsonl")
                   .read_text().splitlines()]  # fmt: skip
         assert len(scores) == 16  # 8 groups of 2
