@@ -335,21 +335,16 @@ def log_prob_fn(
     *,
     temperature: float,
     chunk_size: int | None,
-    with_entropy: bool = False,
 ):
-    """jit of `(params, micro_batch) -> log-probs [m, r]` (and entropy when asked)."""
+    """jit of `(params, micro_batch) -> log-probs [m, r]` (`statistics_fn` for more per-token
+    quantities from the same pass)."""
 
     def fn(params, mb):
         with use_layout(layout):
-            lp, entropy = response_log_probs(
-                config,
-                params,
-                mb,
-                temperature=temperature,
-                chunk_size=chunk_size,
-                with_entropy=with_entropy,
+            lp, _ = response_log_probs(
+                config, params, mb, temperature=temperature, chunk_size=chunk_size
             )
-        return (lp, entropy) if with_entropy else lp
+        return lp
 
     return jax.jit(fn)
 
