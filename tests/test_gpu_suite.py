@@ -58,3 +58,17 @@ def test_peak_table_figures_and_arguments(tmp_path):
     for bad in (["--only", "nope"], ["--limit", "nope=3"], ["--limit", "env=x"]):
         with pytest.raises(SystemExit):
             gpu_suite.main([str(tmp_path), *bad])
+
+
+def test_decode_profile_runs_on_the_cpu():
+    """`benchmarks/decode_profile.py` times the decode step with the layer scans unrolled; a
+    CPU trace has no device planes, so the kernel table stays out of its figures."""
+    out = subprocess.run(
+        [sys.executable, "decode_profile.py", "--size", "tiny", "--unroll"],
+        cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.splitlines()[-1])
+    assert figures["unroll"] and figures["decode_step_ms"] > 0
+    assert "kernels_per_step" not in figures
