@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jaxrl import distributed
 from jaxrl.config import Config, ConfigError, load_config, save_config
-from jaxrl.config.checks import check_model_context, critic_enabled
+from jaxrl.config.checks import check_model_context, critic_enabled, teachers
 from jaxrl.config.reference import attribute_docs
 from jaxrl.plot import plot_run
 
@@ -81,6 +81,9 @@ def folder_problems(cfg: Config) -> list[str]:
         models.append(("critic.model.path", cfg.critic.model.path))
     if cfg.reward_model.enable:
         models.append(("reward_model.model.path", cfg.reward_model.model.path))
+    if cfg.distillation.enabled:
+        key = "distillation.teacher_models.{}.model_path"
+        models += [(key.format(name), e["model_path"]) for name, e in teachers(cfg).items()]
     tokenizer_key = "tokenizer_path" if actor_model.tokenizer_path else "path"
     found = [
         f"{key}={path}: {p}" for key, path in models if path for p in checkpoint_problems(path)
@@ -104,6 +107,12 @@ def preflight_problems(cfg: Config) -> list[str]:
         context = _model_context(model.path, model.override_config)
         try:
             check_model_context(cfg, context, f"{key}.path={model.path}")
+        except ConfigError as e:
+            problems += e.problems
+    for name, entry in teachers(cfg).items() if cfg.distillation.enabled else ():
+        key = f"distillation.teacher_models.{name}.model_path={entry['model_path']}"
+        try:
+            check_model_context(cfg, _model_context(entry["model_path"], {}), key)
         except ConfigError as e:
             problems += e.problems
     return problems

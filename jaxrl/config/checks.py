@@ -384,6 +384,9 @@ def placed_devices(cfg: Config) -> dict[str, int]:
     rm = cfg.reward_model
     if rm.enable_resource_pool and not counts["reward"]:
         counts["reward"] = rm.nnodes * rm.n_gpus_per_node
+    distill = cfg.distillation
+    if distill.enabled and not counts["teacher"]:
+        counts["teacher"] = distill.nnodes * distill.n_gpus_per_node
     return counts
 
 
@@ -475,6 +478,7 @@ def _role_in_use(cfg: Config, role: str) -> bool:
         "ref": reference_enabled(cfg),
         "critic": critic_enabled(cfg),
         "reward": cfg.reward_model.enable,
+        "teacher": cfg.distillation.enabled,
     }[role]
 
 
@@ -514,7 +518,7 @@ def _check_placement(cfg: Config, p: _Problems, num_devices: int) -> dict[str, i
         p.append(f"mesh.placement: {e}")
         return None
     shards: dict[str, int] = {}
-    for role in ("train", "ref", "critic", "reward"):
+    for role in ("train", "ref", "critic", "reward", "teacher"):
         if role not in groups:
             continue
         key = "mesh.dp, mesh.fsdp, mesh.tp, mesh.sp" if role == "train" else ""
@@ -572,11 +576,75 @@ def check(cfg: Config, *, num_devices: int | None = None) -> None:
     _check_sampling(cfg, p)
     _check_algorithm(cfg, p)
     _check_multi_turn(cfg, p)
+    _check_distillation(cfg, p)
     shards = _check_devices(cfg, p, num_devices) if num_devices is not None else None
     if not p:  # batch arithmetic assumes the ranges above hold
         _check_batches(cfg, p, shards)
     if p:
         raise ConfigError(p)
+
+
+# verl 0.9.1's distillation losses: the sampled-token estimators, and the top-k forward KL.
+DISTILLATION_ESTIMATORS = _KL
+DISTILLATION_TOPK = ("forward_kl_topk",)
+TEACHER_KEYS = ("key", "model_path", "num_replicas", "inference", "_target_")
+
+
+def teachers(cfg: Config) -> dict[str, dict]:
+    """The distillation teachers that name a `model_path`, by name."""
+    entries = cfg.distillation.teacher_models or {}
+    return {name: dict(e) for name, e in entries.items() if e and e.get("model_path")}
+
+
+def _check_distillation(cfg: Config, p: _Problems) -> None:
+    """verl's refusals of `DistillationLossConfig`, one teacher with a model, and the
+    teacher's device pool (`nnodes` x `n_gpus_per_node` and `mesh.placement.teacher`)."""
+    distill, key = cfg.distillation, "distillation.distillation_loss"
+    if not distill.enabled:
+        return
+    loss = distill.distillation_loss
+    if loss.loss_mode in DISTILLATION_TOPK:
+        p.append(
+            f"{key}.loss_mode={loss.loss_mode!r}: the top-k forward KL is not implemented in "
+            f"jaxrl yet; use a sampled-token estimator, one of {list(DISTILLATION_ESTIMATORS)}"
+        )
+    else:
+        p.choice(cfg, f"{key}.loss_mode", DISTILLATION_ESTIMATORS)
+    p.choice(cfg, f"{key}.policy_loss_mode", ("vanilla",))
+    if loss.loss_mode == "k1" and not loss.use_policy_gradient:
+        p.append(
+            f"{key}.loss_mode=k1 with use_policy_gradient=false: k1's gradient does not depend "
+            "on the teacher's log-probs (verl refuses it too); set use_policy_gradient=true or "
+            "use k3"
+        )
+    if loss.loss_max_clamp is not None and not loss.loss_max_clamp > 0:
+        p.append(f"{key}.loss_max_clamp={loss.loss_max_clamp}: use a value > 0, or null")
+    for name, entry in (distill.teacher_models or {}).items():
+        unknown = sorted(set(entry or {}) - set(TEACHER_KEYS))
+        if unknown:
+            p.append(
+                f"distillation.teacher_models.{name}: unknown keys {unknown}; a teacher has "
+                f"{list(TEACHER_KEYS)}"
+            )
+    found = teachers(cfg)
+    if not found:
+        p.append(
+            "distillation.enabled needs a teacher: set "
+            "distillation.teacher_models.teacher_model.model_path=HF_CHECKPOINT_DIR"
+        )
+    elif len(found) > 1:
+        p.append(
+            f"distillation.teacher_models: {len(found)} teachers ({', '.join(sorted(found))}); "
+            "routing rows to several teachers by distillation.teacher_key is not implemented "
+            "in jaxrl yet: keep one"
+        )
+    pool = distill.nnodes * distill.n_gpus_per_node
+    placed = cfg.mesh.placement.teacher.devices
+    if pool and placed and pool != placed:
+        p.append(
+            f"distillation.nnodes x n_gpus_per_node = {pool} teacher devices, but "
+            f"mesh.placement.teacher.devices={placed}; set one of them"
+        )
 
 
 def _check_multi_turn(cfg: Config, p: _Problems) -> None:

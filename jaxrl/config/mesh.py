@@ -119,7 +119,7 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, 
 
 # Roles that may live on device groups of their own (`mesh.placement`), in the order they
 # take their devices from the end of the device list; the trainer (actor) keeps the rest.
-PLACED_ROLES = ("rollout", "ref", "critic", "reward")
+PLACED_ROLES = ("rollout", "ref", "critic", "reward", "teacher")
 
 
 def device_groups(placed: Mapping[str, int], num_devices: int) -> dict[str, range]:

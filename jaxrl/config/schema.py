@@ -859,7 +859,7 @@ class RolePlacementConfig:
 class PlacementConfig:
     """`mesh.placement.*`: *jaxrl*. Roles on device groups of their own (verl's resource
     pools). The placed roles take their devices from the end of the device list in the order
-    rollout, ref, critic, reward; the actor (and every colocated role) trains on the rest
+    rollout, ref, critic, reward, teacher; the actor (and every colocated role) trains on the rest
     with the mesh `mesh.dp/fsdp/tp/sp`. Weights move between groups with the jitted
     reshard; each role's passes take the batch in their own layout.
 
@@ -869,12 +869,15 @@ class PlacementConfig:
         ref: The reference policy's log-prob passes.
         critic: The critic's value passes and updates.
         reward: The reward model (also `reward_model.enable_resource_pool`).
+        teacher: The distillation teacher's log-prob passes (also `distillation.nnodes` x
+            `distillation.n_gpus_per_node`).
     """
 
     rollout: RolePlacementConfig = field(default_factory=RolePlacementConfig)
     ref: RolePlacementConfig = field(default_factory=RolePlacementConfig)
     critic: RolePlacementConfig = field(default_factory=RolePlacementConfig)
     reward: RolePlacementConfig = field(default_factory=RolePlacementConfig)
+    teacher: RolePlacementConfig = field(default_factory=RolePlacementConfig)
 
 
 @dataclass(frozen=True)
@@ -940,6 +943,79 @@ class AssetsConfig:
 
 
 @dataclass(frozen=True)
+class DistillationLossConfig:
+    """`distillation.distillation_loss.*`: the student's loss against the teacher
+    (`jaxrl.core_algos.distillation`; defaults of verl 0.9.1's yaml).
+
+    Attributes:
+        loss_mode: The per-token loss on the sampled tokens: a reverse-KL estimator of
+            `kl_penalty` (`k1`/`kl`, `abs`, `k2`/`mse`, `k3`/`low_var_kl`). verl's top-k
+            forward KL (`forward_kl_topk`) is refused: not built yet.
+        topk: k of the top-k loss (unused by the estimators).
+        use_task_rewards: Keep the PPO loss on the task's rewards and add the distillation
+            loss times `distillation_loss_coef`; false: the distillation loss alone.
+        distillation_loss_coef: The distillation loss's weight beside the PPO loss.
+        loss_max_clamp: Clamp the per-token loss to +-this; null: no clamp.
+        log_prob_min_clamp: The top-k loss's floor on log-probs (unused by the estimators).
+        use_policy_gradient: Train on the loss as a per-token reward (a vanilla PPO loss with
+            advantages = -loss); false: backpropagate the loss itself (k1 is refused there).
+        policy_loss_mode: The policy loss of `use_policy_gradient`: `vanilla` only.
+        clip_ratio: That loss's PPO clip range.
+        clip_ratio_low: Its lower clip range.
+        clip_ratio_high: Its upper clip range.
+        use_chunked_topk: verl's memory switch of the top-k loss (unused here).
+        chunked_topk_chunk_size: Its chunk size (unused here).
+    """
+
+    loss_mode: str = "k3"
+    topk: int | None = 32
+    use_task_rewards: bool = True
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: float | None = None
+    log_prob_min_clamp: float | None = None
+    use_policy_gradient: bool = False
+    policy_loss_mode: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    use_chunked_topk: bool = False
+    chunked_topk_chunk_size: int = 4096
+
+
+def _teacher_models() -> dict[str, Any]:
+    return {"teacher_model": {"key": None, "model_path": None, "num_replicas": 0}}
+
+
+@dataclass(frozen=True)
+class DistillationConfig:
+    """`distillation.*`: on-policy distillation from a frozen teacher (verl 0.9.1). The
+    teacher scores every response token the student samples; its log-probs enter the actor's
+    loss (`distillation_loss`).
+
+    Attributes:
+        enabled: Distil from the teacher.
+        distillation_loss: The loss.
+        n_gpus_per_node: With `nnodes`, the teacher's own devices (verl's teacher resource
+            pool: `nnodes` x `n_gpus_per_node`, the same as `mesh.placement.teacher.devices`);
+            0 nodes: colocated with the trainer.
+        nnodes: Nodes of that pool.
+        teacher_models: The teachers by name, each with `model_path` (an HF causal LM whose
+            tokenizer equals the student's), `key`, `num_replicas` and verl's
+            `inference.*` (of which jaxrl reads `inference.dtype`: the teacher's dtype,
+            default `rollout.dtype`). One teacher: routing several by `teacher_key` is not
+            built yet.
+        teacher_key: The data field that routes rows to teachers (several teachers only).
+    """
+
+    enabled: bool = False
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+    n_gpus_per_node: int = 8
+    nnodes: int = 0
+    teacher_models: dict[str, Any] = field(default_factory=_teacher_models)
+    teacher_key: str = "data_source"
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run.
 
@@ -953,6 +1029,7 @@ class Config:
         trainer: Step loop, logging, validation and checkpoints.
         mesh: The device mesh (jaxrl).
         assets: Files the run makes for itself (jaxrl).
+        distillation: On-policy distillation from a teacher.
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -966,6 +1043,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
 
 def is_group(tp: Any) -> bool:

@@ -268,8 +268,11 @@ IGNORED: dict[str, Ignored] = {
     "ray_init.*": Ignored(_RAY),
     "transfer_queue.enable": Ignored("jaxrl has no transfer queue", (False,)),
     "transfer_queue.*": Ignored("jaxrl has no transfer queue"),
-    "distillation.enabled": Ignored("distillation is not implemented in jaxrl yet", (False,)),
-    "distillation.*": Ignored("distillation is not implemented in jaxrl yet"),
+    # distillation: verl's dataclass markers (the teachers' own, `teacher_models.*`, are free)
+    "distillation._target_": Ignored("verl's dataclass marker; jaxrl's schema is its own"),
+    "distillation.distillation_loss._target_": Ignored(
+        "verl's dataclass marker; jaxrl's schema is its own"
+    ),
     # algorithm
     "algorithm.filter_groups.max_inflight_gen_batches": Ignored(
         "verl's v1 asynchronous replay buffer's concurrency; jaxrl generates one batch at a time"

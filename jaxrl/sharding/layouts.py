@@ -112,7 +112,7 @@ def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, 
     """The layouts of a `jaxrl.config.Config`'s device groups (`mesh.placement`): `train`
     (mesh `mesh.dp/fsdp/tp/sp` over the trainer's devices), `rollout` (dp = the rest x
     `rollout.tensor_model_parallel_size`, over its own group when placed, else the trainer's
-    devices), and each other placed role (`ref`, `critic`, `reward`: a mesh of its
+    devices), and each other placed role (`ref`, `critic`, `reward`, `teacher`: a mesh of its
     `mesh.placement.<role>` sizes with the train rules)."""
     devices = list(jax.devices() if devices is None else devices)
     groups = role_devices(cfg, len(devices))
@@ -124,7 +124,7 @@ def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, 
     rollout_devices = on.get("rollout", on["train"])
     rollout_rules = cfg.mesh.rollout_rules or ROLLOUT_RULES
     layouts["rollout"] = Layout.create(rollout_mesh(tp, rollout_devices), rollout_rules)
-    for role in ("ref", "critic", "reward"):
+    for role in ("ref", "critic", "reward", "teacher"):
         if role in on:
             group = getattr(cfg.mesh.placement, role)
             sizes = {a: getattr(group, a) for a in AXES}

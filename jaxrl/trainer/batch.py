@@ -56,6 +56,7 @@ class RLBatch:
         sum_pi_squared: sum_v pi_v^2 of the actor's distributions at each response token,
             from the old-log-prob pass [N, R] (the optimal-token-baseline estimators).
         ref_log_probs: The reference policy's log-probs [N, R].
+        teacher_log_probs: The distillation teacher's log-probs of the response tokens [N, R].
         values: The critic's values [N, R].
         token_level_rewards: Scores after KL in the reward [N, R].
         advantages: [N, R].
@@ -83,6 +84,7 @@ class RLBatch:
     old_log_probs: Float[Array, "n r"] | None = None
     sum_pi_squared: Float[Array, "n r"] | None = None
     ref_log_probs: Float[Array, "n r"] | None = None
+    teacher_log_probs: Float[Array, "n r"] | None = None
     values: Float[Array, "n r"] | None = None
     token_level_rewards: Float[Array, "n r"] | None = None
     advantages: Float[Array, "n r"] | None = None

@@ -45,7 +45,7 @@ from jaxrl.sharding.offload import offload, reload, supports_host_offload
 from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.fingerprint import tree_hash
 from jaxrl.trainer.learner import Learner, LossFn, shardings_of
-from jaxrl.trainer.roles import RoleSpec, load_role, role_specs
+from jaxrl.trainer.roles import RoleSpec, check_teacher_tokenizer, load_role, role_specs
 from jaxrl.trainer.update import UpdateState, init_state
 
 log = logging.getLogger("jaxrl.train")
@@ -118,7 +118,7 @@ class Cluster:
         specs: Every role's `RoleSpec`.
         layouts: Every role's layout.
         learners: Trainable roles by name (`actor`, `critic`).
-        frozen: Frozen roles by name (`ref`).
+        frozen: Frozen roles by name (`ref`, `teacher`).
         rollout: The rollout engine (weights loaded by `sync_weights`).
         reward_model: The reward model (`reward_model.enable`), else None.
     """
@@ -164,6 +164,13 @@ class Cluster:
                 "reward_model.enable: Cluster.load needs the actor's tokenizer (tokenizer=...) "
                 "to tell whether the reward model's differs and responses must be re-templated"
             )
+        if "teacher" in specs and not abstract:
+            if tokenizer is None:
+                raise ValueError(
+                    "distillation.enabled: Cluster.load needs the actor's tokenizer "
+                    "(tokenizer=...) to check that the teacher's is the same"
+                )
+            check_teacher_tokenizer(specs["teacher"].path, tokenizer)
         layouts = cluster_layouts(cfg, specs, devices)
         shared_ref = _shares_ref(specs)
         learners, frozen, models = _load_roles(specs, layouts, training, abstract, shared_ref)
@@ -301,6 +308,11 @@ class Cluster:
         if self.shared_ref:
             return BaseOf(self.actor)
         return self.frozen.get("ref")
+
+    @property
+    def teacher(self) -> Frozen | None:
+        """The distillation teacher (`distillation.enabled`), else None."""
+        return self.frozen.get("teacher")
 
     @property
     def rollout_colocated(self) -> bool:

@@ -246,16 +246,26 @@ def _largest(plans: list[MicroBatch]) -> MicroBatch:
 def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:
     """verl-style update metrics: per optimizer step, loss terms summed over micro-batches
     (each is normalised by the mini-batch's global counts) and ratios token-weighted; then
-    the mean over steps, and the count of skipped (non-finite) steps."""
+    the mean over steps, and the count of skipped (non-finite) steps. A loss's `min` / `max`
+    metrics are the extremes over every micro-batch of the update (verl's MIN / MAX)."""
     history: dict[str, list[float]] = defaultdict(list)
+    extremes: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in ("min", "max")}
     for micro, applied in steps:
         tokens = max(sum(float(m["tokens"]) for m in micro), 1.0)
         for k in micro[0]["sum"]:
             history[k].append(sum(float(m["sum"][k]) for m in micro))
         for k in micro[0]["mean"]:
             history[k].append(sum(float(m["mean"][k]) * float(m["tokens"]) for m in micro) / tokens)
+        for kind, values in extremes.items():
+            for k in micro[0].get(kind, {}):
+                values[k] += [float(m[kind][k]) for m in micro]
         history["grad_norm"].append(float(applied["grad_norm"]))
     out = {k: float(np.mean(v)) for k, v in history.items()}
+    for kind, pick in (("min", min), ("max", max)):
+        for k, values in extremes[kind].items():
+            finite = [v for v in values if np.isfinite(v)]  # a micro-batch of no tokens: +-inf
+            if finite:
+                out[k] = float(pick(finite))
     out["skipped_steps"] = float(sum(float(a["skipped"]) for _, a in steps))
     return out
 

@@ -4,6 +4,10 @@ Actor (verl's `ppo_loss`), with lp the new log-probs and `agg` = `agg_loss(..., 
 
     loss = pg_loss(old_lp, lp, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(lp, ref))
 
+and with on-policy distillation (verl's `distillation_ppo_loss`) that loss combined with the
+teacher's (`jaxrl.core_algos.distillation`): `loss + coef * L_distill` with task rewards,
+else `L_distill` alone.
+
 Critic (verl's `value_loss`): the clipped value loss of `core_algos.compute_value_loss`.
 
 Losses aggregate over the micro-batch's `loss_mask` (the tokens trained on; the model attends
@@ -24,6 +28,7 @@ from jaxtyping import Array
 
 from jaxrl.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from jaxrl.core_algos.common import cfg_get, masked_mean
+from jaxrl.core_algos.distillation import combine, distillation_loss, token_losses
 from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
 from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
@@ -54,10 +59,13 @@ def actor_loss(
     config: DecoderConfig,
     actor_cfg: Any,
     temperature: float,
+    distill_cfg: Any = None,
 ) -> tuple[Array, dict[str, Array]]:
     """(loss, metrics) of one micro-batch; see the module doc. Without `old_log_probs` in the
     micro-batch (on-policy: one mini-batch, one epoch) the old policy is the current one,
-    `old_log_probs = stop_gradient(log_probs)`. The entropy is always computed (a metric)."""
+    `old_log_probs = stop_gradient(log_probs)`. The entropy is always computed (a metric).
+    `distill_cfg` (`distillation.distillation_loss`, with `teacher_log_probs` in the
+    micro-batch): add the distillation loss."""
     chunk = actor_cfg.entropy_from_logits_chunk_size
     lp, entropy = response_log_probs(
         config,
@@ -95,7 +103,18 @@ def actor_loss(
         loss = loss + actor_cfg.kl_loss_coef * kl_loss
         sums["actor/kl_loss"] = kl_loss
     means = {k if k.startswith("actor/") else f"actor/{k}": v for k, v in pg_metrics.items()}
-    return loss, {"sum": sums, "mean": means, "tokens": jnp.sum(mask)}
+    out = {"sum": sums, "mean": means, "tokens": jnp.sum(mask)}
+    if distill_cfg is not None:
+        losses = token_losses(lp, mb["teacher_log_probs"], distill_cfg.loss_mode)
+        distill, kinds = distillation_loss(
+            losses, lp, old_log_probs, mask, loss_cfg=distill_cfg, loss_agg_mode=mode,
+            info=info, rollout_is_weights=mb.get("rollout_is_weights"),
+        )  # fmt: skip
+        loss = combine(loss, distill, distill_cfg)
+        sums["distillation/loss"] = distill
+        means.update(kinds["mean"])
+        out["min"], out["max"] = kinds["min"], kinds["max"]
+    return loss, out
 
 
 def critic_loss(

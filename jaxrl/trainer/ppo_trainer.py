@@ -146,10 +146,15 @@ def ppo_training(cfg, total_steps: int) -> dict[str, Training]:
         return -(-rows // (role.ppo_mini_batch_size * n)) * role.ppo_epochs
 
     policy_cfg, temperature = _policy_cfg(cfg), _temperature(cfg)
+    distill = cfg.distillation.distillation_loss if cfg.distillation.enabled else None
     training = {
         "actor": Training(
             lambda config: functools.partial(
-                losses.actor_loss, config=config, actor_cfg=policy_cfg, temperature=temperature
+                losses.actor_loss,
+                config=config,
+                actor_cfg=policy_cfg,
+                temperature=temperature,
+                distill_cfg=distill,
             ),
             make_optimizer(actor_cfg.optim, total_steps, updates_per_step=updates(actor_cfg)),
             actor_cfg.grad_clip,
@@ -251,6 +256,12 @@ class PPOTrainer:
                 temperature=self.temperature,
                 chunk_size=chunk,
             )
+        if cluster.teacher is not None:
+            # the teacher's log-probs of the sampled tokens from its raw logits (vLLM's
+            # default `raw_logprobs`, which verl's teacher server returns)
+            self._teacher_log_prob = log_prob_fn(
+                cluster.teacher.config, cluster.teacher.layout, temperature=1.0, chunk_size=chunk
+            )
         if cluster.critic is not None:
             self._values = values_fn(cluster.critic.config, cluster.critic.layout)
         self.kl_ctrl = (
@@ -328,6 +339,7 @@ class PPOTrainer:
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg = actor_rollout_ref.actor
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
+        teacher = self.cluster.teacher
         on_device, layout = self.cluster.on_device, actor.layout
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -362,6 +374,14 @@ class PPOTrainer:
                     lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
                     lp = moved_to(lp, layout)
                     batch = batch.replace(ref_log_probs=jax.block_until_ready(lp))
+            if teacher is not None:
+                with timer("teacher", timing), on_device("teacher"):
+                    lp = infer(
+                        self._teacher_log_prob, teacher.params, batch, layout=teacher.layout,
+                        **micro,
+                    )  # fmt: skip
+                    lp = moved_to(lp, layout)
+                    batch = batch.replace(teacher_log_probs=jax.block_until_ready(lp))
             if critic is not None:
                 with timer("values", timing), on_device("critic"):
                     values = infer(
@@ -627,6 +647,7 @@ class PPOTrainer:
         the token budget admits of the short ones, many more than of full rows)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
+        teacher = self.cluster.teacher
         prompts, n = cfg.data.train_batch_size, self.sampling.n
         p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
         rollout = self.cluster.rollout
@@ -639,6 +660,7 @@ class PPOTrainer:
         on_policy = self._on_policy(prompts * n)
         fields = ("advantages", "old_log_probs")
         fields += ("ref_log_probs",) if ref is not None else ()
+        fields += ("teacher_log_probs",) if teacher is not None else ()
         fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)
         micro = self._log_prob_micro()
@@ -649,6 +671,10 @@ class PPOTrainer:
         if ref is not None:
             programs["ref log-probs"] = compile_infer(
                 self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
+            )
+        if teacher is not None:
+            programs["teacher log-probs"] = compile_infer(
+                self._teacher_log_prob, teacher.params, batch, layout=teacher.layout, **micro
             )
         if critic is not None:
             programs["critic values"] = compile_infer(
@@ -671,7 +697,8 @@ class PPOTrainer:
         cluster = self.cluster
         roles = [*cluster.learners, *cluster.frozen]
         resident = {name: cluster.resident(name) for name in roles}
-        passes = {"actor": "actor log-probs", "ref": "ref log-probs", "critic": "critic values"}
+        passes = {"actor": "actor log-probs", "ref": "ref log-probs", "critic": "critic values",
+                  "teacher": "teacher log-probs"}  # fmt: skip
         host, arguments, reloaded = {}, {}, {}
         groups = {name: cluster.device_group(name) for name in (*roles, "rollout")}
         for name in roles:
@@ -727,7 +754,7 @@ class PPOTrainer:
         )
 
     def _actor_fields(self, batch: RLBatch, on_policy: bool) -> tuple[str, ...]:
-        optional = ("ref_log_probs", "rollout_is_weights")
+        optional = ("ref_log_probs", "teacher_log_probs", "rollout_is_weights")
         fields = ("advantages", *(() if on_policy else ("old_log_probs",)))
         return fields + tuple(name for name in optional if getattr(batch, name) is not None)
 

@@ -8,7 +8,9 @@
 - critic: the policy's checkpoint (or `critic.model.path`) with a 1-label token-classification
   head in place of the LM head, as verl builds it (`AutoModelForTokenClassification` from a
   causal LM: a fresh head, normal(0, initializer_range));
-- reward: a frozen sequence-classification reward model (`reward_model.enable`).
+- reward: a frozen sequence-classification reward model (`reward_model.enable`);
+- teacher: a frozen causal LM scoring the student's responses (`distillation.enabled`), of any
+  family or size whose tokenizer equals the actor's (`check_teacher_tokenizer`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from transformers import AutoTokenizer
 
-from jaxrl.config.checks import critic_enabled, lora_enabled, reference_enabled
+from jaxrl.config.checks import critic_enabled, lora_enabled, reference_enabled, teachers
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, LoraSpec
 from jaxrl.models.hf_io import from_pretrained, load_config
@@ -131,7 +134,8 @@ def _without_ring(attention_impl: str) -> str:
 
 def role_specs(cfg) -> dict[str, RoleSpec]:
     """The roles `cfg` uses, in verl's order: actor and rollout always, ref with a KL loss or
-    KL in the reward, critic by `critic_enabled`, reward with `reward_model.enable`."""
+    KL in the reward, critic by `critic_enabled`, teacher with `distillation.enabled`, reward
+    with `reward_model.enable`."""
     actor_rollout_ref = cfg.actor_rollout_ref
     model, actor, rollout = (
         actor_rollout_ref.model,
@@ -191,6 +195,8 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             optimizer_offload=c.optimizer_offload,
             lora=LoraOptions.from_config(c.model, "critic.model"),
         )
+    if cfg.distillation.enabled:
+        specs["teacher"] = teacher_spec(cfg)
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         if not rm.model.path:
@@ -201,6 +207,45 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
         dtype = dtype_name(rm.dtype, "reward_model.dtype")
         specs["reward"] = RoleSpec("reward", rm.model.path, dtype, dtype, head="reward")
     return specs
+
+
+def teacher_spec(cfg) -> RoleSpec:
+    """The distillation teacher (the one entry of `distillation.teacher_models` with a
+    `model_path`), frozen, in its `inference.dtype` (verl's default: the rollout's dtype)."""
+    (name, entry), *_ = teachers(cfg).items()
+    inference = entry.get("inference") or {}
+    dtype = inference.get("dtype") or cfg.actor_rollout_ref.rollout.dtype
+    key = f"distillation.teacher_models.{name}.inference.dtype"
+    dtype = dtype_name(dtype, key)
+    return RoleSpec("teacher", entry["model_path"], param_dtype=dtype, compute_dtype=dtype)
+
+
+def check_teacher_tokenizer(path: str, tokenizer: Any) -> None:
+    """Raise ValueError unless the teacher checkpoint `path` ships a tokenizer with the
+    student's vocabulary (the same token ids: the teacher scores the student's tokens as
+    they are)."""
+    if not (Path(path).expanduser() / "config.json").is_file():
+        raise ValueError(
+            f"distillation.teacher_models.*.model_path={path}: no HF model folder there (no "
+            "config.json); point it at the teacher's checkpoint folder (`python -m "
+            "jaxrl.export` writes one from a jaxrl run)"
+        )
+    try:
+        teacher = AutoTokenizer.from_pretrained(str(Path(path).expanduser()))
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"distillation teacher {path}: no tokenizer could be read there ({e}); the teacher "
+            "needs its tokenizer files so that jaxrl can check it equals the student's"
+        ) from e
+    ours, theirs = tokenizer.get_vocab(), teacher.get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"distillation teacher {path}: its tokenizer differs from the student's "
+            f"({len(theirs)} vs {len(ours)} tokens; e.g. {differ}): the teacher must score the "
+            "student's token ids, so use a teacher with the same tokenizer (cross-tokenizer "
+            "distillation is not supported)"
+        )
 
 
 def load_role(

@@ -4,10 +4,12 @@ import dataclasses
 import logging
 import shlex
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from jaxrl.config import Config, ConfigError, load_config, save_config, to_yaml
+from jaxrl.config.checks import role_devices
 from jaxrl.config.load import closest_key, schema_index
 
 MODEL = "actor_rollout_ref.model.path=/models/m"
@@ -280,12 +282,12 @@ def test_verl_offload_keys_are_jaxrls():
 def test_ignored_verl_key_with_result_changing_value_is_an_error():
     (msg,) = problems("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
     assert "mesh.sp" in msg
-    (msg,) = problems("distillation.enabled=true")
+    (msg,) = problems("transfer_queue.enable=true")
     assert "not supported by jaxrl" in msg and "False" in msg
     (msg,) = problems("actor_rollout_ref.model.lora.rank=8")
     assert "Megatron's LoRA" in msg and "lora_rank" in msg
     # The accepted value itself passes.
-    load("actor_rollout_ref.model.lora.rank=0", "distillation.enabled=false")
+    load("actor_rollout_ref.model.lora.rank=0", "transfer_queue.enable=false")
 
 
 def test_lora_keys():
@@ -379,3 +381,50 @@ def test_schema_index_covers_every_field():
         num_devices=8,
     )
     assert "mesh.placement.ref.devices=2 with LoRA" in msg and "unset mesh.placement.ref" in msg
+
+
+def test_distillation_keys_as_verls_yaml_and_its_refusals(tmp_path):
+    """verl 0.9.1's distillation yaml loads as it is (its `_target_` markers ignored, the
+    teacher's vLLM `inference.*` kept); verl's refusals and what jaxrl does not build yet are
+    named by key."""
+    import yaml
+
+    verl_yaml = pytest.importorskip("verl").__file__.replace(
+        "__init__.py", "trainer/config/distillation/distillation.yaml"
+    )
+    tree = yaml.safe_load(Path(verl_yaml).read_text())
+    tree.pop("defaults")
+    tree["enabled"] = True
+    tree["teacher_models"]["teacher_model"]["model_path"] = "/teacher"
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump({"distillation": tree}))
+    cfg = load(path=path)
+    loss = cfg.distillation.distillation_loss
+    assert (loss.loss_mode, loss.topk, loss.use_policy_gradient) == ("k3", 32, False)
+    assert (
+        cfg.distillation.teacher_models["teacher_model"]["inference"]["tensor_model_parallel_size"]
+        == 2
+    )
+
+    teacher = "distillation.teacher_models.teacher_model.model_path=/t"
+    (msg,) = problems("distillation.enabled=true")
+    assert "teacher_model.model_path" in msg
+    (msg,) = problems("distillation.enabled=true", teacher,
+                      "distillation.distillation_loss.loss_mode=k1")  # fmt: skip
+    assert "use_policy_gradient" in msg
+    (msg,) = problems("distillation.enabled=true", teacher,
+                      "distillation.distillation_loss.loss_mode=forward_kl_topk")  # fmt: skip
+    assert "not implemented in jaxrl yet" in msg and "k3" in msg
+    (msg,) = problems("distillation.enabled=true", teacher,
+                      "+distillation.teacher_models.math.model_path=/m")  # fmt: skip
+    assert "2 teachers" in msg and "teacher_key" in msg
+    (msg,) = problems("distillation.enabled=true", teacher,
+                      "+distillation.teacher_models.teacher_model.path=/x")  # fmt: skip
+    assert "unknown keys ['path']" in msg
+    (msg,) = problems("distillation.enabled=true", teacher, "distillation.nnodes=1",
+                      "distillation.n_gpus_per_node=2", "mesh.placement.teacher.devices=4",
+                      num_devices=8)  # fmt: skip
+    assert "mesh.placement.teacher.devices=4" in msg
+    placed = load("distillation.enabled=true", teacher, "distillation.nnodes=1",
+                  "distillation.n_gpus_per_node=4", num_devices=8)  # fmt: skip
+    assert len(role_devices(placed, 8)["teacher"]) == 4

@@ -1,0 +1,129 @@
+"""On-policy distillation's loss (`jaxrl.core_algos.distillation`) vs verl 0.9.1's
+`verl.trainer.distillation.losses.distillation_loss` (the sampled-token estimators, with and
+without the policy gradient, clamped or not): the loss, its gradient in the student's
+log-probs, and the metrics.
+
+verl reads the student's and teacher's log-probs packed (no padding, position t predicting
+token t + 1, `no_padding_2_padding`); the test packs the same padded rows that way."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrl.core_algos.distillation as D
+from jaxrl.testing.reference import import_reference
+
+ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def rows(seed: int = 0, b: int = 5, p: int = 4, r: int = 7):
+    """Padded rows: prompt lengths >= 1 (left-padded), response lengths >= 1, one response
+    token masked out of the loss (a tool's output), log-probs of student, old and teacher."""
+    rng = np.random.RandomState(seed)
+    prompt_len = rng.randint(1, p + 1, b)
+    response_len = rng.randint(1, r + 1, b)
+    response_len[0] = r
+    prompt_mask = (np.arange(p)[None] >= p - prompt_len[:, None]).astype(np.int64)
+    response_mask = (np.arange(r)[None] < response_len[:, None]).astype(np.float32)
+    loss_mask = response_mask.copy()
+    loss_mask[0, 2] = 0.0
+    lp = (-np.abs(rng.randn(b, r)) * 2).astype(np.float32) * response_mask
+    old = (lp + 0.3 * rng.randn(b, r)).astype(np.float32) * response_mask
+    teacher = (-np.abs(rng.randn(b, r)) * 2).astype(np.float32) * response_mask
+    return prompt_mask, response_mask, loss_mask, lp, old, teacher
+
+
+def pack(x_br: np.ndarray, prompt_mask: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """verl's unpadded model output of the rows: per sequence p + r entries, the response
+    token j's value at p - 1 + j (the rest zeros)."""
+    out = []
+    for x, pm, rm in zip(x_br, prompt_mask, response_mask, strict=True):
+        p, r = int(pm.sum()), int(rm.sum())
+        seq = np.zeros(p + r, np.float32)
+        seq[p - 1 : p - 1 + r] = x[:r]
+        out.append(seq)
+    return np.concatenate(out)
+
+
+def verl_distillation(loss_cfg, rows_, agg_mode, info):
+    """verl's (loss, grad wrt the student's padded log-probs, metrics)."""
+    import torch
+
+    losses = import_reference("verl.trainer.distillation.losses")
+    prompt_mask, response_mask, loss_mask, lp, old, teacher = rows_
+    b, p = prompt_mask.shape
+    r = response_mask.shape[1]
+    packed = torch.tensor(pack(lp, prompt_mask, response_mask), requires_grad=True)
+    teacher_packed = torch.tensor(pack(teacher, prompt_mask, response_mask))[:, None]
+    attention = np.concatenate([prompt_mask, response_mask.astype(np.int64)], axis=1)
+    data = {
+        "prompts": torch.ones(b, p, dtype=torch.long),
+        "responses": torch.ones(b, r, dtype=torch.long),
+        "attention_mask": torch.tensor(attention),
+        "response_mask": torch.tensor(loss_mask),
+        "old_log_probs": torch.tensor(old),
+        "teacher_logprobs": teacher_packed,
+        **info,
+    }
+    config = types.SimpleNamespace(
+        loss_agg_mode=agg_mode, loss_scale_factor=None, global_batch_info={}
+    )
+    distill = types.SimpleNamespace(distillation_loss=loss_cfg)
+    loss, metrics = losses.distillation_loss(config, distill, {"log_probs": packed}, data)
+    loss.backward()
+    grad = np.zeros((b, r), np.float32)
+    offsets = np.cumsum(prompt_mask.sum(1) + response_mask.sum(1).astype(np.int64))
+    for i in range(b):
+        n = int(response_mask[i].sum())
+        end = offsets[i] - 1
+        grad[i, :n] = packed.grad.numpy()[end - n : end]
+    plain = {k: float(v.values[0] if hasattr(v, "values") else v) for k, v in metrics.items()}
+    return float(loss.detach()), grad, plain
+
+
+@pytest.mark.parametrize("mode", ESTIMATORS)
+@pytest.mark.parametrize("policy_gradient", [False, True])
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_loss_gradient_and_metrics_equal_verls(mode, policy_gradient, agg_mode):
+    if mode == "k1" and not policy_gradient:
+        pytest.skip("verl refuses k1 without the policy gradient (a config check here)")
+    config_mod = import_reference("verl.workers.config")
+    clamp = 0.8 if mode in ("k1", "k3") else None  # k1 can be negative: clamped both ways
+    loss_cfg = config_mod.DistillationLossConfig(
+        loss_mode=mode, use_policy_gradient=policy_gradient, loss_max_clamp=clamp,
+        clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.3,
+    )  # fmt: skip
+    rows_ = rows(seed=len(mode) + 3 * policy_gradient)
+    _, response_mask, loss_mask, lp, old, teacher = rows_
+    info = dict(dp_size=1, batch_num_tokens=float(loss_mask.sum()),
+                global_batch_size=float((loss_mask.sum(1) > 0).sum()))  # fmt: skip
+    ref_loss, ref_grad, ref_metrics = verl_distillation(loss_cfg, rows_, agg_mode, info)
+
+    def ours(lp_):
+        losses = D.token_losses(lp_, jnp.asarray(teacher), mode)
+        return D.distillation_loss(
+            losses, lp_, jnp.asarray(old), jnp.asarray(loss_mask), loss_cfg=loss_cfg,
+            loss_agg_mode=agg_mode, info={**info, "loss_scale_factor": None},
+        )  # fmt: skip
+
+    (loss, metrics), grad = jax.value_and_grad(ours, has_aux=True)(jnp.asarray(lp))
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad) * response_mask, ref_grad, rtol=1e-5, atol=1e-6)
+    flat = {k: float(v) for kind in metrics.values() for k, v in kind.items()}
+    assert set(flat) == set(ref_metrics)
+    for k, v in ref_metrics.items():
+        np.testing.assert_allclose(flat[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("use_task_rewards", [True, False])
+def test_combined_with_the_policy_loss_as_verl(use_task_rewards):
+    """verl's `distillation_ppo_loss`: ppo + coef * distill with task rewards, else distill
+    alone (coef unused)."""
+    cfg = types.SimpleNamespace(use_task_rewards=use_task_rewards, distillation_loss_coef=0.25)
+    out = float(D.combine(jnp.float32(2.0), jnp.float32(4.0), cfg))
+    assert out == (2.0 + 0.25 * 4.0 if use_task_rewards else 4.0)

@@ -1,0 +1,153 @@
+"""On-policy distillation through the trainer: a teacher of another family and size (a Qwen2
+teacher for the quickstart's Llama student, sharing its tokenizer) scores the student's
+rollouts on the 8-device mesh exactly as the HF torch teacher does, the distillation loss
+alone trains the student toward the teacher, and a teacher with another tokenizer is
+refused."""
+
+import numpy as np
+import pytest
+from test_fit import config
+
+from jaxrl.data import load_tokenizer
+from jaxrl.data.synthetic import write_tokenizer
+from jaxrl.sharding.processes import to_host
+from jaxrl.trainer.fit import fit
+from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.ppo_trainer import PPOTrainer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def write_teacher(folder, student_dir, tokenizer_dir=None, seed=1):
+    """A random Qwen2 causal LM (hidden 96, 3 layers: not the student's Llama shape) with the
+    student's vocabulary size and the tokenizer of `tokenizer_dir` (default the student's)."""
+    student = transformers.AutoConfig.from_pretrained(student_dir)
+    torch.manual_seed(seed)
+    hf = transformers.Qwen2Config(
+        vocab_size=student.vocab_size, hidden_size=96, intermediate_size=160,
+        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        max_position_embeddings=student.max_position_embeddings, tie_word_embeddings=False,
+        pad_token_id=student.pad_token_id, eos_token_id=student.eos_token_id,
+        initializer_range=0.05,
+    )  # fmt: skip
+    transformers.Qwen2ForCausalLM(hf).save_pretrained(folder)
+    load_tokenizer(str(tokenizer_dir or student_dir)).save_pretrained(folder)
+    return folder
+
+
+def distill(teacher, *extra):
+    return ["distillation.enabled=true",
+            f"distillation.teacher_models.teacher_model.model_path={teacher}",
+            "distillation.teacher_models.teacher_model.inference.dtype=float32",
+            "trainer.test_freq=-1", "trainer.val_before_train=false", *extra]  # fmt: skip
+
+
+def torch_log_probs(folder, host) -> np.ndarray:
+    """The HF torch model's log-probs of the batch's response tokens [N, R]."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = np.concatenate([host["prompts"], host["responses"]], axis=1)
+    attention = np.concatenate([host["prompt_mask"], host["response_mask"]], axis=1)
+    positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
+                    position_ids=torch.tensor(positions)).logits  # fmt: skip
+    p, r = host["prompts"].shape[1], host["responses"].shape[1]
+    z = torch.log_softmax(logits[:, p - 1 : p - 1 + r].float(), dim=-1)
+    return torch.gather(z, -1, torch.tensor(host["responses"])[..., None])[..., 0].numpy()
+
+
+@pytest.mark.entry
+def test_teacher_scores_as_torch_and_distillation_trains_the_student(assets, tmp_path, monkeypatch):
+    """Distillation alone (`use_task_rewards=false`, k3 backpropagated): step 1's teacher
+    log-probs equal the HF torch teacher's on the same rows, the step logs verl's
+    distillation metrics, and over 16 steps the student's k3 distance to the teacher falls by
+    more than 40% (last 4 steps against the first 4)."""
+    teacher = write_teacher(tmp_path / "teacher", assets / "model")
+    captured = []
+    advantages = PPOTrainer._advantages
+
+    def spy(self, batch, extra, scalars):
+        out = advantages(self, batch, extra, scalars)
+        captured.append(to_host(out[0].present()))
+        return out
+
+    monkeypatch.setattr(PPOTrainer, "_advantages", spy)
+    run = tmp_path / "run"
+    fit(config(assets, run, *distill(teacher, "trainer.total_training_steps=16",
+               "distillation.distillation_loss.use_task_rewards=false",
+               "actor_rollout_ref.actor.optim.lr=1e-2")))  # fmt: skip
+    host = captured[0]
+    mask = host["response_mask"].astype(np.float32)
+    want = torch_log_probs(teacher, host)
+    np.testing.assert_allclose(host["teacher_log_probs"] * mask, want * mask, rtol=1e-4, atol=1e-4)
+
+    rows = read_metrics(run)
+    for key in ("distillation/loss", "distillation/abs_loss", "distillation/loss_min",
+                "distillation/loss_max", "timing_s/teacher"):  # fmt: skip
+        assert all(np.isfinite(row[key]) for row in rows), key
+    assert rows[0]["distillation/loss_min"] <= rows[0]["distillation/loss_max"]
+    losses = [row["distillation/loss"] for row in rows]
+    assert np.mean(losses[-4:]) < 0.6 * np.mean(losses[:4]), losses
+
+
+@pytest.mark.entry
+def test_policy_gradient_distillation_with_task_rewards_runs(assets, tmp_path):
+    """k1 as a per-token reward beside the task's PPO loss: the PPO and the distillation
+    metrics (verl's renamed `distillation/pg_*`) are both logged."""
+    teacher = write_teacher(tmp_path / "teacher", assets / "model")
+    run = tmp_path / "run"
+    fit(config(assets, run, *distill(teacher, "trainer.total_training_steps=1",
+               "distillation.distillation_loss.loss_mode=k1",
+               "distillation.distillation_loss.use_policy_gradient=true",
+               "distillation.distillation_loss.loss_max_clamp=10")))  # fmt: skip
+    (row,) = read_metrics(run)
+    for key in ("actor/pg_loss", "distillation/loss", "distillation/pg_clipfrac",
+                "distillation/ppo_kl", "distillation/pg_clipfrac_lower"):  # fmt: skip
+        assert np.isfinite(row[key]), key
+
+
+def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
+    other = tmp_path / "other_tokenizer"
+    write_tokenizer(other, tools=True)
+    teacher = write_teacher(tmp_path / "teacher", assets / "model", tokenizer_dir=other)
+    with pytest.raises(ValueError, match="tokenizer differs from the student's"):
+        PPOTrainer.create(
+            config(assets, tmp_path / "run", *distill(teacher)),
+            lambda *a, **k: None,
+            total_steps=1,
+            tokenizer=load_tokenizer(str(assets / "model")),
+        )
+
+
+@pytest.mark.entry
+def test_teacher_on_devices_of_its_own_equals_colocated(assets, tmp_path, monkeypatch):
+    """The teacher on 4 devices of its own (verl's teacher pool: `distillation.nnodes` x
+    `n_gpus_per_node`) beside training on the other 4, against colocated on all 8: the same
+    rollouts, and the distillation and policy losses to float32 reduction order."""
+    teacher = write_teacher(tmp_path / "teacher", assets / "model")
+    mesh = ["mesh.dp=1", "mesh.fsdp=-1", "mesh.tp=1", "mesh.sp=1"]
+    groups = []
+    step = PPOTrainer.step
+
+    def spy(self, prompts, global_step):
+        layout = self.cluster.teacher.layout
+        groups.append((self.cluster.device_group("teacher"), layout.mesh.devices.size))
+        return step(self, prompts, global_step)
+
+    monkeypatch.setattr(PPOTrainer, "step", spy)
+    runs = {}
+    for name, extra in (
+        ("colocated", []),
+        ("placed", ["distillation.nnodes=1", "distillation.n_gpus_per_node=4"]),
+    ):
+        run = tmp_path / name
+        fit(config(assets, run, *distill(teacher, "trainer.total_training_steps=2", *extra),
+                   mesh=mesh))  # fmt: skip
+        runs[name] = read_metrics(run)
+    assert groups == [("train", 8)] * 2 + [("teacher", 4)] * 2
+    for a, b in zip(runs["colocated"], runs["placed"], strict=True):
+        assert a["fingerprint/inputs"] == b["fingerprint/inputs"]
+        for key in ("distillation/loss", "distillation/abs_loss", "distillation/loss_max",
+                    "actor/pg_loss"):  # fmt: skip
+            np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
