@@ -115,7 +115,30 @@ def preflight_problems(cfg: Config) -> list[str]:
             check_model_context(cfg, _model_context(entry["model_path"], {}), key)
         except ConfigError as e:
             problems += e.problems
+        problems += _top_k_problems(cfg, entry["model_path"])
     return problems
+
+
+def _top_k_problems(cfg: Config, teacher: str) -> list[str]:
+    """`forward_kl_topk` takes the top `topk` tokens of both models: at most the smaller
+    vocabulary."""
+    loss = cfg.distillation.distillation_loss
+    if loss.loss_mode != "forward_kl_topk":
+        return []
+    vocab = [_hf_field(path, "vocab_size") for path in (cfg.actor_rollout_ref.model.path, teacher)]
+    known = [v for v in vocab if v is not None]
+    if known and loss.topk > min(known):
+        return [
+            f"distillation.distillation_loss.topk={loss.topk} is more than the vocabulary "
+            f"({min(known)} tokens, actor or teacher); use at most {min(known)}"
+        ]
+    return []
+
+
+def _hf_field(path: str, name: str) -> typing.Any:
+    """A field of a local checkpoint's `config.json`, or None when it is not here."""
+    config_json = Path(path).expanduser() / "config.json"
+    return json.loads(config_json.read_text()).get(name) if config_json.is_file() else None
 
 
 def _files(files) -> str:

@@ -603,13 +603,9 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
     if not distill.enabled:
         return
     loss = distill.distillation_loss
-    if loss.loss_mode in DISTILLATION_TOPK:
-        p.append(
-            f"{key}.loss_mode={loss.loss_mode!r}: the top-k forward KL is not implemented in "
-            f"jaxrl yet; use a sampled-token estimator, one of {list(DISTILLATION_ESTIMATORS)}"
-        )
-    else:
-        p.choice(cfg, f"{key}.loss_mode", DISTILLATION_ESTIMATORS)
+    p.choice(cfg, f"{key}.loss_mode", DISTILLATION_ESTIMATORS + DISTILLATION_TOPK)
+    if loss.loss_mode in DISTILLATION_TOPK and not (loss.topk or 0) >= 1:
+        p.append(f"{key}.topk={loss.topk}: loss_mode={loss.loss_mode} needs topk >= 1")
     p.choice(cfg, f"{key}.policy_loss_mode", ("vanilla",))
     if loss.loss_mode == "k1" and not loss.use_policy_gradient:
         p.append(
@@ -649,6 +645,14 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
 
 def _check_multi_turn(cfg: Config, p: _Problems) -> None:
     key = "actor_rollout_ref.rollout.multi_turn"
+    rate = cfg.actor_rollout_ref.rollout.over_sample_rate
+    if not 0.0 <= rate < 1.0:
+        p.append(f"actor_rollout_ref.rollout.over_sample_rate={rate}: must be in [0, 1)")
+    if rate and cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        p.append(
+            f"actor_rollout_ref.rollout.over_sample_rate={rate} with {key}.enable: the early "
+            "abort is built for single-turn rollouts only; set it to 0"
+        )
     p.choice(cfg, f"{key}.format", TOOL_FORMATS)
     p.choice(cfg, f"{key}.tool_response_truncate_side", ("left", "middle", "right"))
     p.choice(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_LOOPS)

@@ -399,6 +399,10 @@ class RolloutConfig:
         top_p: Nucleus sampling mass (1.0: off).
         do_sample: Sample (true) or take the argmax (false).
         n: Responses per prompt (GRPO group size), interleaved as in verl.
+        over_sample_rate: Training rollouts stop once int(rows x (1 - over_sample_rate)) rows
+            have finished; the slowest rows come back empty (response mask 0: no loss, no
+            advantage; `response/aborted_ratio` counts them). verl's early abort of the
+            slowest requests; 0: off. Single-turn rollouts only.
         ignore_eos: Keep generating past EOS, with EOS tokens left unmasked.
         prompt_length: Prompt length the engine is compiled for.
         response_length: Longest response the engine generates.
@@ -429,6 +433,7 @@ class RolloutConfig:
     top_p: float = 1.0
     do_sample: bool = True
     n: int = 1
+    over_sample_rate: float = 0.0
     ignore_eos: bool = False
     prompt_length: int = II("data.max_prompt_length")
     response_length: int = II("data.max_response_length")
@@ -948,22 +953,25 @@ class DistillationLossConfig:
     (`jaxrl.core_algos.distillation`; defaults of verl 0.9.1's yaml).
 
     Attributes:
-        loss_mode: The per-token loss on the sampled tokens: a reverse-KL estimator of
-            `kl_penalty` (`k1`/`kl`, `abs`, `k2`/`mse`, `k3`/`low_var_kl`). verl's top-k
-            forward KL (`forward_kl_topk`) is refused: not built yet.
-        topk: k of the top-k loss (unused by the estimators).
+        loss_mode: The per-token loss: a reverse-KL estimator of `kl_penalty` on the sampled
+            tokens (`k1`/`kl`, `abs`, `k2`/`mse`, `k3`/`low_var_kl`), or `forward_kl_topk`,
+            the forward KL over the teacher's `topk` most likely tokens.
+        topk: k of `forward_kl_topk` (the teacher pass returns its k largest log-probs and
+            their ids at every response position).
         use_task_rewards: Keep the PPO loss on the task's rewards and add the distillation
             loss times `distillation_loss_coef`; false: the distillation loss alone.
         distillation_loss_coef: The distillation loss's weight beside the PPO loss.
         loss_max_clamp: Clamp the per-token loss to +-this; null: no clamp.
-        log_prob_min_clamp: The top-k loss's floor on log-probs (unused by the estimators).
+        log_prob_min_clamp: The top-k loss's floor on both models' log-probs; null: none
+            (unused by the estimators).
         use_policy_gradient: Train on the loss as a per-token reward (a vanilla PPO loss with
             advantages = -loss); false: backpropagate the loss itself (k1 is refused there).
         policy_loss_mode: The policy loss of `use_policy_gradient`: `vanilla` only.
         clip_ratio: That loss's PPO clip range.
         clip_ratio_low: Its lower clip range.
         clip_ratio_high: Its upper clip range.
-        use_chunked_topk: verl's memory switch of the top-k loss (unused here).
+        use_chunked_topk: verl's memory switch of the top-k loss; jaxrl's is always chunked
+            (`actor.entropy_from_logits_chunk_size` positions at a time), so it is unused.
         chunked_topk_chunk_size: Its chunk size (unused here).
     """
 

@@ -159,9 +159,6 @@ IGNORED: dict[str, Ignored] = {
         "jaxrl returns processed log-probs (after temperature, top-k and top-p)",
         ("processed_logprobs",),
     ),
-    "actor_rollout_ref.rollout.over_sample_rate": Ignored(
-        "over-sampling and early-abort of rollouts is not implemented in jaxrl", (0, 0.0)
-    ),
     "actor_rollout_ref.rollout.quantization*": Ignored(
         "quantized rollout is not implemented in jaxrl; use rollout.dtype", (None,)
     ),

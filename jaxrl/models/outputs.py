@@ -61,6 +61,31 @@ TOKEN_STATISTICS = MappingProxyType({
 })  # fmt: skip
 
 
+def log_probs_at(
+    logits: Float[Array, "*batch v"], ids: Int[Array, "*batch k"]
+) -> Float[Array, "*batch k"]:
+    """log softmax(logits) at each of `ids` (k per position), in float32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return jnp.take_along_axis(logits, ids, axis=-1) - lse
+
+
+def top_k_log_probs(
+    logits: Float[Array, "*batch v"], k: int
+) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
+    """The k largest log softmax(logits) and their token ids (int32), largest first."""
+    logits = logits.astype(jnp.float32)
+    values, ids = jax.lax.top_k(logits, k)
+    return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
+
+
+def _chunked(x: Array, n_chunks: int, c: int) -> Array:
+    """[B, T, ...] -> [n_chunks, B, c, ...], T zero-padded to n_chunks * c."""
+    b, t = x.shape[:2]
+    pad = [(0, 0), (0, n_chunks * c - t)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad).reshape(b, n_chunks, c, *x.shape[2:]).swapaxes(0, 1)
+
+
 def token_statistics(
     config: DecoderConfig,
     params: Params,
@@ -70,7 +95,9 @@ def token_statistics(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-) -> dict[str, Float[Array, "b t"]]:
+    ids: Int[Array, "b t k"] | None = None,
+    top_k: int | None = None,
+) -> dict[str, Array]:
     """Per-position quantities of z = logits / temperature, in chunks of the sequence.
 
     Args:
@@ -83,25 +110,35 @@ def token_statistics(
             where the target is the argmax).
         temperature: Divides the logits (verl applies the rollout temperature here too).
         chunk_size: Sequence positions per chunk; None: the whole sequence at once.
+        ids: Token ids [B, T, K] whose log-probs to return as `ids_log_probs` [B, T, K]
+            (the distillation teacher's top-k, scored by the student).
+        top_k: Also return the k most likely tokens: `top_k_log_probs` [B, T, k] (float32)
+            and `top_k_ids` [B, T, k] (int32), largest first.
 
     Returns:
-        {name: [B, T] float32}.
+        {name: [B, T] float32} and the [B, T, K] entries asked for.
     """
-    b, t, d = h_btd.shape
+    b, t, _ = h_btd.shape
     c = t if chunk_size is None else min(chunk_size, t)
     n_chunks = -(-t // c)
-    pad = n_chunks * c - t
-    h = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, c, d).swapaxes(0, 1)
-    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, c).swapaxes(0, 1)
+    inputs = {"h": _chunked(h_btd, n_chunks, c), "y": _chunked(targets, n_chunks, c)}
+    if ids is not None:
+        inputs["ids"] = _chunked(ids, n_chunks, c)
 
     @jax.checkpoint
-    def chunk(args):
-        h_chunk, y_chunk = args
-        z = lm_logits(config, params, h_chunk).astype(jnp.float32) / temperature
-        return {name: TOKEN_STATISTICS[name](z, y_chunk) for name in names}
+    def chunk(x):
+        z = lm_logits(config, params, x["h"]).astype(jnp.float32) / temperature
+        out = {name: TOKEN_STATISTICS[name](z, x["y"]) for name in names}
+        if "ids" in x:
+            out["ids_log_probs"] = log_probs_at(z, x["ids"])
+        if top_k is not None:
+            out["top_k_log_probs"], out["top_k_ids"] = top_k_log_probs(z, top_k)
+        return out
 
-    out = jax.lax.map(chunk, (h, y))
-    return {k: v.swapaxes(0, 1).reshape(b, n_chunks * c)[:, :t] for k, v in out.items()}
+    out = jax.lax.map(chunk, inputs)
+    return {
+        k: v.swapaxes(0, 1).reshape(b, n_chunks * c, *v.shape[3:])[:, :t] for k, v in out.items()
+    }
 
 
 def token_log_probs(

@@ -11,8 +11,10 @@ slots (with n > 1, each prompt once, its keys and values copied into its n slots
 sharing), then a `lax.while_loop` decodes one token for every busy slot per step (each slot
 at its own cache index; a long cache is read only up to its live prefix), and a slot whose
 row produced an end token (EOS, `stop_token_ids`) or `max_tokens` tokens is refilled with the
-next queued prompt (continuous batching), until the queue is empty. `response_mask` covers
-the tokens up to and including the end token (with `ignore_eos`, all `max_tokens`).
+next queued prompt (continuous batching), until the queue is empty (with
+`over_sample_rate`, verl's early abort: until int(rows x (1 - rate)) rows have finished).
+`response_mask` covers the tokens up to and including the end token (with `ignore_eos`, all
+`max_tokens`).
 
 The decode step is a backend's (`jaxrl.rollout.backends`): the model's own step, scanned over
 the stacked parameters as they are (`xla`, every platform), or the C++ CPU kernels
@@ -26,6 +28,7 @@ its `dp` axis and the KV cache over batch and kv heads.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 import logging
 from typing import Any
@@ -262,8 +265,11 @@ def _generate(
         state = refill(state, s, aligned=True)
         sizes = refill_sizes(s, q)
 
+        target = finish_target(num_rows, sp.over_sample_rate)
+
         def cond(st: _LoopState):
-            return jnp.any(st.slots.row < q) | (st.next_row < num_rows)
+            done = jnp.sum(st.lengths[:q] > 0)
+            return (jnp.any(st.slots.row < q) | (st.next_row < num_rows)) & (done < target)
 
         def body(st: _LoopState):
             if q > s:
@@ -290,6 +296,16 @@ def _generate(
         decode_steps=state.decode_steps,
         slots=s,
     )
+
+
+def finish_target(num_rows: Int[Array, ""], over_sample_rate: float) -> Int[Array, ""]:
+    """Rows that must finish before `generate` stops: verl's int(rows x (1 - rate)), in
+    exact integer arithmetic (the rate as a fraction a / b: rows - ceil(rows x a / b))."""
+    if over_sample_rate <= 0:
+        return num_rows
+    rate = fractions.Fraction(over_sample_rate).limit_denominator(10_000)
+    a, b = rate.numerator, rate.denominator
+    return num_rows - (num_rows * a + b - 1) // b
 
 
 def idle_fraction(out: GenerationOutput) -> float:

@@ -43,6 +43,9 @@ class SamplingParams:
             the one completing the string).
         seed: The key `generate` uses when the caller passes no rng (the same samples each
             call: pass a fresh rng per call, as the trainer does).
+        over_sample_rate: verl's early abort: once int(rows x (1 - over_sample_rate)) rows
+            have finished, `generate` stops and the rest (the slowest, and any still queued)
+            come back empty (length 0, response mask all 0); 0: every row finishes.
     """
 
     temperature: float = 1.0
@@ -56,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    over_sample_rate: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -75,6 +79,8 @@ class SamplingParams:
             problems.append(f"n={self.n} must be >= 1")
         if self.max_tokens < 1:
             problems.append(f"max_tokens={self.max_tokens} must be >= 1")
+        if not 0.0 <= self.over_sample_rate < 1.0:
+            problems.append(f"over_sample_rate={self.over_sample_rate} must be in [0, 1)")
         if any(not isinstance(text, str) or not text for text in self.stop):
             problems.append(f"stop={self.stop!r} must be non-empty strings")
         if problems:
@@ -88,8 +94,11 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, rollout, validation: bool = False, **overrides) -> SamplingParams:
-        """From `actor_rollout_ref.rollout` (or its `val_kwargs` when `validation`)."""
+        """From `actor_rollout_ref.rollout` (or its `val_kwargs` when `validation`, which
+        never aborts rows: verl over-samples training rollouts only)."""
         source = rollout.val_kwargs if validation else rollout
+        if not validation:
+            overrides.setdefault("over_sample_rate", getattr(rollout, "over_sample_rate", 0.0))
         return cls(
             temperature=source.temperature,
             top_k=source.top_k,

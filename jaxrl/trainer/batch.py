@@ -57,6 +57,9 @@ class RLBatch:
             from the old-log-prob pass [N, R] (the optimal-token-baseline estimators).
         ref_log_probs: The reference policy's log-probs [N, R].
         teacher_log_probs: The distillation teacher's log-probs of the response tokens [N, R].
+        teacher_topk_log_probs: The teacher's k largest log-probs at each response position
+            [N, R, K] (the top-k distillation loss).
+        teacher_topk_ids: Their token ids, int32 [N, R, K].
         values: The critic's values [N, R].
         token_level_rewards: Scores after KL in the reward [N, R].
         advantages: [N, R].
@@ -85,6 +88,8 @@ class RLBatch:
     sum_pi_squared: Float[Array, "n r"] | None = None
     ref_log_probs: Float[Array, "n r"] | None = None
     teacher_log_probs: Float[Array, "n r"] | None = None
+    teacher_topk_log_probs: Float[Array, "n r k"] | None = None
+    teacher_topk_ids: Int[Array, "n r k"] | None = None
     values: Float[Array, "n r"] | None = None
     token_level_rewards: Float[Array, "n r"] | None = None
     advantages: Float[Array, "n r"] | None = None
@@ -200,7 +205,7 @@ def _take(arrays, rows, prompt_len: int, response_len: int, layout: Layout | Non
         x = x[idx]
         if name in PROMPT_FIELDS:
             x = x[:, x.shape[1] - prompt_len :]
-        elif x.ndim == 2:
+        elif x.ndim >= 2:  # [N, R, ...]
             x = x[:, :response_len]
         x = jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
         if layout is not None:
@@ -219,8 +224,8 @@ def take_abstract(
     for name, x in arrays.items():
         if name in PROMPT_FIELDS:
             shape = (len(mb.rows), mb.prompt_len)
-        elif x.ndim == 2:
-            shape = (len(mb.rows), mb.response_len)
+        elif x.ndim >= 2:
+            shape = (len(mb.rows), mb.response_len, *x.shape[2:])
         else:
             shape = (len(mb.rows), *x.shape[1:])
         logical = ("batch",) + (None,) * (len(shape) - 1)
@@ -232,9 +237,12 @@ def take_abstract(
 def scatter(
     parts: list[jax.Array], plans: list[MicroBatch], rows: int, width: int, layout: Layout | None
 ) -> jax.Array:
-    """An [rows, width] float32 array, replicated in `layout`, holding each micro-batch's
-    [m, r] result at its rows and first r columns (zeros elsewhere)."""
-    out = jnp.zeros((rows, width), jnp.float32)
+    """An [rows, width, ...] array, replicated in `layout`, holding each micro-batch's
+    [m, r, ...] result at its rows and first r columns (zeros elsewhere): float32, or int32
+    for integer results (token ids)."""
+    first = parts[0]
+    integer = jnp.issubdtype(first.dtype, jnp.integer)
+    out = jnp.zeros((rows, width, *first.shape[2:]), jnp.int32 if integer else jnp.float32)
     if layout is not None:
         out = jax.device_put(out, layout.replicated())
     for part, mb in zip(parts, plans, strict=True):

@@ -74,9 +74,9 @@ def infer(
     token_budget: int | None,
     balance: bool = False,
 ) -> Any:
-    """`fn(params, micro_batch) -> [m, r]` (or a tuple of them; jitted by the caller) over
-    the whole batch, as float32 [N, R] arrays replicated in `layout` (zeros past each
-    micro-batch's trimmed width)."""
+    """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
+    over the whole batch, as [N, R, ...] arrays (float32; int32 for integer results)
+    replicated in `layout` (zeros past each micro-batch's trimmed width)."""
     n, r = batch.responses.shape
     arrays = moved_to(batch.fields(batch.forward_fields()), layout)
     plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)

@@ -28,7 +28,13 @@ from jaxtyping import Array
 
 from jaxrl.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from jaxrl.core_algos.common import cfg_get, masked_mean
-from jaxrl.core_algos.distillation import combine, distillation_loss, token_losses
+from jaxrl.core_algos.distillation import (
+    combine,
+    distillation_loss,
+    estimator_metrics,
+    forward_kl_topk,
+    token_losses,
+)
 from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
 from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
@@ -67,14 +73,13 @@ def actor_loss(
     `distill_cfg` (`distillation.distillation_loss`, with `teacher_log_probs` in the
     micro-batch): add the distillation loss."""
     chunk = actor_cfg.entropy_from_logits_chunk_size
-    lp, entropy = response_log_probs(
-        config,
-        params,
-        mb,
-        temperature=temperature,
+    teacher_ids = mb.get("teacher_topk_ids")
+    stats = response_statistics(
+        config, params, mb, ("log_probs", "entropy"), temperature=temperature,
         chunk_size=chunk if actor_cfg.entropy_from_logits_with_chunking else None,
-        with_entropy=True,
-    )
+        ids=teacher_ids, top_k=None if teacher_ids is None else teacher_ids.shape[-1],
+    )  # fmt: skip
+    lp, entropy = stats["log_probs"], stats["entropy"]
     old_log_probs = mb.get("old_log_probs")
     if old_log_probs is None:
         old_log_probs = jax.lax.stop_gradient(lp)
@@ -105,16 +110,29 @@ def actor_loss(
     means = {k if k.startswith("actor/") else f"actor/{k}": v for k, v in pg_metrics.items()}
     out = {"sum": sums, "mean": means, "tokens": jnp.sum(mask)}
     if distill_cfg is not None:
-        losses = token_losses(lp, mb["teacher_log_probs"], distill_cfg.loss_mode)
-        distill, kinds = distillation_loss(
+        losses, kinds = _distillation_terms(stats, mb, mask, distill_cfg)
+        distill, pg_kinds = distillation_loss(
             losses, lp, old_log_probs, mask, loss_cfg=distill_cfg, loss_agg_mode=mode,
             info=info, rollout_is_weights=mb.get("rollout_is_weights"),
         )  # fmt: skip
         loss = combine(loss, distill, distill_cfg)
         sums["distillation/loss"] = distill
-        means.update(kinds["mean"])
-        out["min"], out["max"] = kinds["min"], kinds["max"]
+        for kind in ("mean", "min", "max"):
+            out.setdefault(kind, {}).update({**kinds.get(kind, {}), **pg_kinds[kind]})
     return loss, out
+
+
+def _distillation_terms(stats, mb, mask, distill_cfg) -> tuple[Array, dict]:
+    """The per-token distillation losses and their own metrics: the top-k forward KL from the
+    student's log-probs at the teacher's top-k ids, else the estimator on the sampled
+    tokens."""
+    if distill_cfg.loss_mode != "forward_kl_topk":
+        losses = token_losses(stats["log_probs"], mb["teacher_log_probs"], distill_cfg.loss_mode)
+        return losses, estimator_metrics(losses, mask)
+    return forward_kl_topk(
+        stats["ids_log_probs"], mb["teacher_topk_log_probs"], stats["top_k_ids"],
+        mb["teacher_topk_ids"], mask, log_prob_min_clamp=distill_cfg.log_prob_min_clamp,
+    )  # fmt: skip
 
 
 def critic_loss(

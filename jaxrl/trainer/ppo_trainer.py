@@ -72,7 +72,7 @@ from jaxrl.trainer.metrics import (
     timing_metrics,
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
-from jaxrl.trainer.roles import log_prob_fn, statistics_fn, values_fn
+from jaxrl.trainer.roles import log_prob_fn, statistics_fn, top_k_fn, values_fn
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 CRITIC_FIELDS = ("values", "returns")
@@ -256,12 +256,20 @@ class PPOTrainer:
                 temperature=self.temperature,
                 chunk_size=chunk,
             )
+        self.teacher_top_k = None
         if cluster.teacher is not None:
-            # the teacher's log-probs of the sampled tokens from its raw logits (vLLM's
-            # default `raw_logprobs`, which verl's teacher server returns)
-            self._teacher_log_prob = log_prob_fn(
-                cluster.teacher.config, cluster.teacher.layout, temperature=1.0, chunk_size=chunk
-            )
+            # from the teacher's raw logits (vLLM's default `raw_logprobs`, which verl's
+            # teacher server returns): the sampled tokens' log-probs, or its top-k
+            teacher, loss_cfg = cluster.teacher, cfg.distillation.distillation_loss
+            self.teacher_top_k = loss_cfg.topk if loss_cfg.loss_mode == "forward_kl_topk" else None
+            if self.teacher_top_k is None:
+                self._teacher_pass = log_prob_fn(
+                    teacher.config, teacher.layout, temperature=1.0, chunk_size=chunk
+                )
+            else:
+                self._teacher_pass = top_k_fn(
+                    teacher.config, teacher.layout, self.teacher_top_k, chunk
+                )
         if cluster.critic is not None:
             self._values = values_fn(cluster.critic.config, cluster.critic.layout)
         self.kl_ctrl = (
@@ -376,12 +384,16 @@ class PPOTrainer:
                     batch = batch.replace(ref_log_probs=jax.block_until_ready(lp))
             if teacher is not None:
                 with timer("teacher", timing), on_device("teacher"):
-                    lp = infer(
-                        self._teacher_log_prob, teacher.params, batch, layout=teacher.layout,
+                    out = infer(
+                        self._teacher_pass, teacher.params, batch, layout=teacher.layout,
                         **micro,
                     )  # fmt: skip
-                    lp = moved_to(lp, layout)
-                    batch = batch.replace(teacher_log_probs=jax.block_until_ready(lp))
+                    out = jax.block_until_ready(moved_to(out, layout))
+                    if self.teacher_top_k is None:
+                        batch = batch.replace(teacher_log_probs=out)
+                    else:
+                        batch = batch.replace(teacher_topk_log_probs=out[0],
+                                              teacher_topk_ids=out[1])  # fmt: skip
             if critic is not None:
                 with timer("values", timing), on_device("critic"):
                     values = infer(
@@ -660,9 +672,16 @@ class PPOTrainer:
         on_policy = self._on_policy(prompts * n)
         fields = ("advantages", "old_log_probs")
         fields += ("ref_log_probs",) if ref is not None else ()
-        fields += ("teacher_log_probs",) if teacher is not None else ()
+        top_k = self.teacher_top_k if teacher is not None else None
+        fields += ("teacher_log_probs",) if teacher is not None and top_k is None else ()
         fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)
+        if top_k is not None:
+            shape = (prompts * n, r, top_k)
+            batch = batch.replace(
+                teacher_topk_log_probs=jax.ShapeDtypeStruct(shape, np.float32),
+                teacher_topk_ids=jax.ShapeDtypeStruct(shape, np.int32),
+            )
         micro = self._log_prob_micro()
         if (not on_policy or self.sum_pi_squared or self.decoupled_correction) and not self.bypass:
             programs["actor log-probs"] = compile_infer(
@@ -674,7 +693,7 @@ class PPOTrainer:
             )
         if teacher is not None:
             programs["teacher log-probs"] = compile_infer(
-                self._teacher_log_prob, teacher.params, batch, layout=teacher.layout, **micro
+                self._teacher_pass, teacher.params, batch, layout=teacher.layout, **micro
             )
         if critic is not None:
             programs["critic values"] = compile_infer(
@@ -754,7 +773,8 @@ class PPOTrainer:
         )
 
     def _actor_fields(self, batch: RLBatch, on_policy: bool) -> tuple[str, ...]:
-        optional = ("ref_log_probs", "teacher_log_probs", "rollout_is_weights")
+        optional = ("ref_log_probs", "teacher_log_probs", "teacher_topk_log_probs",
+                    "teacher_topk_ids", "rollout_is_weights")  # fmt: skip
         fields = ("advantages", *(() if on_policy else ("old_log_probs",)))
         return fields + tuple(name for name in optional if getattr(batch, name) is not None)
 

@@ -413,6 +413,19 @@ def statistics_fn(
     return jax.jit(fn)
 
 
+def top_k_fn(config: DecoderConfig, layout: Layout | None, k: int, chunk_size: int | None):
+    """jit of `(params, micro_batch) -> (log-probs [m, r, k], token ids [m, r, k])`: the k
+    most likely next tokens at each response position under the raw logits (temperature 1),
+    largest first (the distillation teacher's top-k)."""
+
+    def fn(params, mb):
+        with use_layout(layout):
+            stats = response_statistics(config, params, mb, (), top_k=k, chunk_size=chunk_size)
+        return stats["top_k_log_probs"], stats["top_k_ids"]
+
+    return jax.jit(fn)
+
+
 def values_fn(config: DecoderConfig, layout: Layout | None):
     """jit of `(params, micro_batch) -> values [m, r]`."""
 

@@ -69,13 +69,16 @@ def response_statistics(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-) -> dict[str, Float[Array, "b r"]]:
+    ids: Int[Array, "b r k"] | None = None,
+    top_k: int | None = None,
+) -> dict[str, Array]:
     """`token_statistics` of the response tokens of a micro-batch under logits /
     temperature: {name: [B, R]} for `names` among log_probs, entropy, sum_pi_squared,
-    mean_logit, top1."""
+    mean_logit, top1; with `ids` their log-probs (`ids_log_probs` [B, R, K]), with `top_k`
+    the k most likely tokens (`top_k_log_probs`, `top_k_ids` [B, R, k])."""
     h = _response_hidden(config, params, mb)
-    return token_statistics(config, params, h, mb["responses"], names,
-                            temperature=temperature, chunk_size=chunk_size)  # fmt: skip
+    return token_statistics(config, params, h, mb["responses"], names, temperature=temperature,
+                            chunk_size=chunk_size, ids=ids, top_k=top_k)  # fmt: skip
 
 
 def response_values(

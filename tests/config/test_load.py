@@ -413,8 +413,12 @@ def test_distillation_keys_as_verls_yaml_and_its_refusals(tmp_path):
                       "distillation.distillation_loss.loss_mode=k1")  # fmt: skip
     assert "use_policy_gradient" in msg
     (msg,) = problems("distillation.enabled=true", teacher,
-                      "distillation.distillation_loss.loss_mode=forward_kl_topk")  # fmt: skip
-    assert "not implemented in jaxrl yet" in msg and "k3" in msg
+                      "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                      "distillation.distillation_loss.topk=0")  # fmt: skip
+    assert "topk >= 1" in msg
+    (msg,) = problems("distillation.enabled=true", teacher,
+                      "distillation.distillation_loss.loss_mode=k4")  # fmt: skip
+    assert "forward_kl_topk" in msg
     (msg,) = problems("distillation.enabled=true", teacher,
                       "+distillation.teacher_models.math.model_path=/m")  # fmt: skip
     assert "2 teachers" in msg and "teacher_key" in msg

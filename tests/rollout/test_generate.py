@@ -423,3 +423,35 @@ def test_decode_attention_equals_dense_reference():
             layer=jnp.int32(1),
         )
         np.testing.assert_array_equal(stacked, got)
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_over_sample_rate_aborts_the_slowest_rows(one_model, slots):
+    """verl's early abort (`over_sample_rate`): the call stops once int(rows x (1 - rate))
+    rows have finished; those come out exactly as in the full call (same key), the rest
+    (the slowest, and with 3 slots any still queued) are empty. With a slot per row the
+    aborted rows are the longest ones of the full call."""
+    _, config, params = one_model
+    ids, mask = prompts()
+    key = jax.random.key(4)
+    free = np.asarray(generate(config, params, ids, mask, SamplingParams(max_tokens=10, n=2),
+                               key).responses)  # fmt: skip
+    eos = tuple(int(t) for t in (free[1, 2], free[3, 0], free[6, 5]))
+    base = dict(max_tokens=10, n=2, temperature=1.0, eos_token_ids=eos)
+    full = generate(config, params, ids, mask, SamplingParams(**base), key, max_num_seqs=slots)
+    lengths = np.asarray(full.lengths)
+    assert len(set(lengths.tolist())) > 2, lengths  # a long tail to cut
+    rate = 0.4
+    out = generate(config, params, ids, mask, SamplingParams(**base, over_sample_rate=rate), key,
+                   max_num_seqs=slots)  # fmt: skip
+    kept = np.asarray(out.lengths) > 0
+    target = int(8 * (1 - rate))
+    assert target <= kept.sum() < 8
+    np.testing.assert_array_equal(np.asarray(out.lengths)[kept], lengths[kept])
+    np.testing.assert_array_equal(np.asarray(out.responses)[kept], np.asarray(full.responses)[kept])
+    assert (np.asarray(out.response_mask)[~kept] == 0).all()
+    assert (np.asarray(out.log_probs)[~kept] == 0).all()
+    if slots is None:
+        assert lengths[~kept].min() >= lengths[kept].max()
+    with pytest.raises(ValueError, match=r"over_sample_rate=1\.0"):
+        SamplingParams(over_sample_rate=1.0)

@@ -43,8 +43,9 @@ def distill(teacher, *extra):
             "trainer.test_freq=-1", "trainer.val_before_train=false", *extra]  # fmt: skip
 
 
-def torch_log_probs(folder, host) -> np.ndarray:
-    """The HF torch model's log-probs of the batch's response tokens [N, R]."""
+def torch_logits(folder, host) -> np.ndarray:
+    """The HF torch model's logits [N, R, V] at the positions predicting the batch's
+    response tokens."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = np.concatenate([host["prompts"], host["responses"]], axis=1)
     attention = np.concatenate([host["prompt_mask"], host["response_mask"]], axis=1)
@@ -53,7 +54,12 @@ def torch_log_probs(folder, host) -> np.ndarray:
         logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
                     position_ids=torch.tensor(positions)).logits  # fmt: skip
     p, r = host["prompts"].shape[1], host["responses"].shape[1]
-    z = torch.log_softmax(logits[:, p - 1 : p - 1 + r].float(), dim=-1)
+    return logits[:, p - 1 : p - 1 + r].float().numpy()
+
+
+def torch_log_probs(folder, host) -> np.ndarray:
+    """The HF torch model's log-probs of the batch's response tokens [N, R]."""
+    z = torch.log_softmax(torch.tensor(torch_logits(folder, host)), dim=-1)
     return torch.gather(z, -1, torch.tensor(host["responses"])[..., None])[..., 0].numpy()
 
 
@@ -151,3 +157,40 @@ def test_teacher_on_devices_of_its_own_equals_colocated(assets, tmp_path, monkey
         for key in ("distillation/loss", "distillation/abs_loss", "distillation/loss_max",
                     "actor/pg_loss"):  # fmt: skip
             np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.entry
+def test_top_k_forward_kl_through_the_trainer(assets, tmp_path, monkeypatch):
+    """`forward_kl_topk` (k = 4, backpropagated): the teacher pass's top-k log-probs and ids
+    equal the HF torch teacher's top-4 on the step's rows, and the step logs verl's top-k
+    metrics (the masses and the overlap of the two top-k sets)."""
+    teacher = write_teacher(tmp_path / "teacher", assets / "model")
+    captured = []
+    advantages = PPOTrainer._advantages
+
+    def spy(self, batch, extra, scalars):
+        out = advantages(self, batch, extra, scalars)
+        captured.append(to_host(out[0].present()))
+        return out
+
+    monkeypatch.setattr(PPOTrainer, "_advantages", spy)
+    run = tmp_path / "run"
+    fit(config(assets, run, *distill(teacher, "trainer.total_training_steps=1",
+               "distillation.distillation_loss.loss_mode=forward_kl_topk",
+               "distillation.distillation_loss.topk=4",
+               "distillation.distillation_loss.log_prob_min_clamp=-10")))  # fmt: skip
+    (host,) = captured
+    mask = host["response_mask"].astype(bool)
+    z = torch.log_softmax(torch.tensor(torch_logits(teacher, host)), dim=-1)
+    want_lp, want_ids = torch.topk(z, 4, dim=-1)
+    np.testing.assert_allclose(host["teacher_topk_log_probs"][mask], want_lp.numpy()[mask],
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert (host["teacher_topk_ids"][mask] == want_ids.numpy()[mask]).mean() > 0.99  # ties
+    (row,) = read_metrics(run)
+    for key in ("distillation/loss", "distillation/student_mass", "distillation/teacher_mass",
+                "distillation/teacher_mass_min", "distillation/student_mass_max",
+                "distillation/overlap_ratio", "distillation/overlap_token_advantage",
+                "distillation/loss_min", "distillation/loss_max"):  # fmt: skip
+        assert np.isfinite(row[key]), key
+    assert 0 < row["distillation/teacher_mass"] <= 1
+    assert row["distillation/loss_min"] >= 0  # the top-k sum is clamped at 0, as verl
