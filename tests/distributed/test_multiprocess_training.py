@@ -23,7 +23,7 @@ STEPS = 3
 UNCOMPARABLE = ("timing_s/", "timing_per_token_ms/", "perf/", "fingerprint/")
 
 
-def _overrides(run_dir, steps: int = STEPS) -> list[str]:
+def _overrides(run_dir, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
     cache = run_dir.parent.parent / "assets"
     return [
         "--config",
@@ -36,14 +36,15 @@ def _overrides(run_dir, steps: int = STEPS) -> list[str]:
         "trainer.test_freq=2",
         "trainer.save_freq=1",
         f"trainer.default_local_dir={run_dir}",
+        *extra,
     ]
 
 
-def _train(run_dir, processes: int, steps: int = STEPS) -> str:
-    """Run the trainer; returns the logs."""
+def _train(run_dir, processes: int, steps: int = STEPS, extra: tuple[str, ...] = ()) -> str:
+    """Run the trainer (`extra`: more overrides); returns the logs."""
     if processes == 1:
         env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-        cmd = [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir, steps)]
+        cmd = [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir, steps, extra)]
     else:
         env = clean_env(
             JAXRL_LOG_DIR=str(run_dir.parent / f"logs-{run_dir.name}"),
@@ -52,7 +53,7 @@ def _train(run_dir, processes: int, steps: int = STEPS) -> str:
         )
         del env["XLA_FLAGS"]  # local.sh gives each process its 8 / N devices
         local_sh = str(ROOT / "launch" / "local.sh")
-        cmd = ["bash", local_sh, str(processes), *_overrides(run_dir, steps)]
+        cmd = ["bash", local_sh, str(processes), *_overrides(run_dir, steps, extra)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     logs = out.stdout + out.stderr
     if processes > 1:
@@ -107,6 +108,25 @@ def test_two_processes_train_like_one(runs):
     # The same rollouts and scores bit for bit (parameters differ in the last bits: the
     # collectives of 2 processes reduce in another order).
     assert compare([str(single), str(multi), "--only", "inputs"]) == 0
+
+
+def test_dynamic_sampling_over_two_processes_equals_one(runs):
+    """DAPO dynamic sampling (generation batches of 4 prompts for steps of 16) over 2
+    processes: each generation batch is gathered from both and filtered on each, so the kept
+    groups, the extra batches drawn from the loader and every metric equal one process's."""
+    single, _, _ = runs
+    extra = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+             "data.gen_batch_size=4", "trainer.val_before_train=false",
+             "trainer.test_freq=-1")  # fmt: skip
+    one, two = single.parent / "dapo_single", single.parent / "dapo_multi"
+    _train(one, 1, steps=2, extra=extra)
+    _train(two, 2, steps=2, extra=extra)
+    want, got = _metrics(one), _metrics(two)
+    assert sorted(want) == sorted(got) == [1, 2]
+    for step in want:
+        assert want[step]["train/num_gen_batches"] >= 2, want[step]  # it had to draw more
+        _assert_same(got[step], want[step], f"dynamic sampling, step {step}")
+    assert compare([str(one), str(two), "--only", "inputs"]) == 0
 
 
 def test_checkpoint_of_two_processes_resumes_identically(runs, tmp_path):
