@@ -125,14 +125,23 @@ def _top_k_problems(cfg: Config, teacher: str) -> list[str]:
     loss = cfg.distillation.distillation_loss
     if loss.loss_mode != "forward_kl_topk":
         return []
-    vocab = [_hf_field(path, "vocab_size") for path in (cfg.actor_rollout_ref.model.path, teacher)]
-    known = [v for v in vocab if v is not None]
+    student, teacher_vocab = (
+        _hf_field(path, "vocab_size") for path in (cfg.actor_rollout_ref.model.path, teacher)
+    )
+    known = [v for v in (student, teacher_vocab) if v is not None]
+    problems = []
     if known and loss.topk > min(known):
-        return [
+        problems.append(
             f"distillation.distillation_loss.topk={loss.topk} is more than the vocabulary "
             f"({min(known)} tokens, actor or teacher); use at most {min(known)}"
-        ]
-    return []
+        )
+    if student is not None and teacher_vocab is not None and teacher_vocab > student:
+        problems.append(
+            f"distillation teacher {teacher}: its embedding has {teacher_vocab} rows, the "
+            f"student's {student}; forward_kl_topk needs every teacher top-k id to be a student "
+            "token (the same tokenizer padded to a smaller or equal size)"
+        )
+    return problems
 
 
 def _hf_field(path: str, name: str) -> typing.Any:

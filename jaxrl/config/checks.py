@@ -615,7 +615,19 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
         )
     if loss.loss_max_clamp is not None and not loss.loss_max_clamp > 0:
         p.append(f"{key}.loss_max_clamp={loss.loss_max_clamp}: use a value > 0, or null")
+    if loss.loss_mode in DISTILLATION_TOPK and loss.use_policy_gradient:
+        log.warning(
+            "%s.loss_mode=forward_kl_topk with use_policy_gradient=true: the update then uses "
+            "only the sampled token's log-prob, so most of the top-k signal is unused (verl "
+            "warns the same); use_policy_gradient=false backpropagates it", key
+        )  # fmt: skip
     for name, entry in (distill.teacher_models or {}).items():
+        inference = (entry or {}).get("inference")
+        if inference is not None and not hasattr(inference, "get"):
+            p.append(
+                f"distillation.teacher_models.{name}.inference must be a mapping (verl's "
+                f"rollout keys; jaxrl reads its dtype), not {inference!r}"
+            )
         unknown = sorted(set(entry or {}) - set(TEACHER_KEYS))
         if unknown:
             p.append(
@@ -648,6 +660,12 @@ def _check_multi_turn(cfg: Config, p: _Problems) -> None:
     rate = cfg.actor_rollout_ref.rollout.over_sample_rate
     if not 0.0 <= rate < 1.0:
         p.append(f"actor_rollout_ref.rollout.over_sample_rate={rate}: must be in [0, 1)")
+    rows = (cfg.data.gen_batch_size or cfg.data.train_batch_size) * cfg.actor_rollout_ref.rollout.n
+    if 0.0 < rate < 1.0 and int(rows * (1 - rate)) < 1:
+        p.append(
+            f"actor_rollout_ref.rollout.over_sample_rate={rate} lets int({rows} x (1 - {rate})) "
+            f"= 0 of a generation's {rows} rows finish: lower it below {1 - 1 / rows:.4g}"
+        )
     if rate and cfg.actor_rollout_ref.rollout.multi_turn.enable:
         p.append(
             f"actor_rollout_ref.rollout.over_sample_rate={rate} with {key}.enable: the early "

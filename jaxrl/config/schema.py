@@ -402,7 +402,11 @@ class RolloutConfig:
         over_sample_rate: Training rollouts stop once int(rows x (1 - over_sample_rate)) rows
             have finished; the slowest rows come back empty (response mask 0: no loss, no
             advantage; `response/aborted_ratio` counts them). verl's early abort of the
-            slowest requests; 0: off. Single-turn rollouts only.
+            slowest requests; 0: off. Single-turn rollouts only. An aborted row is still
+            scored (as an empty response) and counts in its group's statistics, as in the
+            SGLang rollout that had this key (verl 0.9.1 reads it nowhere); with fewer
+            `max_num_seqs` slots than rows, rows still queued are aborted in queue order.
+            A mini-batch whose rows were all aborted has no loss tokens (NaN loss).
         ignore_eos: Keep generating past EOS, with EOS tokens left unmasked.
         prompt_length: Prompt length the engine is compiled for.
         response_length: Longest response the engine generates.
@@ -970,8 +974,9 @@ class DistillationLossConfig:
         clip_ratio: That loss's PPO clip range.
         clip_ratio_low: Its lower clip range.
         clip_ratio_high: Its upper clip range.
-        use_chunked_topk: verl's memory switch of the top-k loss; jaxrl's is always chunked
-            (`actor.entropy_from_logits_chunk_size` positions at a time), so it is unused.
+        use_chunked_topk: verl's memory switch of the top-k loss (unused: jaxrl's teacher
+            and student passes are chunked like its log-prob passes, by
+            `actor.entropy_from_logits_with_chunking` and `entropy_from_logits_chunk_size`).
         chunked_topk_chunk_size: Its chunk size (unused here).
     """
 

@@ -76,6 +76,7 @@ from jaxrl.trainer.roles import log_prob_fn, statistics_fn, top_k_fn, values_fn
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 CRITIC_FIELDS = ("values", "returns")
+DEVICE_ONLY_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")
 # what the advantage estimators read of the batch
 ADVANTAGE_INPUTS = (
     "token_level_rewards",
@@ -428,7 +429,10 @@ class PPOTrainer:
                     if actor_cfg.use_kl_loss:
                         metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
                     metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
-        host, scalars = to_host((batch.present(), scalars))  # the step's one batch read-back
+        # the step's one batch read-back (not the teacher's top-k: K times a log-prob array,
+        # and no metric or dump reads it)
+        arrays = {k: v for k, v in batch.present().items() if k not in DEVICE_ONLY_FIELDS}
+        host, scalars = to_host((arrays, scalars))
         metrics.update({k: float(v) for k, v in scalars.items() if k != "current_kl"})
         if "actor/entropy" not in metrics and "actor/entropy_loss" in metrics:
             metrics["actor/entropy"] = metrics["actor/entropy_loss"]  # on-policy: no old pass
@@ -521,8 +525,10 @@ class PPOTrainer:
             rows["token_level_scores"] = scores.astype(np.float32)
         if self.cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
             with timer("gen_max", timing):
-                greedy = dataclasses.replace(self.sampling, do_sample=False, temperature=0.0)
-                base = self.generate(prompts, dataclasses.replace(greedy, n=1), rng).rows
+                greedy = dataclasses.replace(
+                    self.sampling, do_sample=False, temperature=0.0, n=1, over_sample_rate=0.0
+                )  # every prompt's baseline: never aborted
+                base = self.generate(prompts, greedy, rng).rows
                 base_scores, _, _ = self.reward_fn(
                     prompts, base["responses"], base["response_mask"]
                 )

@@ -429,6 +429,24 @@ def test_distillation_keys_as_verls_yaml_and_its_refusals(tmp_path):
                       "distillation.n_gpus_per_node=2", "mesh.placement.teacher.devices=4",
                       num_devices=8)  # fmt: skip
     assert "mesh.placement.teacher.devices=4" in msg
+    (msg,) = problems("distillation.enabled=true", teacher,
+                      "distillation.teacher_models.teacher_model.inference=3")  # fmt: skip
+    assert "inference must be a mapping" in msg
     placed = load("distillation.enabled=true", teacher, "distillation.nnodes=1",
                   "distillation.n_gpus_per_node=4", num_devices=8)  # fmt: skip
     assert len(role_devices(placed, 8)["teacher"]) == 4
+
+
+def test_over_sample_rate_range_and_refusals():
+    """verl's `rollout.over_sample_rate` loads in [0, 1); a rate that lets no row of a
+    generation finish, or one beside multi-turn rollouts, is named."""
+    cfg = load("actor_rollout_ref.rollout.over_sample_rate=0.25")
+    assert cfg.actor_rollout_ref.rollout.over_sample_rate == 0.25
+    (msg,) = problems("actor_rollout_ref.rollout.over_sample_rate=1.5")
+    assert "[0, 1)" in msg
+    rows = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    (msg,) = problems(*rows, "actor_rollout_ref.rollout.over_sample_rate=0.9")
+    assert "= 0 of a generation's 4 rows" in msg
+    (msg,) = problems("actor_rollout_ref.rollout.over_sample_rate=0.25",
+                      "actor_rollout_ref.rollout.multi_turn.enable=true")  # fmt: skip
+    assert "single-turn" in msg

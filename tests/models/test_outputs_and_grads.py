@@ -80,6 +80,46 @@ def test_chunked_equals_whole(model, inputs, chunk_size):
     np.testing.assert_allclose(chunked[1], whole[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_top_k_and_log_probs_at_ids_equal_torch(model, inputs, chunk_size):
+    """The distillation passes' statistics, chunked (with padding: 16 positions in chunks of
+    5) or not: `top_k` gives torch's top-k of log softmax(logits / T) (values and ids), `ids`
+    the log-probs at given ids [B, T, K], aligned with their positions; the gradient through
+    the gathered log-probs equals the whole-sequence one."""
+    import torch
+
+    config, params = model
+    ids, mask = inputs
+    temperature, k = 0.7, 4
+    logits = np.asarray(M.forward(config, params, ids, mask), np.float32)
+    z = torch.log_softmax(torch.tensor(logits) / temperature, dim=-1)
+    want_values, want_ids = torch.topk(z, k, dim=-1)
+    rng = np.random.RandomState(0)
+    picked = rng.randint(0, logits.shape[-1], (*ids.shape, 3)).astype(np.int32)
+    want_at = torch.gather(z, -1, torch.tensor(picked, dtype=torch.long)).numpy()
+    h = M.hidden_states(config, params, ids, mask)
+    targets = np.roll(ids, -1, axis=1)
+
+    def stats(h_, chunk):
+        return M.token_statistics(config, params, h_, targets, ("log_probs",),
+                                  temperature=temperature, chunk_size=chunk,
+                                  ids=jnp.asarray(picked), top_k=k)  # fmt: skip
+
+    got = {name: np.asarray(x) for name, x in stats(h, chunk_size).items()}
+    real = np.asarray(mask) > 0  # left padding's hidden states are not the forward's
+    np.testing.assert_allclose(got["top_k_log_probs"][real], want_values.numpy()[real],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    np.testing.assert_array_equal(got["top_k_ids"][real], want_ids.numpy()[real])
+    assert got["top_k_ids"].dtype == np.int32
+    np.testing.assert_allclose(got["ids_log_probs"][real], want_at[real], rtol=1e-5, atol=1e-5)
+
+    def gathered(h_, chunk):
+        return jnp.sum(stats(h_, chunk)["ids_log_probs"] * jnp.arange(3.0))
+
+    np.testing.assert_allclose(jax.grad(gathered)(h, chunk_size), jax.grad(gathered)(h, None),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 def test_chunking_bounds_logit_memory():
     """The compiled gradient never holds all [B, T, V] float32 logits at once."""
     config = tiny_decoder(

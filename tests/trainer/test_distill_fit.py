@@ -11,6 +11,7 @@ from test_fit import config
 from jaxrl.data import load_tokenizer
 from jaxrl.data.synthetic import write_tokenizer
 from jaxrl.sharding.processes import to_host
+from jaxrl.train import preflight_problems
 from jaxrl.trainer.fit import fit
 from jaxrl.trainer.loggers import read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer
@@ -19,13 +20,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def write_teacher(folder, student_dir, tokenizer_dir=None, seed=1):
+def write_teacher(folder, student_dir, tokenizer_dir=None, seed=1, extra_vocab=0):
     """A random Qwen2 causal LM (hidden 96, 3 layers: not the student's Llama shape) with the
-    student's vocabulary size and the tokenizer of `tokenizer_dir` (default the student's)."""
+    student's vocabulary size (+ `extra_vocab` padding rows) and the tokenizer of
+    `tokenizer_dir` (default the student's)."""
     student = transformers.AutoConfig.from_pretrained(student_dir)
     torch.manual_seed(seed)
     hf = transformers.Qwen2Config(
-        vocab_size=student.vocab_size, hidden_size=96, intermediate_size=160,
+        vocab_size=student.vocab_size + extra_vocab, hidden_size=96, intermediate_size=160,
         num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
         max_position_embeddings=student.max_position_embeddings, tie_word_embeddings=False,
         pad_token_id=student.pad_token_id, eos_token_id=student.eos_token_id,
@@ -194,3 +196,16 @@ def test_top_k_forward_kl_through_the_trainer(assets, tmp_path, monkeypatch):
         assert np.isfinite(row[key]), key
     assert 0 < row["distillation/teacher_mass"] <= 1
     assert row["distillation/loss_min"] >= 0  # the top-k sum is clamped at 0, as verl
+
+
+def test_top_k_teacher_with_a_larger_embedding_is_named(assets, tmp_path):
+    """forward_kl_topk: a teacher padded past the student's vocabulary could rank an id the
+    student does not have; the preflight names it, and a top-k above the vocabulary."""
+    teacher = write_teacher(tmp_path / "teacher", assets / "model", extra_vocab=8)
+    topk = ["distillation.distillation_loss.loss_mode=forward_kl_topk"]
+    problems = preflight_problems(config(assets, tmp_path / "run", *distill(teacher), *topk,
+                                         "distillation.distillation_loss.topk=4"))  # fmt: skip
+    assert len(problems) == 1 and "embedding has" in problems[0]
+    problems = preflight_problems(config(assets, tmp_path / "run", *distill(teacher), *topk,
+                                         "distillation.distillation_loss.topk=1000"))  # fmt: skip
+    assert any("more than the vocabulary" in p for p in problems)
