@@ -57,7 +57,7 @@ def test_device_groups_from_jaxrl_and_verl_keys(assets, tmp_path):
         "reward_model.n_gpus_per_node=1",
         "reward_model.nnodes=1",
     )
-    assert placed_devices(cfg) == {"rollout": 2, "ref": 0, "critic": 2, "reward": 1}
+    assert placed_devices(cfg) == {"rollout": 2, "ref": 0, "critic": 2, "reward": 1, "teacher": 0}
     groups = role_devices(cfg, 8)
     assert groups == {
         "train": range(0, 3),
