@@ -59,14 +59,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _model_context(path: str, override: typing.Mapping[str, object]) -> int | None:
-    """`max_position_embeddings` of a local checkpoint folder, or None when it is not here."""
+def _hf_config(path: str, override: typing.Mapping[str, object] | None = None) -> dict:
+    """A local checkpoint's `config.json` with `override` applied, or {} when it is not here."""
     config_json = Path(path).expanduser() / "config.json"
     if not config_json.is_file():
-        return None
-    hf = json.loads(config_json.read_text())
-    hf.update(override)
-    return hf.get("max_position_embeddings")
+        return {}
+    return {**json.loads(config_json.read_text()), **(override or {})}
+
+
+def _model_context(path: str, override: typing.Mapping[str, object]) -> int | None:
+    """`max_position_embeddings` of a local checkpoint folder, or None when it is not here."""
+    return _hf_config(path, override).get("max_position_embeddings")
 
 
 def folder_problems(cfg: Config) -> list[str]:
@@ -126,7 +129,7 @@ def _top_k_problems(cfg: Config, teacher: str) -> list[str]:
     if loss.loss_mode != "forward_kl_topk":
         return []
     student, teacher_vocab = (
-        _hf_field(path, "vocab_size") for path in (cfg.actor_rollout_ref.model.path, teacher)
+        _hf_config(path).get("vocab_size") for path in (cfg.actor_rollout_ref.model.path, teacher)
     )
     known = [v for v in (student, teacher_vocab) if v is not None]
     problems = []
@@ -142,12 +145,6 @@ def _top_k_problems(cfg: Config, teacher: str) -> list[str]:
             "token (the same tokenizer padded to a smaller or equal size)"
         )
     return problems
-
-
-def _hf_field(path: str, name: str) -> typing.Any:
-    """A field of a local checkpoint's `config.json`, or None when it is not here."""
-    config_json = Path(path).expanduser() / "config.json"
-    return json.loads(config_json.read_text()).get(name) if config_json.is_file() else None
 
 
 def _files(files) -> str:

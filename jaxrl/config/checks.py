@@ -352,6 +352,27 @@ def _check_sampling(cfg: Config, p: _Problems) -> None:
         )
 
 
+def _check_over_sample(cfg: Config, p: _Problems) -> None:
+    """`rollout.over_sample_rate`: in [0, 1), leaving at least one row of a generation to
+    finish, single-turn only."""
+    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.over_sample_rate"
+    rate = rollout.over_sample_rate
+    if not 0.0 <= rate < 1.0:
+        p.append(f"{key}={rate}: must be in [0, 1)")
+        return
+    rows = (cfg.data.gen_batch_size or cfg.data.train_batch_size) * rollout.n
+    if rate and int(rows * (1 - rate)) < 1:
+        p.append(
+            f"{key}={rate} lets int({rows} x (1 - {rate})) = 0 of a generation's {rows} rows "
+            f"finish: lower it below {1 - 1 / rows:.4g}"
+        )
+    if rate and rollout.multi_turn.enable:
+        p.append(
+            f"{key}={rate} with actor_rollout_ref.rollout.multi_turn.enable: the early abort is "
+            "built for single-turn rollouts only; set it to 0"
+        )
+
+
 def _check_algorithm(cfg: Config, p: _Problems) -> None:
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     if algo.adv_estimator == "gae" and cfg.critic.enable is False:
@@ -574,6 +595,7 @@ def check(cfg: Config, *, num_devices: int | None = None) -> None:
     _check_choices(cfg, p)
     _check_ranges(cfg, p)
     _check_sampling(cfg, p)
+    _check_over_sample(cfg, p)
     _check_algorithm(cfg, p)
     _check_multi_turn(cfg, p)
     _check_distillation(cfg, p)
@@ -657,20 +679,6 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
 
 def _check_multi_turn(cfg: Config, p: _Problems) -> None:
     key = "actor_rollout_ref.rollout.multi_turn"
-    rate = cfg.actor_rollout_ref.rollout.over_sample_rate
-    if not 0.0 <= rate < 1.0:
-        p.append(f"actor_rollout_ref.rollout.over_sample_rate={rate}: must be in [0, 1)")
-    rows = (cfg.data.gen_batch_size or cfg.data.train_batch_size) * cfg.actor_rollout_ref.rollout.n
-    if 0.0 < rate < 1.0 and int(rows * (1 - rate)) < 1:
-        p.append(
-            f"actor_rollout_ref.rollout.over_sample_rate={rate} lets int({rows} x (1 - {rate})) "
-            f"= 0 of a generation's {rows} rows finish: lower it below {1 - 1 / rows:.4g}"
-        )
-    if rate and cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        p.append(
-            f"actor_rollout_ref.rollout.over_sample_rate={rate} with {key}.enable: the early "
-            "abort is built for single-turn rollouts only; set it to 0"
-        )
     p.choice(cfg, f"{key}.format", TOOL_FORMATS)
     p.choice(cfg, f"{key}.tool_response_truncate_side", ("left", "middle", "right"))
     p.choice(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_LOOPS)

@@ -3,7 +3,7 @@
 The student samples responses; a frozen teacher scores the sampled tokens. With the student's
 log-probs s_t = log pi(y_t) and the teacher's t_t = log pi_T(y_t) of each response token, the
 per-token loss l_t is a single-sample estimate of the reverse KL(pi || pi_T) (`loss_mode`, the
-estimators of `kl_penalty`):
+estimators of `kl_penalty_forward(s, t, loss_mode)`):
 
     k1 / kl:        s - t                       abs:  |s - t|
     k2 / mse:       (s - t)^2 / 2               k3 / low_var_kl:  exp(t - s) - (t - s) - 1
@@ -41,17 +41,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl.core_algos.aggregation import agg_loss
 from jaxrl.core_algos.common import abs_, cfg_get, clamp, masked_mean
-from jaxrl.core_algos.kl import kl_penalty_forward
 from jaxrl.core_algos.policy_losses import compute_policy_loss_vanilla
-
-
-def token_losses(
-    student_log_probs: Float[Array, "b r"],
-    teacher_log_probs: Float[Array, "b r"],
-    loss_mode: str,
-) -> Float[Array, "b r"]:
-    """The per-token distillation loss of the sampled tokens (the estimator `loss_mode`)."""
-    return kl_penalty_forward(student_log_probs, teacher_log_probs, loss_mode)
 
 
 def estimator_metrics(losses: Float[Array, "b r"], mask: Float[Array, "b r"]) -> dict:

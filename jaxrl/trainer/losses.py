@@ -33,8 +33,8 @@ from jaxrl.core_algos.distillation import (
     distillation_loss,
     estimator_metrics,
     forward_kl_topk,
-    token_losses,
 )
+from jaxrl.core_algos.kl import kl_penalty_forward
 from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
 from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
@@ -127,7 +127,8 @@ def _distillation_terms(stats, mb, mask, distill_cfg) -> tuple[Array, dict]:
     student's log-probs at the teacher's top-k ids, else the estimator on the sampled
     tokens."""
     if distill_cfg.loss_mode != "forward_kl_topk":
-        losses = token_losses(stats["log_probs"], mb["teacher_log_probs"], distill_cfg.loss_mode)
+        mode = distill_cfg.loss_mode
+        losses = kl_penalty_forward(stats["log_probs"], mb["teacher_log_probs"], mode)
         return losses, estimator_metrics(losses, mask)
     return forward_kl_topk(
         stats["ids_log_probs"], mb["teacher_topk_log_probs"], stats["top_k_ids"],

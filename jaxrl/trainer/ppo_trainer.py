@@ -678,7 +678,7 @@ class PPOTrainer:
         on_policy = self._on_policy(prompts * n)
         fields = ("advantages", "old_log_probs")
         fields += ("ref_log_probs",) if ref is not None else ()
-        top_k = self.teacher_top_k if teacher is not None else None
+        top_k = self.teacher_top_k  # None without a teacher
         fields += ("teacher_log_probs",) if teacher is not None and top_k is None else ()
         fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)

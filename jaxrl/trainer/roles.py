@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 from jaxrl.config.checks import critic_enabled, lora_enabled, reference_enabled, teachers
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, LoraSpec
-from jaxrl.models.hf_io import from_pretrained, load_config
+from jaxrl.models.hf_io import checkpoint_problems, from_pretrained, load_config
 from jaxrl.models.params import abstract_params, adapter_spec, param_shardings
 from jaxrl.models.peft_io import load_adapter, read_spec
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
@@ -224,11 +224,10 @@ def check_teacher_tokenizer(path: str, tokenizer: Any) -> None:
     """Raise ValueError unless the teacher checkpoint `path` ships a tokenizer with the
     student's vocabulary (the same token ids: the teacher scores the student's tokens as
     they are)."""
-    if not (Path(path).expanduser() / "config.json").is_file():
+    if problems := checkpoint_problems(path):
         raise ValueError(
-            f"distillation.teacher_models.*.model_path={path}: no HF model folder there (no "
-            "config.json); point it at the teacher's checkpoint folder (`python -m "
-            "jaxrl.export` writes one from a jaxrl run)"
+            f"distillation.teacher_models.*.model_path={path}: {problems[0]}; point it at the "
+            "teacher's checkpoint folder (`python -m jaxrl.export` writes one from a jaxrl run)"
         )
     try:
         teacher = AutoTokenizer.from_pretrained(str(Path(path).expanduser()))

@@ -17,6 +17,7 @@ import pytest
 
 import jaxrl.core_algos.distillation as D
 import jaxrl.models.outputs as OUT
+from jaxrl.core_algos.kl import kl_penalty_forward
 from jaxrl.testing.reference import import_reference
 
 ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -106,7 +107,7 @@ def test_loss_gradient_and_metrics_equal_verls(mode, policy_gradient, agg_mode):
     ref_loss, ref_grad, ref_metrics = verl_distillation(loss_cfg, rows_, agg_mode, info)
 
     def ours(lp_):
-        losses = D.token_losses(lp_, jnp.asarray(teacher), mode)
+        losses = kl_penalty_forward(lp_, jnp.asarray(teacher), mode)
         loss, metrics = D.distillation_loss(
             losses, lp_, jnp.asarray(old), jnp.asarray(loss_mask), loss_cfg=loss_cfg,
             loss_agg_mode=agg_mode, info={**info, "loss_scale_factor": None},
@@ -123,12 +124,23 @@ def test_loss_gradient_and_metrics_equal_verls(mode, policy_gradient, agg_mode):
 
 
 @pytest.mark.parametrize("use_task_rewards", [True, False])
-def test_combined_with_the_policy_loss_as_verl(use_task_rewards):
-    """verl's `distillation_ppo_loss`: ppo + coef * distill with task rewards, else distill
-    alone (coef unused)."""
-    cfg = types.SimpleNamespace(use_task_rewards=use_task_rewards, distillation_loss_coef=0.25)
-    out = float(D.combine(jnp.float32(2.0), jnp.float32(4.0), cfg))
-    assert out == (2.0 + 0.25 * 4.0 if use_task_rewards else 4.0)
+@pytest.mark.parametrize("policy_gradient", [False, True])
+def test_combined_with_the_policy_loss_as_verl(monkeypatch, use_task_rewards, policy_gradient):
+    """verl's own `distillation_ppo_loss`, its PPO and distillation terms stubbed to 2 and 4:
+    the actor's loss is `combine` of the two (ppo + coef * distill with task rewards, else
+    distill alone, whichever `use_policy_gradient`)."""
+    losses = import_reference("verl.trainer.distillation.losses")
+    config_mod = import_reference("verl.workers.config")
+    monkeypatch.setattr(losses, "ppo_loss", lambda *a, **k: (2.0, {}))
+    monkeypatch.setattr(losses, "distillation_loss", lambda *a, **k: (4.0, {}))
+    cfg = config_mod.DistillationLossConfig(
+        loss_mode="k1" if policy_gradient else "k3", use_task_rewards=use_task_rewards,
+        use_policy_gradient=policy_gradient, distillation_loss_coef=0.25,
+    )  # fmt: skip
+    want, _ = losses.distillation_ppo_loss(
+        None, types.SimpleNamespace(distillation_loss=cfg), model_output={}, data={}
+    )
+    assert float(D.combine(jnp.float32(2.0), jnp.float32(4.0), cfg)) == float(want)
 
 
 def packed_logits(logits_brv, prompt_mask, response_mask) -> np.ndarray:

@@ -6,11 +6,11 @@ refused."""
 
 import numpy as np
 import pytest
+from _hf import hf_response_logits
 from test_fit import config
 
 from jaxrl.data import load_tokenizer
 from jaxrl.data.synthetic import write_tokenizer
-from jaxrl.sharding.processes import to_host
 from jaxrl.train import preflight_problems
 from jaxrl.trainer.fit import fit
 from jaxrl.trainer.loggers import read_metrics
@@ -45,47 +45,26 @@ def distill(teacher, *extra):
             "trainer.test_freq=-1", "trainer.val_before_train=false", *extra]  # fmt: skip
 
 
-def torch_logits(folder, host) -> np.ndarray:
-    """The HF torch model's logits [N, R, V] at the positions predicting the batch's
-    response tokens."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids = np.concatenate([host["prompts"], host["responses"]], axis=1)
-    attention = np.concatenate([host["prompt_mask"], host["response_mask"]], axis=1)
-    positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
-                    position_ids=torch.tensor(positions)).logits  # fmt: skip
-    p, r = host["prompts"].shape[1], host["responses"].shape[1]
-    return logits[:, p - 1 : p - 1 + r].float().numpy()
-
-
 def torch_log_probs(folder, host) -> np.ndarray:
     """The HF torch model's log-probs of the batch's response tokens [N, R]."""
-    z = torch.log_softmax(torch.tensor(torch_logits(folder, host)), dim=-1)
+    z = torch.log_softmax(torch.tensor(hf_response_logits(folder, host)), dim=-1)
     return torch.gather(z, -1, torch.tensor(host["responses"])[..., None])[..., 0].numpy()
 
 
 @pytest.mark.entry
-def test_teacher_scores_as_torch_and_distillation_trains_the_student(assets, tmp_path, monkeypatch):
+def test_teacher_scores_as_torch_and_distillation_trains_the_student(
+    assets, tmp_path, step_batches
+):
     """Distillation alone (`use_task_rewards=false`, k3 backpropagated): step 1's teacher
     log-probs equal the HF torch teacher's on the same rows, the step logs verl's
     distillation metrics, and over 16 steps the student's k3 distance to the teacher falls by
     more than 40% (last 4 steps against the first 4)."""
     teacher = write_teacher(tmp_path / "teacher", assets / "model")
-    captured = []
-    advantages = PPOTrainer._advantages
-
-    def spy(self, batch, extra, scalars):
-        out = advantages(self, batch, extra, scalars)
-        captured.append(to_host(out[0].present()))
-        return out
-
-    monkeypatch.setattr(PPOTrainer, "_advantages", spy)
     run = tmp_path / "run"
     fit(config(assets, run, *distill(teacher, "trainer.total_training_steps=16",
                "distillation.distillation_loss.use_task_rewards=false",
                "actor_rollout_ref.actor.optim.lr=1e-2")))  # fmt: skip
-    host = captured[0]
+    host = step_batches[0]
     mask = host["response_mask"].astype(np.float32)
     want = torch_log_probs(teacher, host)
     np.testing.assert_allclose(host["teacher_log_probs"] * mask, want * mask, rtol=1e-4, atol=1e-4)
@@ -162,28 +141,19 @@ def test_teacher_on_devices_of_its_own_equals_colocated(assets, tmp_path, monkey
 
 
 @pytest.mark.entry
-def test_top_k_forward_kl_through_the_trainer(assets, tmp_path, monkeypatch):
+def test_top_k_forward_kl_through_the_trainer(assets, tmp_path, step_batches):
     """`forward_kl_topk` (k = 4, backpropagated): the teacher pass's top-k log-probs and ids
     equal the HF torch teacher's top-4 on the step's rows, and the step logs verl's top-k
     metrics (the masses and the overlap of the two top-k sets)."""
     teacher = write_teacher(tmp_path / "teacher", assets / "model")
-    captured = []
-    advantages = PPOTrainer._advantages
-
-    def spy(self, batch, extra, scalars):
-        out = advantages(self, batch, extra, scalars)
-        captured.append(to_host(out[0].present()))
-        return out
-
-    monkeypatch.setattr(PPOTrainer, "_advantages", spy)
     run = tmp_path / "run"
     fit(config(assets, run, *distill(teacher, "trainer.total_training_steps=1",
                "distillation.distillation_loss.loss_mode=forward_kl_topk",
                "distillation.distillation_loss.topk=4",
                "distillation.distillation_loss.log_prob_min_clamp=-10")))  # fmt: skip
-    (host,) = captured
+    (host,) = step_batches
     mask = host["response_mask"].astype(bool)
-    z = torch.log_softmax(torch.tensor(torch_logits(teacher, host)), dim=-1)
+    z = torch.log_softmax(torch.tensor(hf_response_logits(teacher, host)), dim=-1)
     want_lp, want_ids = torch.topk(z, 4, dim=-1)
     np.testing.assert_allclose(host["teacher_topk_log_probs"][mask], want_lp.numpy()[mask],
                                rtol=1e-4, atol=1e-4)  # fmt: skip

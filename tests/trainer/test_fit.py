@@ -11,6 +11,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from _hf import hf_response_logits
 from _quickstart import asset_paths
 
 from jaxrl.config import load_config
@@ -258,7 +259,7 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
     torch = pytest.importorskip("torch")
     verl = import_reference()
     torch_functional = import_reference("verl.utils.torch_functional")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     captured = []
     advantages = PPOTrainer._advantages
 
@@ -277,15 +278,7 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
     ((temperature, host),) = captured
     mask = host["loss_mask"].astype(np.float32)
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(f"{assets}/model", dtype=torch.float32)
-    ids = np.concatenate([host["prompts"], host["responses"]], axis=1)
-    attention = np.concatenate([host["prompt_mask"], host["response_mask"]], axis=1)
-    positions = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
-                    position_ids=torch.tensor(positions)).logits  # fmt: skip
-    p, r = host["prompts"].shape[1], host["responses"].shape[1]
-    z = logits[:, p - 1 : p - 1 + r] / temperature  # position t predicts response token t
+    z = torch.tensor(hf_response_logits(assets / "model", host)) / temperature
     want = torch_functional.calculate_sum_pi_squared_from_logits(z).numpy()
     np.testing.assert_allclose(host["sum_pi_squared"] * mask, want * mask, rtol=1e-4, atol=1e-5)
 
