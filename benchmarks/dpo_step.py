@@ -11,14 +11,17 @@ sequences in micro-batches of `--micro` pairs (chosen and rejected in one forwar
 AdamW step (sigmoid loss, beta 0.1, lr 1e-6, clip 1.0). Median of `--repeats` steps after one
 warm-up step, for each; TRL with the same thread count, float32, `adamw_torch`, gradient
 accumulation over the micro-batches, no gradient checkpointing. JSON on the last line:
-seconds per step of each and the ratio (TRL / jaxrl).
+seconds per step of each and the ratio (TRL / jaxrl). Each framework's step times also go to
+stderr the moment it finishes (a long run cut short keeps jaxrl's figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -136,7 +139,9 @@ def main() -> None:
         records = pairs(args.pairs, args.prompt_len, args.completion_len)
         data = write_parquet(records, tmp / "pairs.parquet")
         jaxrl_s = bench_jaxrl(model, tokenizer, data, args, tmp / "run")
+        print(json.dumps({"jaxrl_all_s": jaxrl_s}), file=sys.stderr, flush=True)
         trl_s = [] if args.no_trl else bench_trl(model, tokenizer, records, args, tmp / "trl")
+        print(json.dumps({"trl_all_s": trl_s}), file=sys.stderr, flush=True)
     result = {
         "benchmark": "dpo_step",
         "size": args.size,

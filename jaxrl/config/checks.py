@@ -224,6 +224,7 @@ def _check_choices(cfg: Config, p: _Problems) -> None:
             "the KL penalty needs the log-probs of responses not yet filtered (verl's recipe "
             "fails here too); use seq_reward, or use_kl_in_reward=false"
         )
+    _check_streaming(cfg, p)
     if data.gen_batch_size not in (None, data.train_batch_size) and not fg.enable:
         p.append(
             f"data.gen_batch_size={data.gen_batch_size} differs from data.train_batch_size="
@@ -349,6 +350,38 @@ def _check_sampling(cfg: Config, p: _Problems) -> None:
         p.append(
             f"actor_rollout_ref.rollout.max_model_len ({rollout.max_model_len}) is below "
             f"prompt_length + response_length ({total}); raise it or leave it null"
+        )
+
+
+def _check_streaming(cfg: Config, p: _Problems) -> None:
+    """`algorithm.filter_groups.streaming`: dynamic sampling through the engine's slots, for
+    batch generation of at least one group's responses at once."""
+    fg, rollout = cfg.algorithm.filter_groups, cfg.actor_rollout_ref.rollout
+    if not fg.streaming:
+        return
+    key = "algorithm.filter_groups.streaming=true"
+    if not fg.enable:
+        p.append(f"{key} streams dynamic sampling: set algorithm.filter_groups.enable=true too")
+    if rollout.multi_turn.enable:
+        p.append(
+            f"{key} with actor_rollout_ref.rollout.multi_turn.enable: streaming judges single "
+            "responses; set streaming=false for the agent loop"
+        )
+    if rollout.over_sample_rate > 0:
+        p.append(
+            f"{key} with actor_rollout_ref.rollout.over_sample_rate={rollout.over_sample_rate}:"
+            " the stream already stops once enough groups are kept; set the rate to 0"
+        )
+    if cfg.algorithm.adv_estimator == "remax":
+        p.append(
+            f"{key} with adv_estimator=remax: ReMax's greedy baselines are generated per batch;"
+            " set streaming=false"
+        )
+    if rollout.max_num_seqs < rollout.n:
+        p.append(
+            f"{key} holds a group's rollout.n={rollout.n} responses in the engine's slots at "
+            f"once: raise actor_rollout_ref.rollout.max_num_seqs ({rollout.max_num_seqs}) to at "
+            f"least {rollout.n}"
         )
 
 

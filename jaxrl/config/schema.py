@@ -709,11 +709,17 @@ class FilterGroupsConfig:
             `score`, ...).
         max_num_gen_batches: Stop the run when a step has generated this many batches without
             enough groups; 0 or less: no limit.
+        streaming: *jaxrl*. Instead of whole generation batches, keep the rollout engine's
+            `max_num_seqs` slots full of groups, judge each group the moment its responses
+            end, and stop generating once `train_batch_size` groups are kept (fewer tokens
+            per trained group; `training/filter_groups/sampled_tokens_per_group`). One
+            process, batch generation (no multi-turn), no over-sampling, not with ReMax.
     """
 
     enable: bool = False
     metric: str | None = None
     max_num_gen_batches: int = 0
+    streaming: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,30 @@ A run takes `trainer.total_training_steps` steps (default: generation batches pe
 `total_epochs`), each drawing as many generation batches as it needs from the endless loader:
 it may pass over the data more than `total_epochs` times, where verl's recipe stops when its
 `total_epochs` passes end.
+
+With `filter_groups.streaming` (jaxrl's, not verl's), the groups flow through the rollout
+engine's slots instead of whole batches (`jaxrl.rollout.streaming`): each group is scored and
+judged by the rule above the moment its n responses end, freed slots take the next prompts,
+and generation stops once `train_batch_size` groups are kept (the groups still running are
+aborted). `GroupJudge` is the judge: it scores a group with the reward function and keeps its
+rows. The same metrics come out (`train/num_gen_batches` counts the prompt batches drawn,
+`discarded_surplus_samples` is 0, `aborted_groups` the groups cut at the stop), the reward
+manager's metrics are summed over every judged group (they are counts), and
+`sampled_tokens_per_group` (every response token sampled in the step over the groups trained
+on, in both modes) compares the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxrl.data.batch import PromptBatch
+from jaxrl.rollout.streaming import GroupRollout, StreamStats
 from jaxrl.trainer.batch import PROMPT_FIELDS
 
 # the per-response values of `filter_groups.metric` computed from the batch, not read from the
@@ -89,6 +103,23 @@ def select_rows(rows: Mapping[str, np.ndarray], index: np.ndarray) -> dict[str, 
     return {k: np.asarray(v)[index] for k, v in rows.items()}
 
 
+def merged_extra(
+    rows: Sequence[Mapping[str, np.ndarray]], extra: Sequence[Mapping[str, list]]
+) -> dict[str, list]:
+    """The parts' extra info, row after row; a key one part's reward function did not return
+    is None on its rows."""
+    keys = sorted({k for part in extra for k in part})
+    sizes = [len(part["group_ids"]) for part in rows]
+    return {k: [v for size, part in zip(sizes, extra, strict=True)
+                for v in part.get(k, [None] * size)] for k in keys}  # fmt: skip
+
+
+NO_MORE_PROMPTS = (
+    "algorithm.filter_groups needs more prompts than one batch: give PPOTrainer a "
+    "prompt_source (fit passes its train loader)"
+)
+
+
 def concat_rows(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Row-wise concatenation of host batches whose columns may differ in width: prompt
     fields are padded on the left, [N, R] fields on the right (with 0)."""
@@ -117,6 +148,7 @@ class GroupPool:
         groups: Groups kept so far.
         generated: Groups generated so far.
         batches: Generation batches so far.
+        tokens: Response tokens generated so far (kept or not).
     """
 
     rows: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
@@ -125,6 +157,7 @@ class GroupPool:
     groups: int = 0
     generated: int = 0
     batches: int = 0
+    tokens: int = 0
 
     def add(
         self,
@@ -136,6 +169,7 @@ class GroupPool:
         """Keep the groups of one generation batch (`rows["group_ids"]`, `values` [N]) that
         pass the rule; their group ids are renumbered after the pool's."""
         self.batches += 1
+        self.tokens += int(np.asarray(rows["response_mask"]).sum())
         group_ids = np.asarray(rows["group_ids"])
         self.generated += len(np.unique(group_ids))
         index, kept = kept_rows(group_ids, values)
@@ -160,11 +194,7 @@ class GroupPool:
         """The first `groups` kept groups: (rows, extra info, conversations or None)."""
         rows = concat_rows(self.rows)
         keep = np.flatnonzero(rows["group_ids"] < groups)
-        # a key one batch's reward function did not return is None on its rows
-        keys = sorted({k for part in self.extra for k in part})
-        sizes = [len(rows["group_ids"]) for rows in self.rows]
-        extra = {k: [v for size, part in zip(sizes, self.extra, strict=True)
-                     for v in part.get(k, [None] * size)] for k in keys}  # fmt: skip
+        extra = merged_extra(self.rows, self.extra)
         conversations = None
         if self.conversations[0] is not None:
             everything = [c for part in self.conversations for c in part]
@@ -176,12 +206,82 @@ class GroupPool:
         )
 
     def metrics(self, groups: int) -> dict[str, float]:
-        """verl's `train/num_gen_batches` and v1's filter counts (in groups)."""
+        """verl's `train/num_gen_batches` and v1's filter counts (in groups), and jaxrl's
+        response tokens generated per trained group."""
         return {
             "train/num_gen_batches": float(self.batches),
             "training/filter_groups/evicted_samples": float(self.generated - self.groups),
             "training/filter_groups/discarded_surplus_samples": float(self.groups - groups),
+            "training/filter_groups/sampled_tokens_per_group": self.tokens / groups,
         }
+
+
+class GroupJudge:
+    """Scores each finished group of the stream and keeps it by the rule (module doc).
+
+    Args:
+        reward_fn: The trainer's reward function (`RewardFn`).
+        metric: `filter_groups.metric`.
+        timing: The step's timings: the scoring adds to its `reward`.
+    """
+
+    def __init__(self, reward_fn: Callable, metric: str, timing: dict[str, float]):
+        self.reward_fn, self.metric, self.timing = reward_fn, metric, timing
+        self.sources: list[PromptBatch] = []
+        self.rows: list[dict[str, np.ndarray]] = []
+        self.extra: list[dict[str, list]] = []
+        self.reward_metrics: dict[str, float] = {}
+
+    def batches(
+        self, first: PromptBatch, more: Iterator[PromptBatch] | None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The stream's prompt arrays: `first`, then `more`'s batches (kept for scoring)."""
+        batch = first
+        while True:
+            self.sources.append(batch)
+            yield batch.input_ids, batch.attention_mask
+            if more is None:
+                raise ValueError(NO_MORE_PROMPTS)
+            batch = next(more)
+
+    def __call__(self, group: GroupRollout) -> bool:
+        """Score the group; keep its rows if its `metric` varies (or it has one response)."""
+        start = time.perf_counter()
+        n = len(group.responses)
+        prompts = self.sources[group.batch].select(np.asarray([group.row])).repeat(n)
+        scores, reward_metrics, extra = self.reward_fn(
+            prompts, group.responses, group.response_mask
+        )
+        for k, v in reward_metrics.items():
+            self.reward_metrics[k] = self.reward_metrics.get(k, 0.0) + float(v)
+        values = metric_values(self.metric, scores, extra)
+        keep = n == 1 or bool(np.std(values) > 0)
+        if keep:
+            self.rows.append({
+                "prompts": prompts.input_ids, "prompt_mask": prompts.attention_mask,
+                "responses": group.responses, "response_mask": group.response_mask,
+                "token_level_scores": np.asarray(scores, np.float32),
+                "rollout_log_probs": group.log_probs,
+                "group_ids": np.full(n, len(self.rows), np.int32),
+            })  # fmt: skip
+            self.extra.append({k: list(v) for k, v in extra.items()})
+        self.timing["reward"] = self.timing.get("reward", 0.0) + time.perf_counter() - start
+        return keep
+
+    def take(self) -> tuple[dict[str, np.ndarray], dict[str, list]]:
+        """The kept groups' rows (in the order they were kept) and extra info."""
+        return concat_rows(self.rows), merged_extra(self.rows, self.extra)
+
+
+def stream_metrics(stats: StreamStats, groups: int) -> dict[str, float]:
+    """The streamed step's filter metrics (module doc)."""
+    return {
+        "train/num_gen_batches": float(stats.batches),
+        "training/filter_groups/evicted_samples": float(stats.finished - stats.kept),
+        "training/filter_groups/discarded_surplus_samples": 0.0,
+        "training/filter_groups/aborted_groups": float(stats.aborted),
+        "training/filter_groups/sampled_tokens_per_group": stats.sampled_tokens / groups,
+    }
 
 
 class DynamicSamplingError(RuntimeError):

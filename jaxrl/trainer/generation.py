@@ -2,6 +2,8 @@
 
     rollout = StepRollout(cfg, cluster, tokenizer)
     gen = rollout.generate(prompts, sampling, rng)   # Generated: rows, log-probs, metrics
+    rollout.stream(batches, sampling, rng, judge, target=16, max_groups=None)
+                                                     # streamed dynamic sampling
     rollout.close()                                  # stop the tool runner
 
 Either way the rollout gets the actor's weights first and, colocated, frees them after (the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -33,6 +36,7 @@ from jaxrl.agent import (
 )
 from jaxrl.data.batch import PromptBatch, object_array
 from jaxrl.rollout import SamplingParams
+from jaxrl.rollout.streaming import GroupRollout, StreamResult, stream_groups
 from jaxrl.sharding.processes import to_host
 from jaxrl.trainer.cluster import Cluster
 
@@ -132,6 +136,34 @@ class StepRollout:
         finally:
             if self.cluster.rollout_colocated:
                 rollout.release()
+
+    def stream(
+        self,
+        batches: Iterator[tuple[np.ndarray, np.ndarray]],
+        sampling: SamplingParams,
+        rng: jax.Array,
+        judge: Callable[[GroupRollout], bool],
+        *,
+        target: int,
+        max_groups: int | None,
+    ) -> StreamResult:
+        """`jaxrl.rollout.stream_groups` on the rollout engine (streamed dynamic sampling),
+        with the actor's weights; one process, batch generation only (the config checks
+        refuse multi-turn)."""
+        if jax.process_count() > 1:
+            raise ValueError(
+                "algorithm.filter_groups.streaming runs in one process for now (this run has "
+                f"{jax.process_count()}): set it to false for multi-process runs"
+            )
+        self.cluster.sync_weights()
+        try:
+            return stream_groups(
+                self.cluster.rollout, batches, sampling, rng, judge,
+                target=target, max_groups=max_groups,
+            )  # fmt: skip
+        finally:
+            if self.cluster.rollout_colocated:
+                self.cluster.rollout.release()
 
     def _batch(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
         names = prompts.agent_name if prompts.agent_name is not None else ()

@@ -60,7 +60,15 @@ from jaxrl.trainer.advantage import (
 )
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
-from jaxrl.trainer.dynamic_sampling import GroupPool, metric_values
+from jaxrl.trainer.dynamic_sampling import (
+    NO_MORE_PROMPTS,
+    DynamicSamplingError,
+    GroupJudge,
+    GroupPool,
+    metric_values,
+    stream_metrics,
+    too_many_batches_message,
+)
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.generation import Generated, StepRollout
 from jaxrl.trainer.learner import compile_infer, infer
@@ -563,6 +571,8 @@ class PPOTrainer:
         `train_batch_size`. Batch k > 0 samples from `fold_in(key(seed + 3), step)` folded
         with k (batch 0 from the step's key), so a resumed run generates the same."""
         fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        if fg.streaming:
+            return self._streamed_sampling(prompts, rng, timing, metrics)
         extra_key = jax.random.fold_in(
             jax.random.key(self.cfg.actor_rollout_ref.rollout.seed + 3), global_step
         )
@@ -576,14 +586,37 @@ class PPOTrainer:
             if pool.full(target, fg.max_num_gen_batches):
                 break
             if self.prompt_source is None:
-                raise ValueError(
-                    "algorithm.filter_groups needs more prompts than one batch: give "
-                    "PPOTrainer a prompt_source (fit passes its train loader)"
-                )
+                raise ValueError(NO_MORE_PROMPTS)
             prompts = next(self.prompt_source)
         rows, extra, conversations = pool.take(target)
         metrics.update(pool.metrics(target))
         return Scored(rows, {}, extra, scored.reward_metrics, conversations)
+
+    def _streamed_sampling(
+        self,
+        prompts: PromptBatch,
+        rng: jax.Array,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+    ) -> Scored:
+        """`filter_groups.streaming`: groups through the engine's slots, judged as they end,
+        until `train_batch_size` are kept (`jaxrl.trainer.dynamic_sampling`); the step's key
+        samples them. `max_num_gen_batches` bounds the groups started (x the generation
+        batch's prompts)."""
+        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        judge = GroupJudge(self.reward_fn, fg.metric, timing)
+        limit = fg.max_num_gen_batches
+        start = time.perf_counter()
+        result = self._rollout.stream(
+            judge.batches(prompts, self.prompt_source), self.sampling, rng, judge,
+            target=target, max_groups=limit * len(prompts) if limit > 0 else None,
+        )  # fmt: skip
+        timing["gen"] = time.perf_counter() - start - timing.get("reward", 0.0)
+        if result.stats.kept < target:
+            raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
+        rows, extra = judge.take()
+        metrics.update(stream_metrics(result.stats, target))
+        return Scored(rows, {}, extra, judge.reward_metrics, None)
 
     def _pf_ppo(self, batch: RLBatch, global_step: int) -> np.ndarray:
         """PF-PPO (`algorithm.use_pf_ppo`): N rows of the batch drawn with replacement by

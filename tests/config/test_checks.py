@@ -314,3 +314,15 @@ def test_dynamic_sampling_keys():
     cfg = ok(*fg, "data.gen_batch_size=16", "algorithm.filter_groups.max_num_gen_batches=5",
              "algorithm.filter_groups.max_inflight_gen_batches=2")  # fmt: skip
     assert cfg.data.gen_batch_size == 16 and cfg.algorithm.filter_groups.max_num_gen_batches == 5
+
+
+def test_streamed_dynamic_sampling_keys():
+    stream = "algorithm.filter_groups.streaming=true"
+    assert "set algorithm.filter_groups.enable=true too" in problem(stream)
+    fg = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", stream]
+    assert ok(*fg).algorithm.filter_groups.streaming
+    assert "multi_turn" in problem(*fg, "actor_rollout_ref.rollout.multi_turn.enable=true")
+    assert "set the rate to 0" in problem(*fg, "actor_rollout_ref.rollout.over_sample_rate=0.2")
+    assert "ReMax" in problem(*fg, "algorithm.adv_estimator=remax")
+    text = problem(*fg, "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.max_num_seqs=4")
+    assert "max_num_seqs (4) to at least 8" in text

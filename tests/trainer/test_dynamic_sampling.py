@@ -13,11 +13,15 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from jaxrl.data.batch import PromptBatch
+from jaxrl.rollout.streaming import GroupRollout, StreamStats
 from jaxrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
+    GroupJudge,
     GroupPool,
     kept_rows,
     metric_values,
+    stream_metrics,
 )
 
 
@@ -58,7 +62,8 @@ def jaxrl_step(batches, train_batch_size, n, max_num_gen_batches):
     """The trainer's loop (`PPOTrainer._dynamic_sampling`) over fixed generation batches."""
     pool = GroupPool()
     for _, group_ids, values, labels in batches:
-        rows = {"group_ids": group_ids, "label": np.asarray(labels)}
+        rows = {"group_ids": group_ids, "label": np.asarray(labels),
+                "response_mask": np.ones((len(group_ids), 2), np.int32)}  # fmt: skip
         pool.add(rows, {"value": list(values)}, None, values)
         if pool.full(train_batch_size, max_num_gen_batches):
             rows, extra, _ = pool.take(train_batch_size)
@@ -105,20 +110,24 @@ def test_surplus_and_eviction_counts():
     pool = GroupPool()
     group_ids = np.repeat(np.arange(4), 2)
     values = np.array([0, 1, 1, 1, 0, 1, 0, 1], np.float64)  # group 1 tied
-    pool.add({"group_ids": group_ids}, {}, [{"i": i} for i in range(8)], values)
+    lengths = np.array([1, 2, 3, 3, 1, 1, 2, 2])  # 15 tokens, every group's
+    mask = (np.arange(3) < lengths[:, None]).astype(np.int32)
+    pool.add({"group_ids": group_ids, "response_mask": mask}, {},
+             [{"i": i} for i in range(8)], values)  # fmt: skip
     rows, _, conversations = pool.take(2)
     np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
     assert pool.metrics(2) == {
         "train/num_gen_batches": 1.0,
         "training/filter_groups/evicted_samples": 1.0,
         "training/filter_groups/discarded_surplus_samples": 1.0,
+        "training/filter_groups/sampled_tokens_per_group": 15 / 2,  # over the trained groups
     }
     assert [c["i"] for c in conversations] == [0, 1, 4, 5]
 
 
 def test_extra_info_keys_missing_in_a_batch_are_none():
     pool = GroupPool()
-    two = {"group_ids": np.array([0, 0])}
+    two = {"group_ids": np.array([0, 0]), "response_mask": np.ones((2, 1), np.int32)}
     pool.add(two, {"acc": [0, 1]}, None, np.array([0.0, 1.0]))
     pool.add(dict(two), {"pred": ["a", "b"]}, None, np.array([0.0, 1.0]))
     _, extra, _ = pool.take(2)
@@ -137,12 +146,77 @@ def test_metric_values():
 def test_rows_of_different_widths_concatenate_with_their_padding():
     pool = GroupPool()
     a = {"prompts": np.array([[0, 5], [0, 6]]), "responses": np.array([[7], [8]]),
-         "group_ids": np.array([0, 0])}  # fmt: skip
+         "response_mask": np.array([[1], [1]]), "group_ids": np.array([0, 0])}  # fmt: skip
     b = {"prompts": np.array([[9], [9]]), "responses": np.array([[1, 2], [3, 0]]),
-         "group_ids": np.array([0, 0])}  # fmt: skip
+         "response_mask": np.array([[1, 1], [1, 0]]), "group_ids": np.array([0, 0])}  # fmt: skip
     pool.add(a, {}, None, np.array([0.0, 1.0]))
     pool.add(b, {}, None, np.array([1.0, 0.0]))
     rows, _, _ = pool.take(2)
     np.testing.assert_array_equal(rows["prompts"], [[0, 5], [0, 6], [0, 9], [0, 9]])
     np.testing.assert_array_equal(rows["responses"], [[7, 0], [8, 0], [1, 2], [3, 0]])
     np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
+
+
+def prompt_batch(width, rows=3, offset=0):
+    ids = np.arange(offset, offset + rows * width).reshape(rows, width) + 2
+    obj = np.empty(rows, object)
+    return PromptBatch(
+        input_ids=ids, attention_mask=np.ones_like(ids), group_ids=np.arange(rows),
+        uid=obj, row_ids=np.arange(rows), data_source=obj, ground_truth=np.arange(rows) + offset,
+        ability=obj, extra_info=obj, raw_prompt=obj, is_padding=np.zeros(rows, bool),
+    )  # fmt: skip
+
+
+def test_group_judge_scores_keeps_and_concatenates():
+    """The stream's judge: each group scored with its own prompt's row (the batch it came
+    from), kept when its metric varies, rows in the order kept (prompts of another width
+    left-padded), reward metrics summed, scoring time under `reward`."""
+    calls = []
+
+    def reward_fn(prompts, responses, mask):
+        calls.append(prompts.ground_truth.tolist())
+        scores = np.zeros(mask.shape, np.float32)
+        scores[:, 0] = responses[:, 0] % 2  # odd first token: 1
+        return scores, {"reward/errors": 1.0}, {"first": responses[:, 0].tolist()}
+
+    timing = {}
+    judge = GroupJudge(reward_fn, "seq_reward", timing)
+    stream = judge.batches(prompt_batch(2), iter([prompt_batch(3, offset=10)]))
+    first_ids, _ = next(stream)
+    second_ids, _ = next(stream)
+    assert first_ids.shape == (3, 2) and second_ids.shape == (3, 3)
+
+    def group(batch, row, firsts):
+        responses = np.array([[f, 5] for f in firsts], np.int32)
+        mask = np.ones_like(responses)
+        return GroupRollout(batch, row, 0, responses, mask, np.zeros(mask.shape, np.float32))
+
+    assert judge(group(1, 2, [3, 4]))  # scores 1, 0: kept
+    assert not judge(group(0, 1, [2, 4]))  # both 0: dropped
+    assert judge(group(0, 0, [5, 6]))
+    assert calls == [[12, 12], [1, 1], [0, 0]]  # each group's own prompt, n times
+    rows, extra = judge.take()
+    np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
+    np.testing.assert_array_equal(rows["prompts"][0], second_ids[2])
+    np.testing.assert_array_equal(rows["prompts"][2], np.concatenate([[0], first_ids[0]]))
+    np.testing.assert_array_equal(rows["token_level_scores"][:, 0], [1, 0, 1, 0])
+    assert extra == {"first": [3, 4, 5, 6]}
+    assert judge.reward_metrics == {"reward/errors": 3.0} and timing["reward"] > 0
+
+
+def test_group_judge_without_more_prompts_names_the_fix():
+    stream = GroupJudge(None, "acc", {}).batches(prompt_batch(2), None)
+    next(stream)
+    with pytest.raises(ValueError, match="prompt_source"):
+        next(stream)
+
+
+def test_stream_metrics():
+    stats = StreamStats(batches=3, started=9, finished=7, kept=4, aborted=2, sampled_tokens=60)
+    assert stream_metrics(stats, 4) == {
+        "train/num_gen_batches": 3.0,
+        "training/filter_groups/evicted_samples": 3.0,
+        "training/filter_groups/discarded_surplus_samples": 0.0,
+        "training/filter_groups/aborted_groups": 2.0,
+        "training/filter_groups/sampled_tokens_per_group": 15.0,
+    }

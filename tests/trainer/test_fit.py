@@ -294,14 +294,16 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
 
 
 @pytest.mark.entry
-def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_path):
-    """DAPO dynamic sampling (generation batches of 4 prompts for a step of 8): every trained
-    group's two responses score differently, each step took at least two generation batches,
-    and 3 steps straight equal 1 step + checkpoint + resume to 3 (the extra batches come from
-    the loader, whose saved state covers them)."""
+@pytest.mark.parametrize("streaming", [False, True], ids=["batches", "streaming"])
+def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_path, streaming):
+    """DAPO dynamic sampling (generation batches of 4 prompts for a step of 8), whole batches
+    or streamed through the engine's slots: every trained group's two responses score
+    differently, each step took at least two generation batches, and 3 steps straight equal
+    1 step + checkpoint + resume to 3 (the extra batches come from the loader, whose saved
+    state covers them)."""
     common = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
               "data.gen_batch_size=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
-              "trainer.save_freq=1"]  # fmt: skip
+              "trainer.save_freq=1", f"algorithm.filter_groups.streaming={streaming}"]  # fmt: skip
     mesh = ["mesh.fsdp=4", "mesh.dp=2", "mesh.tp=1"]
     dump = tmp_path / "dump"
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -321,6 +323,12 @@ def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_p
         assert len(scores) == 16  # 8 groups of 2
         assert all(scores[i] != scores[i + 1] for i in range(0, 16, 2))
     assert sum(row["training/filter_groups/evicted_samples"] for row in a) > 0  # it filtered
+    for row in a:  # tokens sampled per trained group: at least the trained ones' own
+        assert row["training/filter_groups/sampled_tokens_per_group"] >= row[
+            "response_length/mean"] * 2  # fmt: skip
+        if streaming:
+            assert row["training/filter_groups/discarded_surplus_samples"] == 0
+            assert row["training/filter_groups/aborted_groups"] >= 0
 
 
 @pytest.mark.entry

@@ -1,0 +1,238 @@
+"""Groups streamed through the engine's slots until enough of them are kept.
+
+    result = stream_groups(engine, batches, sampling, rng, judge, target=16, max_groups=320)
+    result.kept            # the kept groups' rollouts, in the order they were kept
+    result.stats           # groups started / finished / kept / aborted, tokens sampled
+
+DAPO's dynamic sampling, as verl runs it, generates whole batches of prompts and filters them
+afterwards: a batch's every group is decoded to its end, then the groups whose responses all
+score alike are dropped, and when fewer than `target` remain another whole batch follows
+(and the surplus of the last is thrown away). Here the groups flow through the
+`RolloutEngine`'s conversation slots instead:
+
+    admit      a group's n copies of its prompt into free slots while
+               kept + running x keep_rate < target   (keep_rate: kept / finished so far, 1
+               before any group has finished), and at most `max_groups` groups in all
+    decode     every running slot `chunk` tokens
+    finish     a group whose n responses have all ended goes to `judge` (the caller's reward
+               and filter): kept or dropped; its slots are free for the next group
+    stop       once `target` groups are kept: the groups still running are aborted
+
+so the tokens spent per kept group shrink by what verl's batch boundary wastes: the groups
+decoded after the target was reached, and the slots idling while a batch's longest response
+finishes. The admission rule never starts more groups than the kept ones so far predict are
+needed; a run whose groups are all kept generates exactly `target` groups.
+
+Sampling is reproducible whatever the order in which groups finish: response j of the g-th
+group started in the call samples with `fold_in(fold_in(rng, g), j)` (`RolloutEngine.decode`),
+and prompts are taken in order, batch after batch (`batches` yields left-padded
+[B, P] arrays; a batch is drawn when the previous one is used up, and the rest of the last
+one is not used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+from jaxtyping import Float, Int
+
+from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class GroupRollout:
+    """One finished group: n responses to one prompt.
+
+    Attributes:
+        batch: Which batch of `batches` the prompt came from (0, 1, ...).
+        row: Its row in that batch.
+        sequence: The group's start order in the call (its sampling key, module doc).
+        responses: int32 [n, R] right-padded response tokens (R = `sampling.max_tokens`).
+        response_mask: int32 [n, R]: 1 on the response's tokens (its end token included).
+        log_probs: float32 [n, R]: the sampled tokens' log-probs (0 on padding).
+    """
+
+    batch: int
+    row: int
+    sequence: int
+    responses: Int[np.ndarray, "n r"]
+    response_mask: Int[np.ndarray, "n r"]
+    log_probs: Float[np.ndarray, "n r"]
+
+
+@dataclasses.dataclass
+class StreamStats:
+    """What one `stream_groups` call did.
+
+    Attributes:
+        batches: Prompt batches drawn.
+        started: Groups admitted into slots.
+        finished: Groups whose n responses ended (judged).
+        kept: Groups the judge kept.
+        aborted: Groups still running at the stop (their tokens are spent, not trained on).
+        sampled_tokens: Every token sampled, aborted groups' included.
+        kept_tokens: The kept groups' response tokens.
+        decode_calls: Engine decode calls.
+    """
+
+    batches: int = 0
+    started: int = 0
+    finished: int = 0
+    kept: int = 0
+    aborted: int = 0
+    sampled_tokens: int = 0
+    kept_tokens: int = 0
+    decode_calls: int = 0
+
+
+@dataclasses.dataclass
+class StreamResult:
+    """The kept groups (in the order they were kept) and the call's statistics."""
+
+    kept: list[GroupRollout]
+    stats: StreamStats
+
+
+@dataclasses.dataclass
+class _Group:
+    """A running group: where its prompt came from and its responses so far."""
+
+    batch: int
+    row: int
+    sequence: int
+    slots: list[int]
+    tokens: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    log_probs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    partial: dict[int, int] = dataclasses.field(default_factory=dict)  # unfinished: tokens so far
+
+
+class _Prompts:
+    """The prompts of `batches`, one at a time, drawing a batch when one is used up."""
+
+    def __init__(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]):
+        self.batches, self.drawn = batches, 0
+        self.ids: np.ndarray | None = None
+        self.mask: np.ndarray | None = None
+        self.next_row = 0
+
+    def take(self) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """(batch, row, ids [P], mask [P]) of the next prompt."""
+        if self.ids is None or self.next_row == len(self.ids):
+            self.ids, self.mask = (np.asarray(a) for a in next(self.batches))
+            self.drawn, self.next_row = self.drawn + 1, 0
+        row, self.next_row = self.next_row, self.next_row + 1
+        return self.drawn - 1, row, self.ids[row], self.mask[row]
+
+
+def stream_groups(
+    engine: RolloutEngine,
+    batches: Iterator[tuple[np.ndarray, np.ndarray]],
+    sampling: SamplingParams,
+    rng: jax.Array,
+    judge: Callable[[GroupRollout], bool],
+    *,
+    target: int,
+    max_groups: int | None = None,
+    chunk: int = 16,
+) -> StreamResult:
+    """Stream groups of `sampling.n` responses through `engine`'s slots until `target` are
+    kept (module doc). Stops early, with fewer kept, when `max_groups` groups have been
+    started and judged (the caller decides whether that is an error).
+
+    Raises:
+        ValueError: fewer slots than `sampling.n` (a group must fit at once), `target` < 1.
+    """
+    n = sampling.n
+    if engine.slots < n:
+        raise ValueError(
+            f"streamed dynamic sampling holds a group's {n} responses in the engine's slots at "
+            f"once, and it has {engine.slots}: raise actor_rollout_ref.rollout.max_num_seqs "
+            f"to at least rollout.n={n}"
+        )
+    if target < 1:
+        raise ValueError(f"stream_groups(target={target}): must be >= 1")
+    one = dataclasses.replace(sampling, n=1)
+    prompts, stats, kept = _Prompts(batches), StreamStats(), []
+    running: dict[int, _Group] = {}  # by sequence
+    by_slot: dict[int, _Group] = {}
+    try:
+        while stats.kept < target:
+            _admit(engine, prompts, running, by_slot, stats, n, target, max_groups)
+            if not running:
+                break  # max_groups started and judged
+            _decode(engine, one, rng, running, by_slot, stats, chunk)
+            for group in [g for g in running.values() if len(g.tokens) == n]:
+                del running[group.sequence]
+                rollout = _finished(group, sampling.max_tokens)
+                stats.finished += 1
+                if judge(rollout):
+                    kept.append(rollout)
+                    stats.kept += 1
+                    stats.kept_tokens += int(rollout.response_mask.sum())
+                if stats.kept == target:
+                    break
+    finally:  # the stop, or an error: free every slot still open
+        stats.aborted = len(running)
+        stats.sampled_tokens += sum(sum(g.partial.values()) for g in running.values())
+        if open_slots := [s for s in by_slot if engine.is_open(s)]:
+            engine.end(open_slots)
+    stats.batches = prompts.drawn
+    return StreamResult(kept, stats)
+
+
+def _admit(engine, prompts, running, by_slot, stats, n, target, max_groups) -> None:
+    """Start groups in free slots while the kept ones so far say more are needed."""
+    while engine.free_slots >= n and (max_groups is None or stats.started < max_groups):
+        keep_rate = stats.kept / stats.finished if stats.finished else 1.0
+        if stats.kept + len(running) * keep_rate >= target:
+            return
+        batch, row, ids, mask = prompts.take()
+        slots = engine.start(np.repeat(ids[None], n, 0), np.repeat(mask[None], n, 0))
+        group = _Group(batch, row, stats.started, [int(s) for s in slots])
+        running[group.sequence] = group
+        by_slot.update({s: group for s in group.slots})
+        stats.started += 1
+
+
+def _decode(engine, sampling, rng, running, by_slot, stats, chunk) -> None:
+    """One chunk of every running response; an ended one leaves its slot (`engine.end`)."""
+    slots = [s for g in running.values() for s in g.slots if s not in g.tokens]
+    keys = jax.vmap(lambda g, j: jax.random.fold_in(jax.random.fold_in(rng, g), j))(
+        np.asarray([by_slot[s].sequence for s in slots], np.uint32),
+        np.asarray([by_slot[s].slots.index(s) for s in slots], np.uint32),
+    )
+    turn = engine.decode(slots, sampling, keys, max_steps=chunk)
+    stats.decode_calls += 1
+    ended = []
+    for slot, tokens, log_probs, reason in zip(
+        slots, turn.tokens, turn.log_probs, turn.finish_reasons, strict=True
+    ):
+        group = by_slot[slot]
+        if reason is None:
+            group.partial[slot] = len(tokens)  # the turn's tokens so far
+            continue
+        group.partial.pop(slot, None)
+        stats.sampled_tokens += len(tokens)
+        group.tokens[slot], group.log_probs[slot] = tokens, log_probs
+        ended.append(slot)
+    if ended:
+        engine.end(ended)
+        for slot in ended:
+            del by_slot[slot]
+
+
+def _finished(group: _Group, width: int) -> GroupRollout:
+    """The group's responses, right-padded to `width`, in the order of its slots."""
+    n = len(group.slots)
+    responses = np.zeros((n, width), np.int32)
+    mask = np.zeros((n, width), np.int32)
+    log_probs = np.zeros((n, width), np.float32)
+    for j, slot in enumerate(group.slots):
+        k = len(group.tokens[slot])
+        responses[j, :k], mask[j, :k] = group.tokens[slot], 1
+        log_probs[j, :k] = group.log_probs[slot]
+    return GroupRollout(group.batch, group.row, group.sequence, responses, mask, log_probs)
