@@ -72,17 +72,19 @@ def profile(size: str, unroll: bool) -> dict:
         scan = jax.lax.scan
         jax.lax.scan = lambda *a, **k: scan(*a, **{**k, "unroll": True})
     import jaxrl.models as M
-    from jaxrl.rollout import SamplingParams, generate
+    from jaxrl.rollout import RolloutEngine, SamplingParams
 
     config = decoder_config(size)
     params = jax.jit(lambda key: M.init_params(config, key))(jax.random.key(0))
     ids = np.random.RandomState(0).randint(3, config.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     mask = np.ones_like(ids)
+    engine = RolloutEngine(config)  # the trainer's rollout copy (per layer for the xla step)
+    engine.load_weights(params)
 
     def call(new: int, seed: int) -> float:
         sampling = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True)
         start = time.perf_counter()
-        jax.block_until_ready(generate(config, params, ids, mask, sampling, jax.random.key(seed)))
+        jax.block_until_ready(engine.generate(ids, mask, sampling, jax.random.key(seed)))
         return time.perf_counter() - start
 
     call(NEW, 0), call(1, 0)  # compile both

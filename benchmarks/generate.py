@@ -76,9 +76,11 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
     import jax
     import numpy as np
 
-    from jaxrl.rollout import SamplingParams, generate
+    from jaxrl.rollout import RolloutEngine, SamplingParams
 
     config = config.replace(dtype=dtype)
+    engine = RolloutEngine(config.replace(param_dtype=str(jax.tree.leaves(params)[0].dtype)))
+    engine.load_weights(params)  # the trainer's rollout copy (per layer for the xla step)
     rng = np.random.RandomState(0)
     ids = rng.randint(3, config.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     mask = np.ones_like(ids)
@@ -86,7 +88,7 @@ def bench_engine(config, params, dtype: str, bandwidth: float | None, new: int =
     keys = iter(jax.random.split(jax.random.key(0), 100))
 
     def run(sampling):
-        out = generate(config, params, ids, mask, sampling, next(keys))
+        out = engine.generate(ids, mask, sampling, next(keys))
         jax.block_until_ready(out)
         return out
 

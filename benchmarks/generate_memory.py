@@ -31,13 +31,13 @@ def measure(size: str, dtype: str, backend: str, batch=16, prompt=64, new=128) -
     from generate import kv_cache_bytes
 
     from jaxrl.models.params import abstract_params
-    from jaxrl.rollout import SamplingParams, compile_generate
+    from jaxrl.rollout import RolloutEngine, SamplingParams
 
     config = model_config(size, dtype)
     params = abstract_params(config)
-    ids = np.ones((batch, prompt), np.int32)
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
-    compiled = compile_generate(config, params, ids, ids, sp, decode_backend=backend)
+    # the program the rollout runs on its copy of the weights (per layer for the xla step)
+    compiled = RolloutEngine(config, decode_backend=backend).compile(params, batch, prompt, sp)
     memory = compiled.memory_analysis()
     param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_bytes = kv_cache_bytes(config, batch, prompt, new)

@@ -10,7 +10,7 @@ short keeps what it had). Each line carries the run id, the step, the device's
 `peak_bytes_in_use` at that point (GPUs report it; every model is its own process, so the peak
 is that measurement's) and its figures; stdout ends with a summary table. XLA's compilation
 cache lives in OUT_DIR/jax_cache, so a step run again (`--only`) skips its compiles. The steps
-and their limits (570 s in all; the whole suite took 321 s on one H200; `--limit` changes one):
+and their limits (730 s in all; the whole suite took 321-365 s on one H200; `--limit` changes one):
 
     models       the workload checkpoints M and L written by transformers (torch, before JAX)
     env          devices, jax, measured copy bandwidth and bf16 matmul rate, the bf16 peak
@@ -315,14 +315,14 @@ STEPS: dict[str, tuple[int, Callable[..., Records]]] = {  # name: (seconds, step
     "env": (25, step_env),
     "tests": (140, step_tests),
     "attention": (55, step_attention),
-    "decode-M": (35, lambda dry: _decode(dry, "M")),
-    "decode-L": (40, lambda dry: _decode(dry, "L")),
-    "decode-1.5B": (50, lambda dry: _decode(dry, "1.5B")),
-    "decode-memory": (25, step_decode_memory),
+    "decode-M": (70, lambda dry: _decode(dry, "M")),
+    "decode-L": (80, lambda dry: _decode(dry, "L")),
+    "decode-1.5B": (80, lambda dry: _decode(dry, "1.5B")),
+    "decode-memory": (50, step_decode_memory),
     "train-none": (50, lambda dry: _train(dry, "none")),
     "train-full": (50, lambda dry: _train(dry, "full")),
-    "grpo-L": (60, step_grpo),
-}  # 570 s in all
+    "grpo-L": (90, step_grpo),
+}  # 730 s in all
 DRY_SCALE = 3  # a dry run's limits: a loaded 2-core CI machine, not an H100
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.data.batch import bucket
 from jaxrl.models import lora
@@ -159,7 +160,9 @@ class RolloutEngine:
     def load_weights(self, params: Any, *, frozen_base: bool = False) -> None:
         """Copy `params` (any layout, any devices) into the rollout layout (cast to the
         config's `param_dtype` if they differ), replacing (and freeing) the previous copy.
-        Open conversations keep their caches (computed with the earlier weights).
+        Open conversations keep their caches (computed with the earlier weights). With the
+        `xla` decode backend the copy is held per layer (`models.cached.unstack_layers`), so
+        the decode step reads each weight where it is instead of slicing it from its stack.
 
         `frozen_base` (LoRA): everything but the adapters is the same at every call: the
         first call copies it (a leaf already in the rollout's sharding and dtype is used as
@@ -168,7 +171,8 @@ class RolloutEngine:
         self._free_weights()
         if not frozen_base:
             self._drop_base()
-            self.params = reshard(params, self.shardings, dtype=self.config.param_dtype)
+            copy = reshard(params, self.shardings, dtype=self.config.param_dtype)
+            self.params = _split_layers(copy) if self._per_layer(params) else copy
             return
         base, adapters = lora.split(params)
         base_shardings, adapter_shardings = lora.split(self.shardings)
@@ -226,7 +230,22 @@ class RolloutEngine:
     def copy_of(self, like: Any) -> Any:
         """What `load_weights(like)` makes, as `jax.ShapeDtypeStruct`s in the rollout's
         shardings (nothing allocated)."""
-        return placed_abstract(like, self.shardings, self.config.param_dtype)
+        copy = placed_abstract(like, self.shardings, self.config.param_dtype)
+        if not self._per_layer(like):
+            return copy
+        n, stacked = self.config.num_layers, copy["layers"]
+        layer = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_layer(a.sharding)),
+            stacked,
+        )
+        return {**copy, "layers": (layer,) * n}
+
+    def _per_layer(self, params: Any) -> bool:
+        """Whether the rollout holds `params` per layer (`models.cached.unstack_layers`):
+        for the XLA decode step, which would copy every weight out of its stack at every
+        step; not for the CPU kernels (they cut their own panels from the stacks) nor for a
+        LoRA run (its base stays stacked so that it can be the actor's own arrays)."""
+        return self.backend.name == "xla" and not lora.has_adapters(params)
 
     # ---- batch generation ----------------------------------------------------------------
 
@@ -624,6 +643,32 @@ def _stop_string_end(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -
         if any(s in text for s in stop):
             return k
     return len(tokens)
+
+
+def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """`models.cached.unstack_layers` of the rollout's own copy, on its devices, one stacked
+    leaf at a time, each stack freed once split (`params` is consumed): the load's peak is
+    one leaf above the stacked copy's."""
+    leaves, treedef = jax.tree.flatten(params.pop("layers"))
+    n, parts = leaves[0].shape[0], []
+    for k in range(len(leaves)):
+        stack, leaves[k] = leaves[k], None
+        parts.append(_split_program(n, stack.sharding)(stack))
+        del stack  # the last reference: its buffer goes now
+    layers = tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(n))
+    return {**params, "layers": layers}
+
+
+def _layer(sharding: NamedSharding) -> NamedSharding:
+    """A stacked leaf's sharding without its leading (layer) axis."""
+    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+@functools.lru_cache(maxsize=64)
+def _split_program(n: int, sharding: NamedSharding):
+    return jax.jit(
+        lambda stack: tuple(stack[i] for i in range(n)), out_shardings=(_layer(sharding),) * n
+    )
 
 
 _open_cache = jax.jit(conversation.open_cache, static_argnums=(0, 1, 2, 3))
