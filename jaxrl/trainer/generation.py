@@ -96,6 +96,11 @@ class StepRollout:
         self.multi_turn = rollout.multi_turn
         self.runner: ToolRunner | None = None
         self._warned = False
+        if cfg.algorithm.filter_groups.streaming and jax.process_count() > 1:
+            raise ValueError(
+                "algorithm.filter_groups.streaming runs in one process for now (this run has "
+                f"{jax.process_count()}): set it to false for multi-process runs"
+            )
         if not self.multi_turn.enable:
             return
         if jax.process_count() > 1:
@@ -147,14 +152,9 @@ class StepRollout:
         target: int,
         max_groups: int | None,
     ) -> StreamResult:
-        """`jaxrl.rollout.stream_groups` on the rollout engine (streamed dynamic sampling),
-        with the actor's weights; one process, batch generation only (the config checks
-        refuse multi-turn)."""
-        if jax.process_count() > 1:
-            raise ValueError(
-                "algorithm.filter_groups.streaming runs in one process for now (this run has "
-                f"{jax.process_count()}): set it to false for multi-process runs"
-            )
+        """`jaxrl.rollout.streaming.stream_groups` on the rollout engine (streamed dynamic
+        sampling), with the actor's weights; one process (refused at construction), batch
+        generation only (the config checks refuse multi-turn)."""
         self.cluster.sync_weights()
         try:
             return stream_groups(

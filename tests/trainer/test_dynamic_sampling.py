@@ -10,9 +10,11 @@ first-appearance order, keep their rows in row order, append to the batch, and o
 
 from collections import defaultdict
 
+import jax
 import numpy as np
 import pytest
 
+from jaxrl.config import load_config
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout.streaming import GroupRollout, StreamStats
 from jaxrl.trainer.dynamic_sampling import (
@@ -23,6 +25,7 @@ from jaxrl.trainer.dynamic_sampling import (
     metric_values,
     stream_metrics,
 )
+from jaxrl.trainer.generation import StepRollout
 
 
 def recipe_step(gen_batches, train_batch_size, n, max_num_gen_batches):
@@ -220,3 +223,13 @@ def test_stream_metrics():
         "training/filter_groups/aborted_groups": 2.0,
         "training/filter_groups/sampled_tokens_per_group": 15.0,
     }
+
+
+def test_streaming_is_refused_over_several_processes(monkeypatch):
+    cfg = load_config(None, [
+        "actor_rollout_ref.model.path=/models/m", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.streaming=true",
+    ], num_devices=1)  # fmt: skip
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"streaming runs in one process.*set it to false"):
+        StepRollout(cfg, cluster=None)
