@@ -1,6 +1,7 @@
 """Groups streamed through the engine's slots until enough of them are kept.
 
     result = stream_groups(engine, batches, sampling, rng, judge, target=16, max_groups=320)
+    # judge(groups: list[GroupRollout]) -> list[bool]: which to keep
     result.kept            # the kept groups' rollouts, in the order they were kept
     result.stats           # groups started / finished / kept / aborted, tokens sampled
 
@@ -14,9 +15,11 @@ score alike are dropped, and when fewer than `target` remain another whole batch
                kept + running x keep_rate < target   (keep_rate: kept / finished so far, 1
                before any group has finished), and at most `max_groups` groups in all
     decode     every running slot `chunk` tokens
-    finish     a group whose n responses have all ended goes to `judge` (the caller's reward
-               and filter): kept or dropped; its slots are free for the next group
-    stop       once `target` groups are kept: the groups still running are aborted
+    finish     the groups whose n responses have all ended go to `judge` together (the
+               caller's reward and filter, one call per decode chunk): each kept or dropped;
+               their slots are free for the next groups
+    stop       once `target` groups are kept: the groups still running are aborted (and
+               kept groups judged in the same round past the target are surplus)
 
 so the tokens spent per kept group shrink by what verl's batch boundary wastes: the groups
 decoded after the target was reached, and the slots idling while a batch's longest response
@@ -72,7 +75,9 @@ class StreamStats:
         batches: Prompt batches drawn.
         started: Groups admitted into slots.
         finished: Groups whose n responses ended (judged).
-        kept: Groups the judge kept.
+        kept: Groups the judge kept, up to the target.
+        surplus: Groups the judge kept past the target (judged in the same round as the
+            last kept ones; dropped).
         aborted: Groups still running at the stop (their tokens are spent, not trained on).
         sampled_tokens: Every token sampled, aborted groups' included.
         kept_tokens: The kept groups' response tokens.
@@ -83,6 +88,7 @@ class StreamStats:
     started: int = 0
     finished: int = 0
     kept: int = 0
+    surplus: int = 0
     aborted: int = 0
     sampled_tokens: int = 0
     kept_tokens: int = 0
@@ -133,7 +139,7 @@ def stream_groups(
     batches: Iterator[tuple[np.ndarray, np.ndarray]],
     sampling: SamplingParams,
     rng: jax.Array,
-    judge: Callable[[GroupRollout], bool],
+    judge: Callable[[list[GroupRollout]], list[bool]],
     *,
     target: int,
     max_groups: int | None = None,
@@ -165,16 +171,19 @@ def stream_groups(
             if not running:
                 break  # max_groups started and judged
             _decode(engine, one, rng, running, by_slot, stats, chunk)
-            for group in [g for g in running.values() if len(g.tokens) == n]:
-                del running[group.sequence]
-                rollout = _finished(group, sampling.max_tokens)
-                stats.finished += 1
-                if judge(rollout):
+            ended = sorted(s for s, g in running.items() if len(g.tokens) == n)
+            rollouts = [_finished(running.pop(s), sampling.max_tokens) for s in ended]
+            if not rollouts:
+                continue
+            stats.finished += len(rollouts)
+            verdicts = judge(rollouts)
+            for rollout, keep in zip(rollouts, verdicts, strict=True):
+                if keep and stats.kept == target:
+                    stats.surplus += 1
+                elif keep:
                     kept.append(rollout)
                     stats.kept += 1
                     stats.kept_tokens += int(rollout.response_mask.sum())
-                if stats.kept == target:
-                    break
     finally:  # the stop, or an error: free every slot still open
         stats.aborted = len(running)
         stats.sampled_tokens += sum(sum(g.partial.values()) for g in running.values())
@@ -185,14 +194,25 @@ def stream_groups(
 
 
 def _admit(engine, prompts, running, by_slot, stats, n, target, max_groups) -> None:
-    """Start groups in free slots while the kept ones so far say more are needed."""
-    while engine.free_slots >= n and (max_groups is None or stats.started < max_groups):
-        keep_rate = stats.kept / stats.finished if stats.finished else 1.0
-        if stats.kept + len(running) * keep_rate >= target:
-            return
-        batch, row, ids, mask = prompts.take()
-        slots = engine.start(np.repeat(ids[None], n, 0), np.repeat(mask[None], n, 0))
-        group = _Group(batch, row, stats.started, [int(s) for s in slots])
+    """Start groups in free slots while the kept ones so far say more are needed, all of
+    them in one `engine.start` (prompts of different batches left-padded to one width)."""
+    keep_rate = stats.kept / stats.finished if stats.finished else 1.0
+    count = 0
+    while (
+        engine.free_slots >= (count + 1) * n
+        and (max_groups is None or stats.started + count < max_groups)
+        and stats.kept + (len(running) + count) * keep_rate < target
+    ):
+        count += 1
+    if not count:
+        return
+    taken = [prompts.take() for _ in range(count)]
+    width = max(len(ids) for _, _, ids, _ in taken)
+    ids = np.stack([np.pad(t[2], (width - len(t[2]), 0)) for t in taken])
+    mask = np.stack([np.pad(t[3], (width - len(t[3]), 0)) for t in taken])
+    slots = engine.start(np.repeat(ids, n, 0), np.repeat(mask, n, 0))
+    for k, (batch, row, _, _) in enumerate(taken):
+        group = _Group(batch, row, stats.started, [int(s) for s in slots[k * n : (k + 1) * n]])
         running[group.sequence] = group
         by_slot.update({s: group for s in group.slots})
         stats.started += 1

@@ -28,11 +28,13 @@ it may pass over the data more than `total_epochs` times, where verl's recipe st
 
 With `filter_groups.streaming` (jaxrl's, not verl's), the groups flow through the rollout
 engine's slots instead of whole batches (`jaxrl.rollout.streaming`): each group is scored and
-judged by the rule above the moment its n responses end, freed slots take the next prompts,
+judged by the rule above as soon as its n responses end (the groups that end in one decode
+chunk together), freed slots take the next prompts,
 and generation stops once `train_batch_size` groups are kept (the groups still running are
 aborted). `GroupJudge` is the judge: it scores a group with the reward function and keeps its
 rows. The same metrics come out (`train/num_gen_batches` counts the prompt batches drawn,
-`discarded_surplus_samples` is 0, `aborted_groups` the groups cut at the stop), the reward
+`discarded_surplus_samples` the groups kept past the target in the stream's last round,
+`aborted_groups` the groups cut at the stop), the reward
 manager's metrics are summed over every judged group (they are counts), and
 `sampled_tokens_per_group` (every response token sampled in the step over the groups trained
 on, in both modes) compares the two.
@@ -244,41 +246,56 @@ class GroupJudge:
                 raise ValueError(NO_MORE_PROMPTS)
             batch = next(more)
 
-    def __call__(self, group: GroupRollout) -> bool:
-        """Score the group; keep its rows if its `metric` varies (or it has one response)."""
+    def __call__(self, groups: list[GroupRollout]) -> list[bool]:
+        """Score the groups (one reward call per prompt batch they came from) and keep the
+        rows of those whose `metric` varies (or that have one response), in their order."""
         start = time.perf_counter()
-        n = len(group.responses)
-        prompts = self.sources[group.batch].select(np.asarray([group.row])).repeat(n)
-        scores, reward_metrics, extra = self.reward_fn(
-            prompts, group.responses, group.response_mask
-        )
-        for k, v in reward_metrics.items():
-            self.reward_metrics[k] = self.reward_metrics.get(k, 0.0) + float(v)
-        values = metric_values(self.metric, scores, extra)
-        keep = n == 1 or bool(np.std(values) > 0)
-        if keep:
-            self.rows.append({
-                "prompts": prompts.input_ids, "prompt_mask": prompts.attention_mask,
-                "responses": group.responses, "response_mask": group.response_mask,
-                "token_level_scores": np.asarray(scores, np.float32),
-                "rollout_log_probs": group.log_probs,
-                "group_ids": np.full(n, len(self.rows), np.int32),
-            })  # fmt: skip
-            self.extra.append({k: list(v) for k, v in extra.items()})
+        verdicts: dict[int, bool] = {}
+        scored: dict[int, tuple] = {}
+        for batch in dict.fromkeys(g.batch for g in groups):  # batches in order of appearance
+            mine = [k for k, g in enumerate(groups) if g.batch == batch]
+            n = len(groups[mine[0]].responses)
+            rows = np.repeat([groups[k].row for k in mine], n)
+            prompts = self.sources[batch].select(rows)
+            responses = np.concatenate([groups[k].responses for k in mine])
+            mask = np.concatenate([groups[k].response_mask for k in mine])
+            scores, reward_metrics, extra = self.reward_fn(prompts, responses, mask)
+            for key, v in reward_metrics.items():
+                self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + float(v)
+            values = metric_values(self.metric, scores, extra)
+            for j, k in enumerate(mine):
+                part = slice(j * n, (j + 1) * n)
+                verdicts[k] = n == 1 or bool(np.std(values[part]) > 0)
+                scored[k] = (prompts.select(np.arange(part.start, part.stop)), scores[part],
+                             {key: list(v[part]) for key, v in extra.items()})  # fmt: skip
+        for k, group in enumerate(groups):
+            if verdicts[k]:
+                prompts, scores, extra = scored[k]
+                self.rows.append({
+                    "prompts": prompts.input_ids, "prompt_mask": prompts.attention_mask,
+                    "responses": group.responses, "response_mask": group.response_mask,
+                    "token_level_scores": np.asarray(scores, np.float32),
+                    "rollout_log_probs": group.log_probs,
+                    "group_ids": np.full(len(group.responses), len(self.rows), np.int32),
+                })  # fmt: skip
+                self.extra.append(extra)
         self.timing["reward"] = self.timing.get("reward", 0.0) + time.perf_counter() - start
-        return keep
+        return [verdicts[k] for k in range(len(groups))]
 
-    def take(self) -> tuple[dict[str, np.ndarray], dict[str, list]]:
-        """The kept groups' rows (in the order they were kept) and extra info."""
-        return concat_rows(self.rows), merged_extra(self.rows, self.extra)
+    def take(self, groups: int) -> tuple[dict[str, np.ndarray], dict[str, list]]:
+        """The first `groups` kept groups' rows (in the order they were kept) and extra
+        info (the stream's surplus, kept in its last round past the target, is dropped)."""
+        rows, extra = self.rows[:groups], self.extra[:groups]
+        return concat_rows(rows), merged_extra(rows, extra)
 
 
 def stream_metrics(stats: StreamStats, groups: int) -> dict[str, float]:
     """The streamed step's filter metrics (module doc)."""
+    dropped = stats.finished - stats.kept - stats.surplus  # by the filter
     return {
         "train/num_gen_batches": float(stats.batches),
-        "training/filter_groups/evicted_samples": float(stats.finished - stats.kept),
-        "training/filter_groups/discarded_surplus_samples": 0.0,
+        "training/filter_groups/evicted_samples": float(dropped),
+        "training/filter_groups/discarded_surplus_samples": float(stats.surplus),
         "training/filter_groups/aborted_groups": float(stats.aborted),
         "training/filter_groups/sampled_tokens_per_group": stats.sampled_tokens / groups,
     }

@@ -614,7 +614,7 @@ class PPOTrainer:
         timing["gen"] = time.perf_counter() - start - timing.get("reward", 0.0)
         if result.stats.kept < target:
             raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
-        rows, extra = judge.take()
+        rows, extra = judge.take(target)
         metrics.update(stream_metrics(result.stats, target))
         return Scored(rows, {}, extra, judge.reward_metrics, None)
 

@@ -38,6 +38,11 @@ def engine(tiny, slots=8):
     return eng
 
 
+def every(rule):
+    """A judge that applies `rule` to each group of a round."""
+    return lambda groups: [rule(g) for g in groups]
+
+
 def sampling(**kw):
     return SamplingParams(**{"n": 2, "max_tokens": 6, "temperature": 1.0} | kw)
 
@@ -45,7 +50,7 @@ def sampling(**kw):
 def test_greedy_groups_equal_generate(tiny):
     config, params = tiny
     sp = sampling(do_sample=False, temperature=0.0)
-    result = stream_groups(engine(tiny), batches(), sp, jax.random.key(0), lambda g: True,
+    result = stream_groups(engine(tiny), batches(), sp, jax.random.key(0), every(lambda g: True),
                            target=4)  # fmt: skip
     ids, mask = next(batches())
     out = generate(config, params, ids, mask, sp, jax.random.key(0))
@@ -72,7 +77,7 @@ def test_sampling_does_not_depend_on_chunks_or_slots(tiny):
 
     def run(slots, chunk):
         eng = engine(tiny, slots)
-        result = stream_groups(eng, batches(), sp, key, lambda g: g.sequence % 2 == 0,
+        result = stream_groups(eng, batches(), sp, key, every(lambda g: g.sequence % 2 == 0),
                                target=3, chunk=chunk)  # fmt: skip
         assert eng.free_slots == eng.slots
         return {g.sequence: g.responses for g in result.kept}, result.stats
@@ -88,10 +93,11 @@ def test_admission_follows_the_keep_rate_and_the_stop_aborts(tiny):
     # half of the groups are kept: after the first verdicts, twice the missing groups run
     eng = engine(tiny, slots=16)
     result = stream_groups(eng, batches(b=3), sampling(), jax.random.key(1),
-                           lambda g: g.sequence % 2 == 1, target=4)  # fmt: skip
+                           every(lambda g: g.sequence % 2 == 1), target=4)  # fmt: skip
     s = result.stats
     assert s.kept == 4 and [g.sequence % 2 for g in result.kept] == [1] * 4
     assert s.started == s.finished + s.aborted
+    assert [g.sequence for g in result.kept] == sorted(g.sequence for g in result.kept)
     assert s.batches == -(-s.started // 3)  # prompts taken in order, batch after batch
     assert s.sampled_tokens >= s.kept_tokens > 0
     assert eng.free_slots == eng.slots  # aborted groups' slots are free again
@@ -99,11 +105,11 @@ def test_admission_follows_the_keep_rate_and_the_stop_aborts(tiny):
 
 def test_max_groups_stops_short(tiny):
     result = stream_groups(engine(tiny), batches(), sampling(), jax.random.key(0),
-                           lambda g: False, target=2, max_groups=5)  # fmt: skip
+                           every(lambda g: False), target=2, max_groups=5)  # fmt: skip
     assert result.kept == [] and result.stats.started == result.stats.finished == 5
 
 
 def test_a_group_must_fit_the_slots(tiny):
     with pytest.raises(ValueError, match="max_num_seqs"):
         stream_groups(engine(tiny, slots=2), batches(), sampling(n=4), jax.random.key(0),
-                      lambda g: True, target=1)  # fmt: skip
+                      every(lambda g: True), target=1)  # fmt: skip

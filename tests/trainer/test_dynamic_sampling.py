@@ -194,17 +194,24 @@ def test_group_judge_scores_keeps_and_concatenates():
         mask = np.ones_like(responses)
         return GroupRollout(batch, row, 0, responses, mask, np.zeros(mask.shape, np.float32))
 
-    assert judge(group(1, 2, [3, 4]))  # scores 1, 0: kept
-    assert not judge(group(0, 1, [2, 4]))  # both 0: dropped
-    assert judge(group(0, 0, [5, 6]))
-    assert calls == [[12, 12], [1, 1], [0, 0]]  # each group's own prompt, n times
-    rows, extra = judge.take()
+    assert judge([group(1, 2, [3, 4])]) == [True]  # scores 1, 0: kept
+    # one round, groups of two batches: a reward call per batch, verdicts in order
+    assert judge([group(0, 1, [2, 4]), group(1, 0, [7, 7]), group(0, 0, [5, 6])]) == [
+        False,  # both 0: dropped
+        False,  # both 1
+        True,
+    ]
+    # each group's own prompt, n times; batch 0's groups scored together
+    assert calls == [[12, 12], [1, 1, 0, 0], [10, 10]]
+    rows, extra = judge.take(2)
     np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
     np.testing.assert_array_equal(rows["prompts"][0], second_ids[2])
     np.testing.assert_array_equal(rows["prompts"][2], np.concatenate([[0], first_ids[0]]))
     np.testing.assert_array_equal(rows["token_level_scores"][:, 0], [1, 0, 1, 0])
     assert extra == {"first": [3, 4, 5, 6]}
     assert judge.reward_metrics == {"reward/errors": 3.0} and timing["reward"] > 0
+    one, _ = judge.take(1)  # the first kept only: a surplus past the target is dropped
+    np.testing.assert_array_equal(one["responses"], rows["responses"][:2])
 
 
 def test_group_judge_without_more_prompts_names_the_fix():
@@ -215,11 +222,12 @@ def test_group_judge_without_more_prompts_names_the_fix():
 
 
 def test_stream_metrics():
-    stats = StreamStats(batches=3, started=9, finished=7, kept=4, aborted=2, sampled_tokens=60)
+    stats = StreamStats(batches=3, started=9, finished=7, kept=4, surplus=1, aborted=2,
+                        sampled_tokens=60)  # fmt: skip
     assert stream_metrics(stats, 4) == {
         "train/num_gen_batches": 3.0,
-        "training/filter_groups/evicted_samples": 3.0,
-        "training/filter_groups/discarded_surplus_samples": 0.0,
+        "training/filter_groups/evicted_samples": 2.0,  # dropped by the filter
+        "training/filter_groups/discarded_surplus_samples": 1.0,
         "training/filter_groups/aborted_groups": 2.0,
         "training/filter_groups/sampled_tokens_per_group": 15.0,
     }
