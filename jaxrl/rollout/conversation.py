@@ -82,17 +82,22 @@ def open_cache(config: DecoderConfig, layout: Layout | None, slots: int, length:
 def start(
     config: DecoderConfig,
     layout: Layout | None,
+    copies: int,
     params: Any,
     cache: KVCache,
-    slot_ids: Int[Array, " f"],
+    slot_ids: Int[Array, " fc"],
     input_ids: Int[Array, "f p"],
     attention_mask: Int[Array, "f p"],
 ) -> KVCache:
-    """Prefill left-padded prompts [F, P] but their last token into the given slots (cells
-    [0, P - 1)); a slot id >= S (padding rows) is not written."""
+    """Prefill left-padded prompts [F, P] but their last token, once each, into `copies`
+    slots each (prompt i's keys and values into slots `slot_ids[i * copies : (i + 1) *
+    copies]`, cells [0, P - 1)); a slot id >= S (padding rows) is not written."""
     with use_layout(layout):
         ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
         _, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
+        if copies > 1:
+            k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
+            mask = jnp.repeat(mask, copies, axis=0)
         return cache.write(slot_ids, k, v, mask).constrain()
 
 

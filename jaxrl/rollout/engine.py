@@ -5,6 +5,7 @@
     out = engine.generate(ids, mask, sampling, rng)   # batch generation (continuous batching)
 
     slots = engine.start(ids, mask)               # conversations: prompts into KV-cache slots
+    slots = engine.start(ids, mask, copies=4)     # (each prompt prefilled once, in 4 slots)
     turn = engine.decode(slots, sampling, rng)    # sample until EOS / stop / max_tokens
     turn = engine.decode(slots, sampling, keys, max_steps=16)   # or a chunk of it (None:
                                                   # not over; the next decode continues it)
@@ -355,8 +356,12 @@ class RolloutEngine:
                 f"[0, {self.config.vocab_size})"
             )
 
-    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """Open one conversation per left-padded prompt [F, P]; returns their slot ids [F]."""
+    def start(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, copies: int = 1
+    ) -> np.ndarray:
+        """Open `copies` conversations per left-padded prompt [F, P] (prompt i's copies
+        consecutive: rows i * copies ...), each prompt prefilled once and its keys and
+        values copied into its slots; returns their slot ids [F * copies]."""
         params = self._weights()
         ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
         if ids.ndim != 2 or mask.shape != ids.shape or not np.issubdtype(ids.dtype, np.integer):
@@ -383,26 +388,29 @@ class RolloutEngine:
                 f"prompts of {ids.shape[1]} tokens (padded to {width}) leave no room in a "
                 f"conversation of max_model_len={self.max_model_len} cells: raise max_model_len"
             )
+        if copies < 1:
+            raise ValueError(f"start(copies={copies}): must be >= 1")
         self._ensure_cache()
         f = ids.shape[0]
         free_ids = [s for s in range(self.slots) if s not in self._records]
-        if f > len(free_ids):
+        if f * copies > len(free_ids):
             raise ValueError(
-                f"start(): {f} prompts but {len(free_ids)} free slots of {self.slots} "
-                "(max_num_seqs): end() finished conversations first"
+                f"start(): {f} prompts x {copies} copies but {len(free_ids)} free slots of "
+                f"{self.slots} (max_num_seqs): end() finished conversations first"
             )
-        slot_ids = np.asarray(free_ids[:f], np.int32)
+        slot_ids = np.asarray(free_ids[: f * copies], np.int32)
         rows = bucket(f, 1)
         pad = ((0, rows - f), (width - ids.shape[1], 0))
-        program = _start_program(self.config, self.layout)
+        program = _start_program(self.config, self.layout, copies)
         with self._ending_on_error([]):
             self._cache = program(
                 params,
                 self._cache,
-                np.pad(slot_ids, (0, rows - f), constant_values=self.slots),
+                np.pad(slot_ids, (0, (rows - f) * copies), constant_values=self.slots),
                 np.pad(ids, pad),
                 np.pad(mask, pad),
             )
+        ids, mask, counts = (np.repeat(a, copies, axis=0) for a in (ids, mask, counts))
         self._pending["last"][slot_ids] = ids[:, -1]
         self._pending["index"][slot_ids] = width - 1
         self._pending["position"][slot_ids] = counts - 1
@@ -675,8 +683,9 @@ _open_cache = jax.jit(conversation.open_cache, static_argnums=(0, 1, 2, 3))
 
 
 @functools.lru_cache(maxsize=8)
-def _start_program(config: DecoderConfig, layout: Layout | None):
-    return jax.jit(functools.partial(conversation.start, config, layout), donate_argnums=(1,))
+def _start_program(config: DecoderConfig, layout: Layout | None, copies: int = 1):
+    fn = functools.partial(conversation.start, config, layout, copies)
+    return jax.jit(fn, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=32)

@@ -11,7 +11,7 @@ score alike are dropped, and when fewer than `target` remain another whole batch
 (and the surplus of the last is thrown away). Here the groups flow through the
 `RolloutEngine`'s conversation slots instead:
 
-    admit      a group's n copies of its prompt into free slots while
+    admit      a group's n copies of its prompt into free slots (prefilled once) while
                kept + running x keep_rate < target   (keep_rate: kept / finished so far, 1
                before any group has finished), and at most `max_groups` groups in all
     decode     every running slot `chunk` tokens
@@ -195,7 +195,8 @@ def stream_groups(
 
 def _admit(engine, prompts, running, by_slot, stats, n, target, max_groups) -> None:
     """Start groups in free slots while the kept ones so far say more are needed, all of
-    them in one `engine.start` (prompts of different batches left-padded to one width)."""
+    them in one `engine.start` (prompts of different batches left-padded to one width), each
+    prompt prefilled once for its n slots."""
     keep_rate = stats.kept / stats.finished if stats.finished else 1.0
     count = 0
     while (
@@ -210,7 +211,7 @@ def _admit(engine, prompts, running, by_slot, stats, n, target, max_groups) -> N
     width = max(len(ids) for _, _, ids, _ in taken)
     ids = np.stack([np.pad(t[2], (width - len(t[2]), 0)) for t in taken])
     mask = np.stack([np.pad(t[3], (width - len(t[3]), 0)) for t in taken])
-    slots = engine.start(np.repeat(ids, n, 0), np.repeat(mask, n, 0))
+    slots = engine.start(ids, mask, copies=n)
     for k, (batch, row, _, _) in enumerate(taken):
         group = _Group(batch, row, stats.started, [int(s) for s in slots[k * n : (k + 1) * n]])
         running[group.sequence] = group

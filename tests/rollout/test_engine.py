@@ -323,3 +323,25 @@ def test_the_xla_rollout_holds_its_layers_apart(tiny):
     kernels = choose_backend("auto", config, None)
     if kernels.name == "cpu_kernels":  # the kernels cut panels from the stacks: kept stacked
         assert isinstance(engine(config, params).params["layers"], dict)
+
+
+def test_copies_share_one_prefill_and_equal_repeated_prompts(tiny):
+    """`start(copies=3)` (each prompt prefilled once, its keys and values in 3 slots) decodes
+    as the prompts repeated 3 times do."""
+    config, params = tiny
+    ids, mask = prompts()
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    a, b = engine(config, params, max_num_seqs=12), engine(config, params, max_num_seqs=12)
+    shared = a.start(ids, mask, copies=3)
+    repeated = b.start(np.repeat(ids, 3, axis=0), np.repeat(mask, 3, axis=0))
+    np.testing.assert_array_equal(shared, repeated)
+    ta, tb = a.decode(shared, sp), b.decode(repeated, sp)
+    for x, y in zip(ta.tokens, tb.tokens, strict=True):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(ta.log_probs, tb.log_probs, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    assert [a.conversation(s).prompt for s in shared] == [
+        b.conversation(s).prompt for s in repeated
+    ]
+    with pytest.raises(ValueError, match="3 prompts x 2 copies but 3 free slots"):
+        a.start(ids, mask, copies=2)
