@@ -44,7 +44,7 @@ from jaxrl.agent.runner import ToolResult, ToolRunner
 from jaxrl.config.checks import AGENT_LOOPS as AGENTS
 from jaxrl.data.templates import left_pad
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.sampling import SamplingParams, nested_keys
 
 STALL_GRACE_S = 60.0  # past the tool timeout: the runner's event loop is stuck
 
@@ -295,11 +295,9 @@ class AgentLoop:
         rng: jax.Array,
     ) -> list[int]:
         """One chunk of every decoding slot; returns the slots still decoding."""
-        index = np.zeros(self.engine.slots, np.uint32)  # one shape: one compiled program
-        turn = np.zeros(self.engine.slots, np.uint32)
-        index[: len(decoding)] = [running[s].index for s in decoding]
-        turn[: len(decoding)] = [running[s].record.assistant_turns for s in decoding]
-        keys = _turn_keys(rng, index, turn)[: len(decoding)]
+        index = [running[s].index for s in decoding]
+        turn = [running[s].record.assistant_turns for s in decoding]
+        keys = nested_keys(rng, index, turn, self.engine.slots)
         out = self._timed(
             self.engine.decode, decoding, sampling, keys, max_steps=self.limits.decode_chunk
         )
@@ -409,9 +407,3 @@ class AgentLoop:
             return fn(*args, **kwargs)
         finally:
             self.stats.decode_seconds += time.perf_counter() - start
-
-
-@jax.jit
-def _turn_keys(rng: jax.Array, index: jax.Array, turn: jax.Array) -> jax.Array:
-    """Turn `turn[k]` of request `index[k]`'s key: fold_in(fold_in(rng, index), turn)."""
-    return jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(rng, i), t))(index, turn)

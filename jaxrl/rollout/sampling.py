@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
@@ -189,3 +190,17 @@ def sample(
     tokens = inverse_cdf(weights, key) if params.do_sample else first_argmax(z)
     chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen - log_norm
+
+
+def nested_keys(rng: jax.Array, outer: list[int], inner: list[int], size: int) -> jax.Array:
+    """Keys [len(outer)]: `fold_in(fold_in(rng, outer[k]), inner[k])` (a request's turn, a
+    group's member), computed at a fixed `size` >= len(outer) so that one program serves
+    every call."""
+    a, b = np.zeros(size, np.uint32), np.zeros(size, np.uint32)
+    a[: len(outer)], b[: len(inner)] = outer, inner
+    return _nested_keys(rng, a, b)[: len(outer)]
+
+
+@jax.jit
+def _nested_keys(rng: jax.Array, outer: jax.Array, inner: jax.Array) -> jax.Array:
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(rng, i), j))(outer, inner)

@@ -43,7 +43,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.sampling import SamplingParams, nested_keys
 
 
 @dataclasses.dataclass
@@ -222,10 +222,9 @@ def _admit(engine, prompts, running, by_slot, stats, n, target, max_groups) -> N
 def _decode(engine, sampling, rng, running, by_slot, stats, chunk) -> None:
     """One chunk of every running response; an ended one leaves its slot (`engine.end`)."""
     slots = [s for g in running.values() for s in g.slots if s not in g.tokens]
-    keys = jax.vmap(lambda g, j: jax.random.fold_in(jax.random.fold_in(rng, g), j))(
-        np.asarray([by_slot[s].sequence for s in slots], np.uint32),
-        np.asarray([by_slot[s].slots.index(s) for s in slots], np.uint32),
-    )
+    groups = [by_slot[s].sequence for s in slots]
+    members = [by_slot[s].slots.index(s) for s in slots]
+    keys = nested_keys(rng, groups, members, engine.slots)
     turn = engine.decode(slots, sampling, keys, max_steps=chunk)
     stats.decode_calls += 1
     ended = []

@@ -263,9 +263,10 @@ class GroupJudge:
             for key, v in reward_metrics.items():
                 self.reward_metrics[key] = self.reward_metrics.get(key, 0.0) + float(v)
             values = metric_values(self.metric, scores, extra)
+            kept, _ = kept_rows(np.repeat(np.arange(len(mine)), n), values)
             for j, k in enumerate(mine):
                 part = slice(j * n, (j + 1) * n)
-                verdicts[k] = n == 1 or bool(np.std(values[part]) > 0)
+                verdicts[k] = j * n in kept  # the rule of verl's recipe, as for batches
                 scored[k] = (prompts.select(np.arange(part.start, part.stop)), scores[part],
                              {key: list(v[part]) for key, v in extra.items()})  # fmt: skip
         for k, group in enumerate(groups):

@@ -15,6 +15,7 @@ log-probs on the host, and it reports the agent metrics and the conversations fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -132,22 +133,27 @@ class StepRollout:
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
         """The rows of `prompts` (this process's) repeated `sampling.n` times (see the module
         doc); every process calls this with its own prompts and the same rng."""
-        rollout = self.cluster.rollout
-        self.cluster.sync_weights()
-        try:
+        with self._weights():
             if self.multi_turn.enable:
                 return self._agent(prompts, sampling, rng)
             return self._batch(prompts, sampling, rng)
+
+    @contextlib.contextmanager
+    def _weights(self) -> Iterator[None]:
+        """The actor's weights in the rollout for the block (freed after it, colocated)."""
+        self.cluster.sync_weights()
+        try:
+            yield
         finally:
             if self.cluster.rollout_colocated:
-                rollout.release()
+                self.cluster.rollout.release()
 
     def stream(
         self,
         batches: Iterator[tuple[np.ndarray, np.ndarray]],
         sampling: SamplingParams,
         rng: jax.Array,
-        judge: Callable[[GroupRollout], bool],
+        judge: Callable[[list[GroupRollout]], list[bool]],
         *,
         target: int,
         max_groups: int | None,
@@ -155,15 +161,11 @@ class StepRollout:
         """`jaxrl.rollout.streaming.stream_groups` on the rollout engine (streamed dynamic
         sampling), with the actor's weights; one process (refused at construction), batch
         generation only (the config checks refuse multi-turn)."""
-        self.cluster.sync_weights()
-        try:
+        with self._weights():
             return stream_groups(
                 self.cluster.rollout, batches, sampling, rng, judge,
                 target=target, max_groups=max_groups,
             )  # fmt: skip
-        finally:
-            if self.cluster.rollout_colocated:
-                self.cluster.rollout.release()
 
     def _batch(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
         names = prompts.agent_name if prompts.agent_name is not None else ()

@@ -92,11 +92,18 @@ def test_sampling_does_not_depend_on_chunks_or_slots(tiny):
 def test_admission_follows_the_keep_rate_and_the_stop_aborts(tiny):
     # half of the groups are kept: after the first verdicts, twice the missing groups run
     eng = engine(tiny, slots=16)
-    result = stream_groups(eng, batches(b=3), sampling(), jax.random.key(1),
-                           every(lambda g: g.sequence % 2 == 1), target=4)  # fmt: skip
+    judged = []
+
+    def judge(groups):
+        judged.extend(groups)
+        return [g.sequence % 2 == 1 for g in groups]
+
+    result = stream_groups(eng, batches(b=3), sampling(), jax.random.key(1), judge, target=4)
     s = result.stats
     assert s.kept == 4 and [g.sequence % 2 for g in result.kept] == [1] * 4
-    assert s.started == s.finished + s.aborted
+    assert s.started == s.finished + s.aborted and s.finished == len(judged)
+    # every group the judge kept is trained on or surplus (kept past the target, same round)
+    assert s.kept + s.surplus == sum(g.sequence % 2 for g in judged)
     assert [g.sequence for g in result.kept] == sorted(g.sequence for g in result.kept)
     assert s.batches == -(-s.started // 3)  # prompts taken in order, batch after batch
     assert s.sampled_tokens >= s.kept_tokens > 0

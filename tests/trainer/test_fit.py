@@ -326,9 +326,9 @@ def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_p
     for row in a:  # tokens sampled per trained group: at least the trained ones' own
         assert row["training/filter_groups/sampled_tokens_per_group"] >= row[
             "response_length/mean"] * 2  # fmt: skip
-        if streaming:  # groups kept past the target in the last round, groups cut there
-            assert row["training/filter_groups/discarded_surplus_samples"] >= 0
-            assert row["training/filter_groups/aborted_groups"] >= 0
+        if streaming:  # reported (their accounting: tests/rollout/test_streaming.py)
+            assert "training/filter_groups/discarded_surplus_samples" in row
+            assert "training/filter_groups/aborted_groups" in row
 
 
 @pytest.mark.entry
