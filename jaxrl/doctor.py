@@ -49,7 +49,7 @@ from jaxrl.data.dataset import selection
 from jaxrl.data.rows import DataError, read_rows
 from jaxrl.rewards.scorers import ground_truth_problem
 from jaxrl.train import device_summary, folder_problems, preflight_problems, run_summary
-from jaxrl.trainer.checkpoint import step_numbers, survey, verify
+from jaxrl.trainer.checkpoint import KILLED, step_numbers, survey, verify
 from jaxrl.trainer.fit import build_run, fresh_start_problem, resume_path_problem, total_steps
 from jaxrl.trainer.memory import MemoryPlan, gib
 
@@ -200,6 +200,12 @@ def check_checkpoints(cfg: Config, steps: int | None, report: Report) -> None:
     if older:
         report.info(f"{older} older step(s) not read (a run does not reach them)")
     intact = [step for step, problem in found.items() if problem is None]
+    if not intact and all(problem == KILLED for problem in found.values()):
+        report.info(
+            f"steps {list(found)} are saves killed before they committed: a run deletes them "
+            "and starts at step 1"
+        )
+        return
     if not intact:
         report.problem(
             f"{directory}: no intact checkpoint; a run refuses to start (move the folders "

@@ -11,7 +11,7 @@ from jaxrl import doctor
 from jaxrl.config import load_config
 from jaxrl.data import synthetic
 from jaxrl.data.rows import write_parquet
-from jaxrl.trainer.checkpoint import INCOMPLETE, write_manifest
+from jaxrl.trainer.checkpoint import INCOMPLETE, SAVING, write_manifest
 from jaxrl.trainer.memory import bytes_per_device
 
 ROOT = Path(__file__).parents[1]
@@ -153,6 +153,15 @@ def test_no_intact_checkpoint_is_a_problem(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
     status, out = run(capsys, quickstart(tmp_path, "--no-compile"))
     assert status == 1 and "no intact checkpoint; a run refuses to start" in out
+
+
+def test_a_killed_first_save_is_deleted_not_a_problem(tmp_path, capsys):
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "1").mkdir(parents=True)
+    (ckpts / f"1{SAVING}").write_text("0\n")  # the save in flight when the run was killed
+    status, out = run(capsys, quickstart(tmp_path, "--no-compile"))
+    assert "steps [1] are saves killed before they committed: a run deletes them" in out
+    assert status == 0, out
 
 
 def test_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):

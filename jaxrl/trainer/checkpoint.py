@@ -11,6 +11,9 @@ and what `jaxrl.export` needs (the actor's HF config).
 
 A step is written in two phases, and only a step that went through both is ever restored:
 
+0. process 0 first marks the save as in flight (the file `<dir>/<step>.jaxrl-saving`, removed
+   at the commit), so that a step folder without a manifest is known to be a killed save and
+   not a step written before jaxrl kept checksums;
 1. orbax writes it into a temporary folder and renames that to `<dir>/<step>` when complete
    (a process killed before leaves no step folder);
 2. a background thread then hashes every file of the step (sha256) and writes the manifest
@@ -21,11 +24,13 @@ truncated, deleted or flipped bytes are found before anything is loaded (orbax's
 check neither: flipped bytes in an array file load silently). `restorable_step` walks the steps
 from the newest: a step without a manifest (a save killed before its commit) is deleted, a
 step that fails its checksums is moved to `<dir>.set_aside/`, each named in a warning, and the
-newest intact step is returned; when steps exist but none is intact, it raises and changes
-nothing. Retention (`max_to_keep`) deletes older steps only once a newer one is committed, so a
-kill at any moment leaves a committed checkpoint once one exists. A failed write (a full disk)
-is raised on the training thread by `raise_if_failed` / `save` / `wait` / `close`, naming the
-step, the folder and the fix; the previous checkpoint is untouched.
+newest intact step is returned. When every step is a killed save (a run killed in its first
+save), they are deleted and the run starts over; when steps exist but none is intact
+otherwise, it raises and changes nothing. Retention (`max_to_keep`) deletes older steps only
+once a newer one is committed, so a kill at any moment leaves a committed checkpoint once one
+exists. A failed write (a full disk) is raised on the training thread by `raise_if_failed` /
+`save` / `wait` / `close`, naming the step, the folder and the fix; the previous checkpoint is
+untouched.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ log = logging.getLogger("jaxrl.train")
 
 MANIFEST = "jaxrl_checksums.json"
 INCOMPLETE = "no checksum manifest: its save did not complete"
+KILLED = "no checksum manifest: its save was killed before it committed"
+SAVING = ".jaxrl-saving"  # `<dir>/<step>.jaxrl-saving`: the save of <step> is in flight
 _CHUNK = 8 << 20
 
 
@@ -100,10 +107,15 @@ def verify(step_dir: Path) -> str | None:
         return f"a file could not be read ({type(e).__name__}: {e})"
 
 
+def saving_marker(step_dir: Path) -> Path:
+    """The file that marks the save of `step_dir` in flight until its commit."""
+    return step_dir.parent / f"{step_dir.name}{SAVING}"
+
+
 def _verify_files(step_dir: Path) -> str | None:
     manifest = step_dir / MANIFEST
     if not manifest.is_file():
-        return INCOMPLETE
+        return KILLED if saving_marker(step_dir).is_file() else INCOMPLETE
     try:
         files = {
             name: (int(entry["bytes"]), str(entry["sha256"]))
@@ -188,6 +200,9 @@ class Checkpoints:
                 f"{self.step_dir(step)} exists already; move it away (set_aside_after) first"
             )
         items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
+        if jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            saving_marker(self.step_dir(step)).write_text(f"{time.time()}\n")
         try:
             self._manager.save(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items), force=True
@@ -204,6 +219,7 @@ class Checkpoints:
             self._manager.wait_until_finished()
             if jax.process_index() == 0:
                 write_manifest(self.step_dir(step))
+                saving_marker(self.step_dir(step)).unlink(missing_ok=True)
         except BaseException as e:  # re-raised on the training thread
             self._failure = (step, e)
             return
@@ -307,6 +323,9 @@ class Checkpoints:
             shutil.rmtree(leftover, ignore_errors=True)  # writes killed before orbax's rename
         for leftover in self.directory.glob("*.jaxrl-deleting"):
             shutil.rmtree(leftover, ignore_errors=True)
+        for marker in self.directory.glob(f"*{SAVING}"):  # killed before orbax's rename
+            if not (self.directory / marker.name.removesuffix(SAVING)).is_dir():
+                marker.unlink(missing_ok=True)
         problems: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
             problem = verify(self.step_dir(step))
@@ -323,6 +342,13 @@ class Checkpoints:
                 return step
             problems.append((step, problem))
         if not problems:
+            return None
+        if all(why == KILLED for _, why in problems):  # killed in the run's first save(s)
+            for step, why in problems:
+                self._delete(step)
+                log.warning(
+                    "checkpoint %s: %s; deleted it, starting over", self.step_dir(step), why
+                )
             return None
         found = "; ".join(f"step {s}: {why}" for s, why in problems)
         unsealed = [step for step, why in problems if why == INCOMPLETE]
@@ -342,7 +368,7 @@ class Checkpoints:
         )
 
     def _dispose(self, step: int, problem: str) -> str:
-        if problem == INCOMPLETE:
+        if problem in (INCOMPLETE, KILLED):
             self._delete(step)
             return "deleted it"
         return f"moved it to {self._set_aside(step, 'broken')}"
@@ -359,6 +385,7 @@ class Checkpoints:
     def _delete(self, step: int) -> None:
         doomed = self.directory / f"{step}.jaxrl-deleting"  # not a step name: never listed
         os.replace(self.step_dir(step), doomed)
+        saving_marker(self.step_dir(step)).unlink(missing_ok=True)
         shutil.rmtree(doomed)
 
     def restore(self, step: int, targets: dict[str, Any]) -> tuple[dict[str, Any], dict]:

@@ -5,17 +5,23 @@
 `nan-grads 3,4`: in training steps 3 and 4, the gradient accumulated over the actor's first
 micro-batch is replaced by NaN (one micro-batch's loss or gradient going non-finite), so those
 optimizer steps see a non-finite gradient norm.
+
+`kill-in-commit 1`: the process SIGKILLs itself when the save of step 1 is about to be
+committed (orbax has renamed the step folder, jaxrl has not written its manifest).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl import train
-from jaxrl.trainer import learner, ppo_trainer
+from jaxrl.trainer import checkpoint, learner, ppo_trainer
 
 current_step = [0]
 
@@ -46,8 +52,21 @@ def nan_grads(steps: set[int]) -> None:
     learner.Learner.__init__ = patched_init
 
 
+def kill_in_commit(steps: set[int]) -> None:
+    write_manifest = checkpoint.write_manifest
+
+    def killed(step_dir: Path) -> None:
+        if int(step_dir.name) in steps:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_manifest(step_dir)
+
+    checkpoint.write_manifest = killed
+
+
+FAULTS = {"nan-grads": nan_grads, "kill-in-commit": kill_in_commit}
+
 if __name__ == "__main__":
     kind, steps, sep, *train_args = sys.argv[1:]
-    assert kind == "nan-grads" and sep == "--", sys.argv
-    nan_grads({int(s) for s in steps.split(",")})
+    assert kind in FAULTS and sep == "--", sys.argv
+    FAULTS[kind]({int(s) for s in steps.split(",")})
     sys.exit(train.main(train_args))

@@ -20,7 +20,15 @@ import numpy as np
 import pytest
 from _damage import flip_bytes
 
-from jaxrl.trainer.checkpoint import MANIFEST, CheckpointError, Checkpoints, abstract, verify
+from jaxrl.trainer.checkpoint import (
+    KILLED,
+    MANIFEST,
+    CheckpointError,
+    Checkpoints,
+    abstract,
+    saving_marker,
+    verify,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -105,6 +113,30 @@ def test_unfinished_save_is_deleted_not_trusted(tmp_path):
     assert verify(ckpts.step_dir(3)) == "no checksum manifest: its save did not complete"
     assert ckpts.restorable_step() == 2
     assert ckpts.all_steps() == [1, 2] and not ckpts.set_aside_dir.exists()
+    ckpts.close()
+
+
+@pytest.mark.fault(
+    fault="The run killed inside its first save, after orbax's rename, before jaxrl's commit",
+    outcome="The marked, unfinished step is deleted and the run starts over at step 1",
+    lost="The steps before that save",
+)
+def test_killed_first_save_starts_over(tmp_path, caplog):
+    """Only the in-flight marker tells a killed save from a step that predates checksums: the
+    first is deleted (the run starts over), the second refuses (see the test below)."""
+    ckpts = saved(tmp_path, steps=(1,))
+    assert not list(tmp_path.glob("*.jaxrl-saving"))  # the commit removed the marker
+    (ckpts.step_dir(1) / MANIFEST).unlink()
+    saving_marker(ckpts.step_dir(1)).write_text("0\n")  # as a kill before the commit leaves
+    saving_marker(ckpts.step_dir(7)).write_text("0\n")  # killed before orbax's rename
+    assert verify(ckpts.step_dir(1)) == KILLED
+    with caplog.at_level(logging.WARNING, logger="jaxrl.train"):
+        assert ckpts.restorable_step() is None
+    assert "deleted it, starting over" in caplog.text
+    assert ckpts.all_steps() == [] and not list(tmp_path.glob("*.jaxrl-saving"))
+    ckpts.save(1, state(1), {"global_step": 1})  # the run's first save again
+    ckpts.wait()
+    assert ckpts.restorable_step() == 1
     ckpts.close()
 
 

@@ -29,7 +29,7 @@ from jaxrl.compare import main as compare
 from jaxrl.config import load_config
 from jaxrl.models import abstract_params
 from jaxrl.models import load_config as load_model_config
-from jaxrl.trainer.checkpoint import MANIFEST, Checkpoints, verify
+from jaxrl.trainer.checkpoint import KILLED, MANIFEST, Checkpoints, verify
 from jaxrl.trainer.loggers import read_metrics
 
 pytestmark = [pytest.mark.faults, pytest.mark.entry]
@@ -214,6 +214,28 @@ def test_flipped_bytes_fall_back_and_train_exactly(assets, straight, tmp_path):
     assert "sha256 mismatch" in out.stderr and "resuming from step 2" in out.stderr
     assert resumed_from(out.stderr) == 2
     assert (run_dir / "checkpoints.set_aside").is_dir()
+    assert_same_run(run_dir, straight)
+
+
+@pytest.mark.fault(
+    fault="SIGKILL inside the run's first checkpoint save, between orbax's rename and the commit",
+    outcome=(
+        "The restart deletes the unfinished step, starts over at step 1 and trains exactly as "
+        "an uninterrupted run"
+    ),
+    lost="The first step",
+)
+def test_killed_in_the_first_save_starts_over_exactly(assets, straight, tmp_path):
+    """The soak's rare case, made certain (CI hit it once): the first save killed after
+    orbax's rename, so the only step folder has no manifest; it is marked as in flight, so the
+    restart knows it for a killed save (not a checkpoint older than checksums) and starts over."""
+    run_dir = tmp_path / "run"
+    out = inject("kill-in-commit", "1", assets, run_dir)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    assert verify(run_dir / "checkpoints" / "1") == KILLED
+    out = train(assets, run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "deleted it, starting over" in out.stderr and "resumed from step" not in out.stderr
     assert_same_run(run_dir, straight)
 
 
