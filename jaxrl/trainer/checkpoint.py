@@ -323,9 +323,10 @@ class Checkpoints:
             shutil.rmtree(leftover, ignore_errors=True)  # writes killed before orbax's rename
         for leftover in self.directory.glob("*.jaxrl-deleting"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for marker in self.directory.glob(f"*{SAVING}"):  # killed before orbax's rename
-            if not (self.directory / marker.name.removesuffix(SAVING)).is_dir():
-                marker.unlink(missing_ok=True)
+        for marker in self.directory.glob(f"*{SAVING}"):
+            step_dir = self.directory / marker.name.removesuffix(SAVING)
+            if not step_dir.is_dir() or (step_dir / MANIFEST).is_file():  # killed before
+                marker.unlink(missing_ok=True)  # orbax's rename, or after the commit
         problems: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
             problem = verify(self.step_dir(step))
