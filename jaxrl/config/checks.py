@@ -646,9 +646,24 @@ TEACHER_KEYS = ("key", "model_path", "num_replicas", "inference", "_target_")
 
 
 def teachers(cfg: Config) -> dict[str, dict]:
-    """The distillation teachers that name a `model_path`, by name."""
-    entries = cfg.distillation.teacher_models or {}
-    return {name: dict(e) for name, e in entries.items() if e and e.get("model_path")}
+    """The distillation teachers by entry name, resolved as verl resolves `teacher_models`:
+    one entry is the teacher; of several, the default entry `teacher_model` is dropped and
+    each other one is a teacher (routed to by its `key`). Entries without a `model_path` are
+    left out (`_check_distillation` names them where verl would refuse)."""
+    entries = {name: dict(e or {}) for name, e in (cfg.distillation.teacher_models or {}).items()}
+    if len(entries) > 1:
+        entries.pop("teacher_model", None)
+    return {name: e for name, e in entries.items() if e.get("model_path")}
+
+
+def teacher_roles(cfg: Config) -> dict[str, tuple[str, Any]]:
+    """The cluster's teacher roles: {role name: (entry name, routing key)}. One teacher is
+    the role `teacher` (every row, key None); several are `teacher:<key>`, each scoring the
+    rows whose `distillation.teacher_key` field equals its `key` (verl's routing)."""
+    found = teachers(cfg)
+    if len(found) == 1:
+        return {"teacher": (next(iter(found)), None)}
+    return {f"teacher:{e['key']}": (name, e["key"]) for name, e in found.items()}
 
 
 def _check_distillation(cfg: Config, p: _Problems) -> None:
@@ -695,12 +710,7 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
             "distillation.enabled needs a teacher: set "
             "distillation.teacher_models.teacher_model.model_path=HF_CHECKPOINT_DIR"
         )
-    elif len(found) > 1:
-        p.append(
-            f"distillation.teacher_models: {len(found)} teachers ({', '.join(sorted(found))}); "
-            "routing rows to several teachers by distillation.teacher_key is not implemented "
-            "in jaxrl yet: keep one"
-        )
+    _check_teacher_routing(cfg, p)
     pool = distill.nnodes * distill.n_gpus_per_node
     placed = cfg.mesh.placement.teacher.devices
     if pool and placed and pool != placed:
@@ -708,6 +718,40 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
             f"distillation.nnodes x n_gpus_per_node = {pool} teacher devices, but "
             f"mesh.placement.teacher.devices={placed}; set one of them"
         )
+
+
+def _check_teacher_routing(cfg: Config, p: _Problems) -> None:
+    """Several teachers (verl's multi-teacher distillation): each needs a `model_path` and a
+    `key` of its own; the default entry `teacher_model` is dropped, as verl drops it."""
+    entries = dict(cfg.distillation.teacher_models or {})
+    if len(entries) < 2:
+        return
+    dropped = entries.pop("teacher_model", None)
+    if (dropped or {}).get("model_path"):
+        log.warning(
+            "distillation.teacher_models has %d entries: the default entry teacher_model "
+            "(model_path=%s) is dropped, as verl drops it; give that teacher another name (e.g. "
+            "teacher_model1) to use it", len(entries) + 1, dropped["model_path"]
+        )  # fmt: skip
+    keys: dict[Any, str] = {}
+    for name, entry in entries.items():
+        where = f"distillation.teacher_models.{name}"
+        entry = entry or {}
+        if not entry.get("model_path"):
+            p.append(f"{where}.model_path is not set: every teacher of several needs one")
+        if entry.get("key") is None:
+            p.append(
+                f"{where}.key is not set: with several teachers each row goes to the teacher "
+                f"whose key equals its distillation.teacher_key={cfg.distillation.teacher_key!r} "
+                "field; set the value of the rows this teacher scores"
+            )
+        elif entry["key"] in keys:
+            p.append(
+                f"{where}.key={entry['key']!r} is also the key of "
+                f"distillation.teacher_models.{keys[entry['key']]}: each key routes to one teacher"
+            )
+        else:
+            keys[entry["key"]] = name
 
 
 def _check_multi_turn(cfg: Config, p: _Problems) -> None:

@@ -1021,9 +1021,11 @@ class DistillationConfig:
         teacher_models: The teachers by name, each with `model_path` (an HF causal LM whose
             tokenizer equals the student's), `key`, `num_replicas` and verl's
             `inference.*` (of which jaxrl reads `inference.dtype`: the teacher's dtype,
-            default `rollout.dtype`). One teacher: routing several by `teacher_key` is not
-            built yet.
-        teacher_key: The data field that routes rows to teachers (several teachers only).
+            default `rollout.dtype`). Several teachers: the default entry `teacher_model`
+            is dropped (as verl drops it) and each row goes to the teacher whose `key`
+            equals the row's `teacher_key` field.
+        teacher_key: The data field that routes rows to teachers (several teachers only):
+            `data_source`, `ability`, `index` (`extra_info.index`), or any other column.
     """
 
     enabled: bool = False

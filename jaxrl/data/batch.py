@@ -34,6 +34,8 @@ class PromptBatch:
             when `drop_last=False` (validation); their scores should be ignored.
         agent_name: object [B], the row's agent loop (verl's `agent_name` column; None where
             the row has none); None: no row has one.
+        row_fields: object [B] of dicts, each row's fields by name (`Row.fields`: what
+            `field` reads); None: not kept (a batch built by hand).
     """
 
     input_ids: np.ndarray
@@ -48,6 +50,7 @@ class PromptBatch:
     raw_prompt: np.ndarray
     is_padding: np.ndarray
     agent_name: np.ndarray | None = None
+    row_fields: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -56,6 +59,12 @@ class PromptBatch:
     def prompt_lengths(self) -> np.ndarray:
         """int32 [B], tokens in each prompt."""
         return self.attention_mask.sum(-1).astype(np.int32)
+
+    def field(self, name: str) -> np.ndarray:
+        """object [B], each row's field `name` (`Row.fields`; None where a row lacks it)."""
+        if self.row_fields is None:
+            raise ValueError(f"this PromptBatch keeps no row fields, so none named {name!r}")
+        return object_array([f.get(name) for f in self.row_fields])
 
     def select(self, idx: Any) -> PromptBatch:
         """The rows `idx` (an index array or slice) of every field."""

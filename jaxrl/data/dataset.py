@@ -254,6 +254,7 @@ class RLDataset:
             agent_name=object_array([r.extra.get("agent_name") for r in rows])
             if any(r.extra.get("agent_name") is not None for r in rows)
             else None,
+            row_fields=object_array([r.fields() for r in rows]),
             is_padding=np.zeros(len(indices), bool)
             if is_padding is None
             else np.asarray(is_padding, bool),

@@ -59,6 +59,19 @@ class Row:
         """verl's per-row `index`: `extra_info["index"]`, else 0."""
         return self.extra_info.get("index", 0)
 
+    def fields(self) -> dict[str, Any]:
+        """The row's fields by name, as verl hands them to its agent loop (`sample_kwargs`):
+        `data_source`, `ability`, `reward_model`, `extra_info`, `index`, and every other
+        column (`distillation.teacher_key` names one of them)."""
+        return {
+            "data_source": self.data_source,
+            "ability": self.ability,
+            "reward_model": self.reward_model,
+            "extra_info": self.extra_info,
+            "index": self.index,
+            **self.extra,
+        }
+
 
 @dataclass
 class ReadReport:

@@ -45,7 +45,14 @@ from jaxrl.sharding.offload import offload, reload, supports_host_offload
 from jaxrl.sharding.processes import global_array, to_host
 from jaxrl.trainer.fingerprint import tree_hash
 from jaxrl.trainer.learner import Learner, LossFn, shardings_of
-from jaxrl.trainer.roles import RoleSpec, check_teacher_tokenizer, load_role, role_specs
+from jaxrl.trainer.roles import (
+    RoleSpec,
+    check_teacher_tokenizer,
+    is_teacher,
+    load_role,
+    placement_group,
+    role_specs,
+)
 from jaxrl.trainer.update import UpdateState, init_state
 
 log = logging.getLogger("jaxrl.train")
@@ -106,7 +113,10 @@ def cluster_layouts(cfg, specs: Mapping[str, RoleSpec], devices=None) -> dict[st
             "process for now; colocate the roles (devices=0) in a multi-process run"
         )
     colocated = {"reward": None}
-    return {name: groups.get(name, colocated.get(name, groups["train"])) for name in specs}
+    return {
+        name: groups.get(placement_group(name), colocated.get(name, groups["train"]))
+        for name in specs
+    }
 
 
 class Cluster:
@@ -118,7 +128,7 @@ class Cluster:
         specs: Every role's `RoleSpec`.
         layouts: Every role's layout.
         learners: Trainable roles by name (`actor`, `critic`).
-        frozen: Frozen roles by name (`ref`, `teacher`).
+        frozen: Frozen roles by name (`ref`, `teacher` or several `teacher:<key>`).
         rollout: The rollout engine (weights loaded by `sync_weights`).
         reward_model: The reward model (`reward_model.enable`), else None.
     """
@@ -164,13 +174,15 @@ class Cluster:
                 "reward_model.enable: Cluster.load needs the actor's tokenizer (tokenizer=...) "
                 "to tell whether the reward model's differs and responses must be re-templated"
             )
-        if "teacher" in specs and not abstract:
+        teacher_paths = {spec.path for name, spec in specs.items() if is_teacher(name)}
+        if teacher_paths and not abstract:
             if tokenizer is None:
                 raise ValueError(
                     "distillation.enabled: Cluster.load needs the actor's tokenizer "
                     "(tokenizer=...) to check that the teacher's is the same"
                 )
-            check_teacher_tokenizer(specs["teacher"].path, tokenizer)
+            for path in sorted(teacher_paths):
+                check_teacher_tokenizer(path, tokenizer)
         layouts = cluster_layouts(cfg, specs, devices)
         shared_ref = _shares_ref(specs)
         learners, frozen, models = _load_roles(specs, layouts, training, abstract, shared_ref)
@@ -310,9 +322,10 @@ class Cluster:
         return self.frozen.get("ref")
 
     @property
-    def teacher(self) -> Frozen | None:
-        """The distillation teacher (`distillation.enabled`), else None."""
-        return self.frozen.get("teacher")
+    def teachers(self) -> dict[str, Frozen]:
+        """The distillation teachers by role name (`teacher`, or `teacher:<key>` each of
+        several); empty without distillation."""
+        return {name: role for name, role in self.frozen.items() if is_teacher(name)}
 
     @property
     def rollout_colocated(self) -> bool:
@@ -322,11 +335,11 @@ class Cluster:
 
     def device_group(self, name: str) -> str:
         """The device group role `name` lives on: "train" (the actor's devices) or, placed
-        on devices of its own, its name."""
+        on devices of its own, its `mesh.placement` entry (`teacher` for every teacher)."""
         layout, actor = self.layouts.get(name), self.layouts["actor"]
         if layout is None or set(layout.mesh.devices.flat) == set(actor.mesh.devices.flat):
             return "train"
-        return name
+        return placement_group(name)
 
     @property
     def num_devices(self) -> int:

@@ -225,10 +225,19 @@ class GroupJudge:
         reward_fn: The trainer's reward function (`RewardFn`).
         metric: `filter_groups.metric`.
         timing: The step's timings: the scoring adds to its `reward`.
+        host_fields: More per-row host arrays of a kept group's rows, from its prompts
+            (the trainer's: each row's distillation teacher); None: none.
     """
 
-    def __init__(self, reward_fn: Callable, metric: str, timing: dict[str, float]):
+    def __init__(
+        self,
+        reward_fn: Callable,
+        metric: str,
+        timing: dict[str, float],
+        host_fields: Callable[[PromptBatch], dict[str, np.ndarray]] | None = None,
+    ):
         self.reward_fn, self.metric, self.timing = reward_fn, metric, timing
+        self.host_fields = host_fields or (lambda prompts: {})
         self.sources: list[PromptBatch] = []
         self.rows: list[dict[str, np.ndarray]] = []
         self.extra: list[dict[str, list]] = []
@@ -278,6 +287,7 @@ class GroupJudge:
                     "token_level_scores": np.asarray(scores, np.float32),
                     "rollout_log_probs": group.log_probs,
                     "group_ids": np.full(len(group.responses), len(self.rows), np.int32),
+                    **self.host_fields(prompts),
                 })  # fmt: skip
                 self.extra.append(extra)
         self.timing["reward"] = self.timing.get("reward", 0.0) + time.perf_counter() - start

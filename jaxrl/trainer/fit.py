@@ -34,6 +34,7 @@ from jaxrl.trainer.dynamic_sampling import DynamicSamplingError
 from jaxrl.trainer.loggers import Tracking, read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn, ppo_training
 from jaxrl.trainer.protocol import Trainer
+from jaxrl.trainer.teachers import TeacherRouter
 
 log = logging.getLogger("jaxrl.train")
 
@@ -189,8 +190,11 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
     if multi_turn.enable and multi_turn.tool_config_path:
         tools = load_tools(multi_turn.tool_config_path)
     schemas = [schema_dict(t.tool_schema) for t in tools.values()] if tools else None
+    train_set = RLDataset.from_config(cfg.data, tokenizer, "train", schemas)
+    if (router := TeacherRouter.from_config(cfg)) is not None:  # several teachers
+        router.check_rows(train_set.rows, "data.train_files")
     train_loader = PromptIterator(
-        RLDataset.from_config(cfg.data, tokenizer, "train", schemas),
+        train_set,
         cfg.data.gen_batch_size or cfg.data.train_batch_size,  # a generation batch (DAPO)
         shuffle=cfg.data.shuffle,
         seed=cfg.data.seed,

@@ -73,13 +73,16 @@ def infer(
     micro_rows: int | None,
     token_budget: int | None,
     balance: bool = False,
+    rows: np.ndarray | None = None,
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
-    over the whole batch, as [N, R, ...] arrays (float32; int32 for integer results)
-    replicated in `layout` (zeros past each micro-batch's trimmed width)."""
+    over the batch's `rows` (None: all), as [N, R, ...] arrays (float32; int32 for integer
+    results) replicated in `layout` (zeros past each micro-batch's trimmed width and on the
+    rows not asked for)."""
     n, r = batch.responses.shape
     arrays = moved_to(batch.fields(batch.forward_fields()), layout)
-    plans = plan(batch, np.arange(n), layout, micro_rows, token_budget, balance)
+    rows = np.arange(n) if rows is None else np.asarray(rows)
+    plans = plan(batch, rows, layout, micro_rows, token_budget, balance)
     results = [fn(params, take(arrays, mb, layout)) for mb in plans]
     single = not isinstance(results[0], tuple)
     parts = [[x] if single else list(x) for x in results]

@@ -81,6 +81,7 @@ from jaxrl.trainer.metrics import (
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
 from jaxrl.trainer.roles import log_prob_fn, statistics_fn, top_k_fn, values_fn
+from jaxrl.trainer.teachers import ROUTE, TeacherRouter
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
 CRITIC_FIELDS = ("values", "returns")
@@ -265,20 +266,20 @@ class PPOTrainer:
                 temperature=self.temperature,
                 chunk_size=chunk,
             )
+        # Each teacher's pass, from its raw logits (vLLM's default `raw_logprobs`, which
+        # verl's teacher server returns): the sampled tokens' log-probs, or its top-k. With
+        # several teachers each scores the rows routed to it (`jaxrl.trainer.teachers`).
+        loss_cfg = cfg.distillation.distillation_loss
         self.teacher_top_k = None
-        if cluster.teacher is not None:
-            # from the teacher's raw logits (vLLM's default `raw_logprobs`, which verl's
-            # teacher server returns): the sampled tokens' log-probs, or its top-k
-            teacher, loss_cfg = cluster.teacher, cfg.distillation.distillation_loss
-            self.teacher_top_k = loss_cfg.topk if loss_cfg.loss_mode == "forward_kl_topk" else None
-            if self.teacher_top_k is None:
-                self._teacher_pass = log_prob_fn(
-                    teacher.config, teacher.layout, temperature=1.0, chunk_size=chunk
-                )
-            else:
-                self._teacher_pass = top_k_fn(
-                    teacher.config, teacher.layout, self.teacher_top_k, chunk
-                )
+        if cluster.teachers and loss_cfg.loss_mode == "forward_kl_topk":
+            self.teacher_top_k = loss_cfg.topk
+        self._teacher_passes = {
+            name: log_prob_fn(teacher.config, teacher.layout, temperature=1.0, chunk_size=chunk)
+            if self.teacher_top_k is None
+            else top_k_fn(teacher.config, teacher.layout, self.teacher_top_k, chunk)
+            for name, teacher in cluster.teachers.items()
+        }
+        self.router = TeacherRouter.from_config(cfg)
         if cluster.critic is not None:
             self._values = values_fn(cluster.critic.config, cluster.critic.layout)
         self.kl_ctrl = (
@@ -356,7 +357,6 @@ class PPOTrainer:
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg = actor_rollout_ref.actor
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
-        teacher = self.cluster.teacher
         on_device, layout = self.cluster.on_device, actor.layout
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -367,7 +367,9 @@ class PPOTrainer:
                 scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
             else:
                 scored = self._scored_rows(prompts, rng, timing, metrics)
-            batch = RLBatch.from_host(scored.rows, layout, **scored.device)
+            rows = dict(scored.rows)
+            routes = rows.pop(ROUTE, None)  # several teachers: each row's (host only)
+            batch = RLBatch.from_host(rows, layout, **scored.device)
             metrics.update(scored.reward_metrics)
             on_policy = self._on_policy(batch.rows)
             micro = self._log_prob_micro()
@@ -391,18 +393,9 @@ class PPOTrainer:
                     lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
                     lp = moved_to(lp, layout)
                     batch = batch.replace(ref_log_probs=jax.block_until_ready(lp))
-            if teacher is not None:
-                with timer("teacher", timing), on_device("teacher"):
-                    out = infer(
-                        self._teacher_pass, teacher.params, batch, layout=teacher.layout,
-                        **micro,
-                    )  # fmt: skip
-                    out = jax.block_until_ready(moved_to(out, layout))
-                    if self.teacher_top_k is None:
-                        batch = batch.replace(teacher_log_probs=out)
-                    else:
-                        batch = batch.replace(teacher_topk_log_probs=out[0],
-                                              teacher_topk_ids=out[1])  # fmt: skip
+            if self._teacher_passes:
+                with timer("teacher", timing):
+                    batch = self._teacher_scores(batch, routes, micro)
             if critic is not None:
                 with timer("values", timing), on_device("critic"):
                     values = infer(
@@ -531,6 +524,7 @@ class PPOTrainer:
                 repeated, rows["responses"], rows["response_mask"]
             )
             rows["token_level_scores"] = scores.astype(np.float32)
+        rows.update(self._host_fields(repeated))
         if self.cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
             with timer("gen_max", timing):
                 greedy = dataclasses.replace(
@@ -556,6 +550,33 @@ class PPOTrainer:
             device["rollout_log_probs"] = moved_to(log_probs, layout)
         rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
         return Scored(rows, device, extra, reward_metrics, conversations)
+
+    def _teacher_scores(
+        self, batch: RLBatch, routes: np.ndarray | None, micro: dict[str, Any]
+    ) -> RLBatch:
+        """The batch with the teachers' log-probs (or top-k) of its response tokens: each
+        teacher's pass over the rows `routes` gives it (None: the one teacher, every row),
+        the results (zeros on the rows of other teachers) summed into the train layout."""
+        total = None
+        for name, teacher in self.cluster.teachers.items():
+            rows = None if routes is None else np.flatnonzero(routes == self.router.index(name))
+            if rows is not None and not len(rows):
+                continue
+            with self.cluster.on_device(name):
+                out = infer(
+                    self._teacher_passes[name], teacher.params, batch, layout=teacher.layout,
+                    rows=rows, **micro,
+                )  # fmt: skip
+                out = jax.block_until_ready(moved_to(out, self.cluster.actor.layout))
+            total = out if total is None else jax.tree.map(jnp.add, total, out)
+        if self.teacher_top_k is None:
+            return batch.replace(teacher_log_probs=total)
+        return batch.replace(teacher_topk_log_probs=total[0], teacher_topk_ids=total[1])
+
+    def _host_fields(self, prompts: PromptBatch) -> dict[str, np.ndarray]:
+        """Per-row host arrays the step's rows carry besides the generation's and the
+        reward's: each row's teacher (several teachers)."""
+        return self.router.host_fields(prompts) if self.router is not None else {}
 
     def _dynamic_sampling(
         self,
@@ -604,7 +625,7 @@ class PPOTrainer:
         samples them. `max_num_gen_batches` bounds the groups started (x the generation
         batch's prompts)."""
         fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
-        judge = GroupJudge(self.reward_fn, fg.metric, timing)
+        judge = GroupJudge(self.reward_fn, fg.metric, timing, self._host_fields)
         limit = fg.max_num_gen_batches
         start = time.perf_counter()
         result = self._rollout.stream(
@@ -698,7 +719,6 @@ class PPOTrainer:
         the token budget admits of the short ones, many more than of full rows)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
-        teacher = self.cluster.teacher
         prompts, n = cfg.data.train_batch_size, self.sampling.n
         p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
         rollout = self.cluster.rollout
@@ -712,7 +732,7 @@ class PPOTrainer:
         fields = ("advantages", "old_log_probs")
         fields += ("ref_log_probs",) if ref is not None else ()
         top_k = self.teacher_top_k  # None without a teacher
-        fields += ("teacher_log_probs",) if teacher is not None and top_k is None else ()
+        fields += ("teacher_log_probs",) if self._teacher_passes and top_k is None else ()
         fields += CRITIC_FIELDS if critic is not None else ()
         batch = worst_case_batch(prompts * n, p, r, fields)
         if top_k is not None:
@@ -730,9 +750,9 @@ class PPOTrainer:
             programs["ref log-probs"] = compile_infer(
                 self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
             )
-        if teacher is not None:
-            programs["teacher log-probs"] = compile_infer(
-                self._teacher_pass, teacher.params, batch, layout=teacher.layout, **micro
+        for name, teacher in self.cluster.teachers.items():
+            programs[f"{name} log-probs"] = compile_infer(
+                self._teacher_passes[name], teacher.params, batch, layout=teacher.layout, **micro
             )
         if critic is not None:
             programs["critic values"] = compile_infer(
@@ -755,8 +775,8 @@ class PPOTrainer:
         cluster = self.cluster
         roles = [*cluster.learners, *cluster.frozen]
         resident = {name: cluster.resident(name) for name in roles}
-        passes = {"actor": "actor log-probs", "ref": "ref log-probs", "critic": "critic values",
-                  "teacher": "teacher log-probs"}  # fmt: skip
+        passes = {"actor": "actor log-probs", "ref": "ref log-probs", "critic": "critic values"}
+        passes.update({name: f"{name} log-probs" for name in cluster.teachers})
         host, arguments, reloaded = {}, {}, {}
         groups = {name: cluster.device_group(name) for name in (*roles, "rollout")}
         for name in roles:

@@ -10,7 +10,9 @@
   causal LM: a fresh head, normal(0, initializer_range));
 - reward: a frozen sequence-classification reward model (`reward_model.enable`);
 - teacher: a frozen causal LM scoring the student's responses (`distillation.enabled`), of any
-  family or size whose tokenizer equals the actor's (`check_teacher_tokenizer`).
+  family or size whose tokenizer equals the actor's (`check_teacher_tokenizer`); with several
+  teachers one role `teacher:<key>` each, all on the teacher's devices, each scoring the rows
+  routed to it (`jaxrl.trainer.teachers`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import jax
 import jax.numpy as jnp
 from transformers import AutoTokenizer
 
-from jaxrl.config.checks import critic_enabled, lora_enabled, reference_enabled, teachers
+from jaxrl.config.checks import (
+    critic_enabled,
+    lora_enabled,
+    reference_enabled,
+    teacher_roles,
+    teachers,
+)
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, LoraSpec
 from jaxrl.models.hf_io import checkpoint_problems, from_pretrained, load_config
@@ -196,7 +204,7 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
             lora=LoraOptions.from_config(c.model, "critic.model"),
         )
     if cfg.distillation.enabled:
-        specs["teacher"] = teacher_spec(cfg)
+        specs.update(teacher_specs(cfg))
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         if not rm.model.path:
@@ -209,15 +217,29 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
     return specs
 
 
-def teacher_spec(cfg) -> RoleSpec:
-    """The distillation teacher (the one entry of `distillation.teacher_models` with a
-    `model_path`), frozen, in its `inference.dtype` (verl's default: the rollout's dtype)."""
-    (name, entry), *_ = teachers(cfg).items()
-    inference = entry.get("inference") or {}
-    dtype = inference.get("dtype") or cfg.actor_rollout_ref.rollout.dtype
-    key = f"distillation.teacher_models.{name}.inference.dtype"
-    dtype = dtype_name(dtype, key)
-    return RoleSpec("teacher", entry["model_path"], param_dtype=dtype, compute_dtype=dtype)
+def teacher_specs(cfg) -> dict[str, RoleSpec]:
+    """The distillation teachers by role name (`teacher_roles`: `teacher`, or `teacher:<key>`
+    for each of several), frozen, each in its `inference.dtype` (verl's default: the
+    rollout's dtype)."""
+    specs = {}
+    for role, (name, _) in teacher_roles(cfg).items():
+        entry = teachers(cfg)[name]
+        inference = entry.get("inference") or {}
+        dtype = inference.get("dtype") or cfg.actor_rollout_ref.rollout.dtype
+        dtype = dtype_name(dtype, f"distillation.teacher_models.{name}.inference.dtype")
+        specs[role] = RoleSpec(role, entry["model_path"], param_dtype=dtype, compute_dtype=dtype)
+    return specs
+
+
+def is_teacher(role: str) -> bool:
+    """Whether `role` names a distillation teacher (`teacher` or `teacher:<key>`)."""
+    return placement_group(role) == "teacher"
+
+
+def placement_group(role: str) -> str:
+    """The `mesh.placement` entry a role's devices come from: its name, but every teacher's
+    is `teacher` (several teachers share the teacher's devices)."""
+    return role.split(":", 1)[0]
 
 
 def check_teacher_tokenizer(path: str, tokenizer: Any) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.config import Config, ConfigError, load_config, save_config, to_yaml
-from jaxrl.config.checks import role_devices
+from jaxrl.config.checks import role_devices, teacher_roles
 from jaxrl.config.load import closest_key, schema_index
 
 MODEL = "actor_rollout_ref.model.path=/models/m"
@@ -421,7 +421,16 @@ def test_distillation_keys_as_verls_yaml_and_its_refusals(tmp_path):
     assert "forward_kl_topk" in msg
     (msg,) = problems("distillation.enabled=true", teacher,
                       "+distillation.teacher_models.math.model_path=/m")  # fmt: skip
-    assert "2 teachers" in msg and "teacher_key" in msg
+    assert "teacher_models.math.key is not set" in msg and "teacher_key='data_source'" in msg
+    (msg,) = problems("distillation.enabled=true", "+distillation.teacher_models.a.key=gsm",
+                      "+distillation.teacher_models.a.model_path=/a",
+                      "+distillation.teacher_models.b.key=geo")  # fmt: skip
+    assert "teacher_models.b.model_path is not set" in msg
+    (msg,) = problems("distillation.enabled=true", "+distillation.teacher_models.a.key=gsm",
+                      "+distillation.teacher_models.a.model_path=/a",
+                      "+distillation.teacher_models.b.key=gsm",
+                      "+distillation.teacher_models.b.model_path=/b")  # fmt: skip
+    assert "teacher_models.b.key='gsm' is also the key of distillation.teacher_models.a" in msg
     (msg,) = problems("distillation.enabled=true", teacher,
                       "+distillation.teacher_models.teacher_model.path=/x")  # fmt: skip
     assert "unknown keys ['path']" in msg
@@ -450,3 +459,25 @@ def test_over_sample_rate_range_and_refusals():
     (msg,) = problems("actor_rollout_ref.rollout.over_sample_rate=0.25",
                       "actor_rollout_ref.rollout.multi_turn.enable=true")  # fmt: skip
     assert "single-turn" in msg
+
+
+def test_teachers_resolve_as_verls(caplog):
+    """One entry is the one teacher (role `teacher`, every row); of several, verl drops the
+    default `teacher_model` (a warning names it here) and routes by each entry's `key`."""
+    one = load(
+        "distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t"
+    )
+    assert teacher_roles(one) == {"teacher": ("teacher_model", None)}
+    entries = [f"+distillation.teacher_models.{name}.{k}={v}"
+               for name, key in (("math", "openai/gsm8k"), ("geo", "geometry3k"))
+               for k, v in (("key", key), ("model_path", f"/{name}"))]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="jaxrl.config"):
+        several = load(
+            "distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t",
+            *entries,
+        )  # fmt: skip
+    assert teacher_roles(several) == {
+        "teacher:openai/gsm8k": ("math", "openai/gsm8k"),
+        "teacher:geometry3k": ("geo", "geometry3k"),
+    }
+    assert "the default entry teacher_model (model_path=/t) is dropped" in caplog.text

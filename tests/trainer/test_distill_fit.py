@@ -1,18 +1,19 @@
 """On-policy distillation through the trainer: a teacher of another family and size (a Qwen2
 teacher for the quickstart's Llama student, sharing its tokenizer) scores the student's
 rollouts on the 8-device mesh exactly as the HF torch teacher does, the distillation loss
-alone trains the student toward the teacher, and a teacher with another tokenizer is
-refused."""
+alone trains the student toward the teacher, several teachers each score the rows routed to
+them, and a teacher with another tokenizer is refused."""
 
 import numpy as np
+import pandas as pd
 import pytest
 from _hf import hf_response_logits
 from test_fit import config
 
-from jaxrl.data import load_tokenizer
+from jaxrl.data import DataError, load_tokenizer
 from jaxrl.data.synthetic import write_tokenizer
 from jaxrl.train import preflight_problems
-from jaxrl.trainer.fit import fit
+from jaxrl.trainer.fit import build_run, fit
 from jaxrl.trainer.loggers import read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer
 
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def write_teacher(folder, student_dir, tokenizer_dir=None, seed=1, extra_vocab=0):
+def write_teacher(folder, student_dir, tokenizer_dir=None, seed=1, extra_vocab=0, layers=3):
     """A random Qwen2 causal LM (hidden 96, 3 layers: not the student's Llama shape) with the
     student's vocabulary size (+ `extra_vocab` padding rows) and the tokenizer of
     `tokenizer_dir` (default the student's)."""
@@ -28,7 +29,7 @@ def write_teacher(folder, student_dir, tokenizer_dir=None, seed=1, extra_vocab=0
     torch.manual_seed(seed)
     hf = transformers.Qwen2Config(
         vocab_size=student.vocab_size + extra_vocab, hidden_size=96, intermediate_size=160,
-        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=6, num_key_value_heads=2,
         max_position_embeddings=student.max_position_embeddings, tie_word_embeddings=False,
         pad_token_id=student.pad_token_id, eos_token_id=student.eos_token_id,
         initializer_range=0.05,
@@ -118,7 +119,7 @@ def test_teacher_on_devices_of_its_own_equals_colocated(assets, tmp_path, monkey
     step = PPOTrainer.step
 
     def spy(self, prompts, global_step):
-        layout = self.cluster.teacher.layout
+        layout = self.cluster.teachers["teacher"].layout
         groups.append((self.cluster.device_group("teacher"), layout.mesh.devices.size))
         return step(self, prompts, global_step)
 
@@ -179,3 +180,96 @@ def test_top_k_teacher_with_a_larger_embedding_is_named(assets, tmp_path):
     problems = preflight_problems(config(assets, tmp_path / "run", *distill(teacher), *topk,
                                          "distillation.distillation_loss.topk=1000"))  # fmt: skip
     assert any("more than the vocabulary" in p for p in problems)
+
+
+def routed_data(assets, path, values):
+    """The quickstart's training rows with a column `teacher` cycling through `values`."""
+    frame = pd.read_parquet(assets / "train.parquet")
+    frame["teacher"] = [values[i % len(values)] for i in range(len(frame))]
+    frame.to_parquet(path)
+    return path
+
+
+def two_teachers(first, second, *extra):
+    entries = [
+        f"+distillation.teacher_models.{name}.{k}={v}"
+        for name, key, path in (("math", "a", first), ("code", "b", second))
+        for k, v in (("key", key), ("model_path", path), ("inference.dtype", "float32"))
+    ]
+    return ["distillation.enabled=true", "distillation.teacher_key=teacher", *entries,
+            "trainer.test_freq=-1", "trainer.val_before_train=false", *extra]  # fmt: skip
+
+
+@pytest.mark.entry
+def test_each_row_is_scored_by_the_teacher_its_field_routes_it_to(
+    assets, tmp_path, step_batches, monkeypatch
+):
+    """verl's multi-teacher distillation: two teachers (different weights and depths) keyed
+    `a` and `b`, rows routed by their `teacher` column (`distillation.teacher_key=teacher`).
+    Each row's teacher log-probs equal the HF torch log-probs of the teacher its column
+    names, both teachers score rows, and the step trains with verl's distillation metrics."""
+    first = write_teacher(tmp_path / "first", assets / "model", seed=1)
+    second = write_teacher(tmp_path / "second", assets / "model", seed=2, layers=2)
+    data = routed_data(assets, tmp_path / "train.parquet", ["a", "b"])
+    routes = []
+    scores = PPOTrainer._teacher_scores
+
+    def spy(self, batch, route, micro):
+        routes.append((self.router.roles, route))
+        return scores(self, batch, route, micro)
+
+    monkeypatch.setattr(PPOTrainer, "_teacher_scores", spy)
+    run = tmp_path / "run"
+    fit(config(assets, run, *two_teachers(first, second, "trainer.total_training_steps=1",
+                                          f"data.train_files={data}")))  # fmt: skip
+    ((roles, route),) = routes
+    assert roles == ("teacher:a", "teacher:b")
+    assert set(route.tolist()) == {0, 1}
+    (host,) = step_batches
+    mask = host["response_mask"].astype(np.float32)
+    for k, folder in enumerate((first, second)):
+        rows = route == k
+        want = torch_log_probs(folder, host)[rows] * mask[rows]
+        got = host["teacher_log_probs"][rows] * mask[rows]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=roles[k])
+    (row,) = read_metrics(run)
+    assert np.isfinite(row["distillation/loss"]) and np.isfinite(row["timing_s/teacher"])
+
+
+def test_rows_no_teacher_scores_are_named_before_training(assets, tmp_path):
+    """A row whose routing field is missing or matches no teacher's key: the run stops
+    before any weights load, naming the file, the row and the keys."""
+    first = write_teacher(tmp_path / "first", assets / "model", seed=1)
+    data = routed_data(assets, tmp_path / "train.parquet", ["a", "b", "c"])
+    cfg = config(assets, tmp_path / "run", *two_teachers(first, first, f"data.train_files={data}"))
+    with pytest.raises(DataError) as err:
+        fit(cfg)
+    message = str(err.value)
+    assert f"{data}: row 2: its teacher='c' is the key of no teacher" in message
+    assert "['a', 'b']" in message and "data.train_files" in message
+    cfg = config(assets, tmp_path / "run2", *two_teachers(first, first))  # no column
+    with pytest.raises(DataError, match="row 0: it has no field 'teacher'"):
+        fit(cfg)
+
+
+def test_placed_teachers_share_the_teacher_devices_in_the_memory_plan(assets, tmp_path):
+    """Two teachers on the teacher's 4 devices (`distillation.nnodes` x `n_gpus_per_node`):
+    both are held there, each pass is its own program, and the group's peak counts both
+    teachers' weights plus the larger pass."""
+    first = write_teacher(tmp_path / "first", assets / "model", seed=1)
+    second = write_teacher(tmp_path / "second", assets / "model", seed=2, layers=2)
+    data = routed_data(assets, tmp_path / "train.parquet", ["a", "b"])
+    placed = ["distillation.nnodes=1", "distillation.n_gpus_per_node=4",
+              f"data.train_files={data}"]  # fmt: skip
+    mesh = ["mesh.dp=1", "mesh.fsdp=-1", "mesh.tp=1", "mesh.sp=1"]
+    cfg = config(assets, tmp_path / "run", *two_teachers(first, second, *placed), mesh=mesh)
+    trainer = build_run(cfg, abstract=True).trainer
+    assert {n: t.layout.mesh.devices.size for n, t in trainer.cluster.teachers.items()} == {
+        "teacher:a": 4, "teacher:b": 4
+    }  # fmt: skip
+    plan = trainer.memory_plan()
+    passes = ("teacher:a log-probs", "teacher:b log-probs")
+    assert {plan.groups[name] for name in ("teacher:a", "teacher:b", *passes)} == {"teacher"}
+    both = plan.resident["teacher:a"] + plan.resident["teacher:b"]
+    assert plan.resident["teacher:a"] > plan.resident["teacher:b"] > 0  # 3 layers against 2
+    assert plan.group_peak("teacher") == both + max(plan.adds[p] for p in passes)

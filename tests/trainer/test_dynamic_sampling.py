@@ -173,7 +173,8 @@ def prompt_batch(width, rows=3, offset=0):
 def test_group_judge_scores_keeps_and_concatenates():
     """The stream's judge: each group scored with its own prompt's row (the batch it came
     from), kept when its metric varies, rows in the order kept (prompts of another width
-    left-padded), reward metrics summed, scoring time under `reward`."""
+    left-padded) with the trainer's host fields of their prompts (a distillation teacher's
+    route), reward metrics summed, scoring time under `reward`."""
     calls = []
 
     def reward_fn(prompts, responses, mask):
@@ -183,7 +184,8 @@ def test_group_judge_scores_keeps_and_concatenates():
         return scores, {"reward/errors": 1.0}, {"first": responses[:, 0].tolist()}
 
     timing = {}
-    judge = GroupJudge(reward_fn, "seq_reward", timing)
+    routes = lambda prompts: {"teacher_route": prompts.ground_truth.astype(np.int32)}  # noqa: E731
+    judge = GroupJudge(reward_fn, "seq_reward", timing, routes)
     stream = judge.batches(prompt_batch(2), iter([prompt_batch(3, offset=10)]))
     first_ids, _ = next(stream)
     second_ids, _ = next(stream)
@@ -208,6 +210,7 @@ def test_group_judge_scores_keeps_and_concatenates():
     np.testing.assert_array_equal(rows["prompts"][0], second_ids[2])
     np.testing.assert_array_equal(rows["prompts"][2], np.concatenate([[0], first_ids[0]]))
     np.testing.assert_array_equal(rows["token_level_scores"][:, 0], [1, 0, 1, 0])
+    np.testing.assert_array_equal(rows["teacher_route"], [12, 12, 0, 0])  # each group's prompt
     assert extra == {"first": [3, 4, 5, 6]}
     assert judge.reward_metrics == {"reward/errors": 3.0} and timing["reward"] > 0
     one, _ = judge.take(1)  # the first kept only: a surplus past the target is dropped
