@@ -52,6 +52,7 @@ from jaxrl.train import device_summary, folder_problems, preflight_problems, run
 from jaxrl.trainer.checkpoint import KILLED, step_numbers, survey, verify
 from jaxrl.trainer.fit import build_run, fresh_start_problem, resume_path_problem, total_steps
 from jaxrl.trainer.memory import MemoryPlan, gib
+from jaxrl.trainer.teachers import TeacherRouter
 
 SHOWN = 3  # examples listed per kind of problem
 
@@ -117,6 +118,12 @@ def check_split(cfg: Config, tokenizer, split: str, report: Report) -> RLDataset
         return None
     if cfg.custom_reward_function.path is None and not cfg.reward_model.enable:
         _check_ground_truths(dataset, split, report)
+    router = TeacherRouter.from_config(cfg) if split == "train" else None
+    if router is not None:  # several distillation teachers: every row must reach one
+        try:
+            router.check_rows(dataset.rows, key)
+        except DataError as e:
+            report.problem(str(e))
     return dataset
 
 

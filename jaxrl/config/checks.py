@@ -659,11 +659,12 @@ def teachers(cfg: Config) -> dict[str, dict]:
 def teacher_roles(cfg: Config) -> dict[str, tuple[str, Any]]:
     """The cluster's teacher roles: {role name: (entry name, routing key)}. One teacher is
     the role `teacher` (every row, key None); several are `teacher:<key>`, each scoring the
-    rows whose `distillation.teacher_key` field equals its `key` (verl's routing)."""
+    rows whose `distillation.teacher_key` field equals its `key` (verl's routing; a key is a
+    string, as verl types it)."""
     found = teachers(cfg)
     if len(found) == 1:
         return {"teacher": (next(iter(found)), None)}
-    return {f"teacher:{e['key']}": (name, e["key"]) for name, e in found.items()}
+    return {f"teacher:{e['key']}": (name, str(e["key"])) for name, e in found.items()}
 
 
 def _check_distillation(cfg: Config, p: _Problems) -> None:
@@ -733,7 +734,7 @@ def _check_teacher_routing(cfg: Config, p: _Problems) -> None:
             "(model_path=%s) is dropped, as verl drops it; give that teacher another name (e.g. "
             "teacher_model1) to use it", len(entries) + 1, dropped["model_path"]
         )  # fmt: skip
-    keys: dict[Any, str] = {}
+    keys: dict[str, str] = {}  # verl types `key` as a string: 1 and "1" are one key
     for name, entry in entries.items():
         where = f"distillation.teacher_models.{name}"
         entry = entry or {}
@@ -745,13 +746,14 @@ def _check_teacher_routing(cfg: Config, p: _Problems) -> None:
                 f"whose key equals its distillation.teacher_key={cfg.distillation.teacher_key!r} "
                 "field; set the value of the rows this teacher scores"
             )
-        elif entry["key"] in keys:
+        elif str(entry["key"]) in keys:
             p.append(
                 f"{where}.key={entry['key']!r} is also the key of "
-                f"distillation.teacher_models.{keys[entry['key']]}: each key routes to one teacher"
+                f"distillation.teacher_models.{keys[str(entry['key'])]}: each key routes to one "
+                "teacher"
             )
         else:
-            keys[entry["key"]] = name
+            keys[str(entry["key"])] = name
 
 
 def _check_multi_turn(cfg: Config, p: _Problems) -> None:

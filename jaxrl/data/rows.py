@@ -64,12 +64,12 @@ class Row:
         `data_source`, `ability`, `reward_model`, `extra_info`, `index`, and every other
         column (`distillation.teacher_key` names one of them)."""
         return {
+            **self.extra,
             "data_source": self.data_source,
-            "ability": self.ability,
+            "ability": self.ability or None,  # verl's row has no `ability` when it is absent
             "reward_model": self.reward_model,
             "extra_info": self.extra_info,
-            "index": self.index,
-            **self.extra,
+            "index": self.index,  # verl's, from extra_info, over an `index` column
         }
 
 

@@ -200,10 +200,10 @@ class Checkpoints:
                 f"{self.step_dir(step)} exists already; move it away (set_aside_after) first"
             )
         items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
-        if jax.process_index() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            saving_marker(self.step_dir(step)).write_text(f"{time.time()}\n")
         try:
+            if jax.process_index() == 0:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                saving_marker(self.step_dir(step)).write_text(f"{time.time()}\n")
             self._manager.save(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items), force=True
             )

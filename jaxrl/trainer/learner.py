@@ -24,12 +24,13 @@ import numpy as np
 import optax
 
 from jaxrl.core_algos.aggregation import global_batch_info
+from jaxrl.data.batch import bucket
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.lora import merge
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import to_host
 from jaxrl.trainer.batch import RLBatch, moved_to, scatter, take, take_abstract
-from jaxrl.trainer.microbatch import MicroBatch, plan_micro_batches
+from jaxrl.trainer.microbatch import MicroBatch, pad_to, plan_micro_batches
 from jaxrl.trainer.update import UpdateState, apply_gradients, state_shardings
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, Any]]]
@@ -78,10 +79,11 @@ def infer(
     """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
     over the batch's `rows` (None: all), as [N, R, ...] arrays (float32; int32 for integer
     results) replicated in `layout` (zeros past each micro-batch's trimmed width and on the
-    rows not asked for)."""
+    rows not asked for). A subset is padded with empty rows to a bucket size (at most N), so
+    subsets of varying sizes share a handful of compiled programs."""
     n, r = batch.responses.shape
     arrays = moved_to(batch.fields(batch.forward_fields()), layout)
-    rows = np.arange(n) if rows is None else np.asarray(rows)
+    rows = np.arange(n) if rows is None else pad_to(np.asarray(rows), min(bucket(len(rows)), n))
     plans = plan(batch, rows, layout, micro_rows, token_budget, balance)
     results = [fn(params, take(arrays, mb, layout)) for mb in plans]
     single = not isinstance(results[0], tuple)

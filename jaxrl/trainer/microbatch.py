@@ -41,10 +41,10 @@ def _width(lengths: np.ndarray, full: int) -> int:
 
 
 def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
-    return _pad_to(rows, len(rows) + (-len(rows) % multiple))
+    return pad_to(rows, len(rows) + (-len(rows) % multiple))
 
 
-def _pad_to(rows: np.ndarray, n: int) -> np.ndarray:
+def pad_to(rows: np.ndarray, n: int) -> np.ndarray:
     """`rows` (int64) followed by -1 (all-padding rows) up to length n."""
     return np.concatenate([rows.astype(np.int64), np.full(n - len(rows), -1, np.int64)])
 
@@ -120,5 +120,5 @@ def _by_budget(blocks, seq_lengths, budget) -> list[np.ndarray]:
             b[p[k]] if p else np.zeros(0, np.int64) for b, p in zip(blocks, per_shard, strict=True)
         ]
         width = max(len(x) for x in pieces)
-        groups.append(np.concatenate([_pad_to(x, width) for x in pieces]))
+        groups.append(np.concatenate([pad_to(x, width) for x in pieces]))
     return groups

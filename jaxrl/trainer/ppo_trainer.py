@@ -557,6 +557,8 @@ class PPOTrainer:
         """The batch with the teachers' log-probs (or top-k) of its response tokens: each
         teacher's pass over the rows `routes` gives it (None: the one teacher, every row),
         the results (zeros on the rows of other teachers) summed into the train layout."""
+        if self.router is not None and routes is None:  # every teacher would score every row
+            raise ValueError(f"several distillation teachers, but the step's rows carry no {ROUTE}")
         total = None
         for name, teacher in self.cluster.teachers.items():
             rows = None if routes is None else np.flatnonzero(routes == self.router.index(name))

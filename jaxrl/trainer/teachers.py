@@ -60,9 +60,14 @@ class TeacherRouter:
                 "to the teachers"
             )
         if value not in self.keys:
+            typed = (
+                f"; it is a {type(value).__name__} and the keys are strings, as verl types them"
+                if str(value) in self.keys
+                else ""
+            )
             return (
                 f"its {self.field}={value!r} is the key of no teacher (distillation."
-                f"teacher_models.*.key: {list(self.keys)})"
+                f"teacher_models.*.key: {list(self.keys)}){typed}"
             )
         return None
 

@@ -431,6 +431,11 @@ def test_distillation_keys_as_verls_yaml_and_its_refusals(tmp_path):
                       "+distillation.teacher_models.b.key=gsm",
                       "+distillation.teacher_models.b.model_path=/b")  # fmt: skip
     assert "teacher_models.b.key='gsm' is also the key of distillation.teacher_models.a" in msg
+    (msg,) = problems("distillation.enabled=true", "+distillation.teacher_models.a.key=1",
+                      "+distillation.teacher_models.a.model_path=/a",
+                      "+distillation.teacher_models.b.key='1'",
+                      "+distillation.teacher_models.b.model_path=/b")  # fmt: skip
+    assert "b.key='1' is also the key of distillation.teacher_models.a" in msg  # verl: strings
     (msg,) = problems("distillation.enabled=true", teacher,
                       "+distillation.teacher_models.teacher_model.path=/x")  # fmt: skip
     assert "unknown keys ['path']" in msg

@@ -126,6 +126,12 @@ def test_killed_first_save_starts_over(tmp_path, caplog):
     first is deleted (the run starts over), the second refuses (see the test below)."""
     ckpts = saved(tmp_path, steps=(1,))
     assert not list(tmp_path.glob("*.jaxrl-saving"))  # the commit removed the marker
+    lone = Checkpoints(tmp_path / "legacy")  # no manifest, no marker: older than checksums
+    (tmp_path / "legacy" / "1").mkdir()
+    with pytest.raises(CheckpointError, match="seal it with"):
+        lone.restorable_step()
+    assert lone.all_steps() == [1]  # refused, never deleted
+    lone.close()
     (ckpts.step_dir(1) / MANIFEST).unlink()
     saving_marker(ckpts.step_dir(1)).write_text("0\n")  # as a kill before the commit leaves
     saving_marker(ckpts.step_dir(7)).write_text("0\n")  # killed before orbax's rename
@@ -136,7 +142,9 @@ def test_killed_first_save_starts_over(tmp_path, caplog):
     assert ckpts.all_steps() == [] and not list(tmp_path.glob("*.jaxrl-saving"))
     ckpts.save(1, state(1), {"global_step": 1})  # the run's first save again
     ckpts.wait()
+    saving_marker(ckpts.step_dir(1)).write_text("0\n")  # killed after the commit: stale
     assert ckpts.restorable_step() == 1
+    assert not list(tmp_path.glob("*.jaxrl-saving"))  # removed when the step was chosen
     ckpts.close()
 
 

@@ -4,6 +4,8 @@ rollouts on the 8-device mesh exactly as the HF torch teacher does, the distilla
 alone trains the student toward the teacher, several teachers each score the rows routed to
 them, and a teacher with another tokenizer is refused."""
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -182,12 +184,20 @@ def test_top_k_teacher_with_a_larger_embedding_is_named(assets, tmp_path):
     assert any("more than the vocabulary" in p for p in problems)
 
 
+def prompt_digit(text: str) -> int:
+    """The digit of a quickstart prompt (`repeat: 7`; the chat template has no digits)."""
+    (digit,) = re.findall(r"\d", text)
+    return int(digit)
+
+
 def routed_data(assets, path, values):
-    """The quickstart's training rows with a column `teacher` cycling through `values`."""
+    """The quickstart's training rows with a column `teacher`: `values[digit % len(values)]`
+    of each row's prompt digit, so a batch row's teacher follows from its prompt alone."""
     frame = pd.read_parquet(assets / "train.parquet")
-    frame["teacher"] = [values[i % len(values)] for i in range(len(frame))]
+    digits = [prompt_digit(m[0]["content"]) for m in frame["prompt"]]
+    frame["teacher"] = [values[d % len(values)] for d in digits]
     frame.to_parquet(path)
-    return path
+    return frame
 
 
 def two_teachers(first, second, *extra):
@@ -201,37 +211,41 @@ def two_teachers(first, second, *extra):
 
 
 @pytest.mark.entry
+@pytest.mark.parametrize("loss_mode", ["k3", "forward_kl_topk"])
 def test_each_row_is_scored_by_the_teacher_its_field_routes_it_to(
-    assets, tmp_path, step_batches, monkeypatch
+    assets, tmp_path, step_batches, loss_mode
 ):
     """verl's multi-teacher distillation: two teachers (different weights and depths) keyed
-    `a` and `b`, rows routed by their `teacher` column (`distillation.teacher_key=teacher`).
-    Each row's teacher log-probs equal the HF torch log-probs of the teacher its column
-    names, both teachers score rows, and the step trains with verl's distillation metrics."""
+    `a` and `b`, rows routed by their `teacher` column (`distillation.teacher_key=teacher`:
+    `a` for an even prompt digit, `b` for an odd one). Each row's teacher log-probs (or
+    top-4 log-probs and ids) equal the HF torch ones of the teacher its prompt names, both
+    teachers score rows, and the step trains with verl's distillation metrics."""
     first = write_teacher(tmp_path / "first", assets / "model", seed=1)
     second = write_teacher(tmp_path / "second", assets / "model", seed=2, layers=2)
-    data = routed_data(assets, tmp_path / "train.parquet", ["a", "b"])
-    routes = []
-    scores = PPOTrainer._teacher_scores
-
-    def spy(self, batch, route, micro):
-        routes.append((self.router.roles, route))
-        return scores(self, batch, route, micro)
-
-    monkeypatch.setattr(PPOTrainer, "_teacher_scores", spy)
+    data = tmp_path / "train.parquet"
+    routed_data(assets, data, ["a", "b"])
     run = tmp_path / "run"
+    loss = [f"distillation.distillation_loss.loss_mode={loss_mode}",
+            "distillation.distillation_loss.topk=4"]  # fmt: skip
     fit(config(assets, run, *two_teachers(first, second, "trainer.total_training_steps=1",
-                                          f"data.train_files={data}")))  # fmt: skip
-    ((roles, route),) = routes
-    assert roles == ("teacher:a", "teacher:b")
-    assert set(route.tolist()) == {0, 1}
+                                          f"data.train_files={data}", *loss)))  # fmt: skip
     (host,) = step_batches
-    mask = host["response_mask"].astype(np.float32)
-    for k, folder in enumerate((first, second)):
-        rows = route == k
-        want = torch_log_probs(folder, host)[rows] * mask[rows]
-        got = host["teacher_log_probs"][rows] * mask[rows]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=roles[k])
+    tokenizer = load_tokenizer(str(assets / "model"))
+    prompts = zip(host["prompts"], host["prompt_mask"], strict=True)
+    odd = np.array([prompt_digit(tokenizer.decode(ids[m == 1])) % 2 for ids, m in prompts])
+    assert 0 < odd.sum() < len(odd)  # both teachers have rows
+    mask = host["response_mask"].astype(bool)
+    for parity, folder in enumerate((first, second)):
+        rows = (odd == parity)[:, None] & mask
+        z = torch.log_softmax(torch.tensor(hf_response_logits(folder, host)), dim=-1)
+        if loss_mode == "k3":
+            want = torch.gather(z, -1, torch.tensor(host["responses"])[..., None])[..., 0]
+            got = host["teacher_log_probs"]
+        else:
+            want, want_ids = torch.topk(z, 4, dim=-1)
+            assert (host["teacher_topk_ids"][rows] == want_ids.numpy()[rows]).mean() > 0.99
+            got = host["teacher_topk_log_probs"]
+        np.testing.assert_allclose(got[rows], want.numpy()[rows], rtol=1e-4, atol=1e-4)
     (row,) = read_metrics(run)
     assert np.isfinite(row["distillation/loss"]) and np.isfinite(row["timing_s/teacher"])
 
@@ -240,12 +254,14 @@ def test_rows_no_teacher_scores_are_named_before_training(assets, tmp_path):
     """A row whose routing field is missing or matches no teacher's key: the run stops
     before any weights load, naming the file, the row and the keys."""
     first = write_teacher(tmp_path / "first", assets / "model", seed=1)
-    data = routed_data(assets, tmp_path / "train.parquet", ["a", "b", "c"])
+    data = tmp_path / "train.parquet"
+    frame = routed_data(assets, data, ["a", "b", "c"])
+    bad = int(np.flatnonzero(frame["teacher"] == "c")[0])
     cfg = config(assets, tmp_path / "run", *two_teachers(first, first, f"data.train_files={data}"))
     with pytest.raises(DataError) as err:
         fit(cfg)
     message = str(err.value)
-    assert f"{data}: row 2: its teacher='c' is the key of no teacher" in message
+    assert f"{data}: row {bad}: its teacher='c' is the key of no teacher" in message
     assert "['a', 'b']" in message and "data.train_files" in message
     cfg = config(assets, tmp_path / "run2", *two_teachers(first, first))  # no column
     with pytest.raises(DataError, match="row 0: it has no field 'teacher'"):
@@ -258,7 +274,8 @@ def test_placed_teachers_share_the_teacher_devices_in_the_memory_plan(assets, tm
     teachers' weights plus the larger pass."""
     first = write_teacher(tmp_path / "first", assets / "model", seed=1)
     second = write_teacher(tmp_path / "second", assets / "model", seed=2, layers=2)
-    data = routed_data(assets, tmp_path / "train.parquet", ["a", "b"])
+    data = tmp_path / "train.parquet"
+    routed_data(assets, data, ["a", "b"])
     placed = ["distillation.nnodes=1", "distillation.n_gpus_per_node=4",
               f"data.train_files={data}"]  # fmt: skip
     mesh = ["mesh.dp=1", "mesh.fsdp=-1", "mesh.tp=1", "mesh.sp=1"]
