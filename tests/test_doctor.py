@@ -164,6 +164,21 @@ def test_a_killed_first_save_is_deleted_not_a_problem(tmp_path, capsys):
     assert status == 0, out
 
 
+def test_rows_no_distillation_teacher_takes_are_a_data_problem(tmp_path, capsys):
+    """Several teachers: the train rows' `distillation.teacher_key` field (here `ability`,
+    `synthetic` on every quickstart row) must be some teacher's key."""
+    model = tmp_path / "model"
+    entries = [
+        (name, k, v) for name in ("x", "y") for k, v in (("key", name), ("model_path", model))
+    ]
+    teachers = [f"+distillation.teacher_models.{name}.{k}={v}" for name, k, v in entries]
+    args = quickstart(tmp_path, "distillation.enabled=true", "distillation.teacher_key=ability",
+                      *teachers, "--no-compile")  # fmt: skip
+    status, out = run(capsys, args)
+    assert "data.train_files: 1024 rows cannot be routed to a distillation teacher" in out
+    assert "its ability='synthetic' is the key of no teacher" in out and status == 1, out
+
+
 def test_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
     status, out = run(capsys, quickstart(tmp_path, "data.train_batch_sise=8"))
     assert status == 2 and "unknown config key 'data.train_batch_sise'" in out
