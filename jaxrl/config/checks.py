@@ -668,8 +668,9 @@ def teacher_roles(cfg: Config) -> dict[str, tuple[str, Any]]:
 
 
 def _check_distillation(cfg: Config, p: _Problems) -> None:
-    """verl's refusals of `DistillationLossConfig`, one teacher with a model, and the
-    teacher's device pool (`nnodes` x `n_gpus_per_node` and `mesh.placement.teacher`)."""
+    """verl's refusals of `DistillationLossConfig`, a teacher with a model (several: each with
+    its own key, `_check_teacher_routing`), and the teachers' device pool (`nnodes` x
+    `n_gpus_per_node` and `mesh.placement.teacher`)."""
     distill, key = cfg.distillation, "distillation.distillation_loss"
     if not distill.enabled:
         return
