@@ -650,10 +650,16 @@ def teachers(cfg: Config) -> dict[str, dict]:
     one entry is the teacher; of several, the default entry `teacher_model` is dropped and
     each other one is a teacher (routed to by its `key`). Entries without a `model_path` are
     left out (`_check_distillation` names them where verl would refuse)."""
+    return {name: e for name, e in _teacher_entries(cfg).items() if e.get("model_path")}
+
+
+def _teacher_entries(cfg: Config) -> dict[str, dict]:
+    """`distillation.teacher_models` as verl resolves it: of several entries, the default
+    `teacher_model` is dropped."""
     entries = {name: dict(e or {}) for name, e in (cfg.distillation.teacher_models or {}).items()}
     if len(entries) > 1:
         entries.pop("teacher_model", None)
-    return {name: e for name, e in entries.items() if e.get("model_path")}
+    return entries
 
 
 def teacher_roles(cfg: Config) -> dict[str, tuple[str, Any]]:
@@ -725,20 +731,19 @@ def _check_distillation(cfg: Config, p: _Problems) -> None:
 def _check_teacher_routing(cfg: Config, p: _Problems) -> None:
     """Several teachers (verl's multi-teacher distillation): each needs a `model_path` and a
     `key` of its own; the default entry `teacher_model` is dropped, as verl drops it."""
-    entries = dict(cfg.distillation.teacher_models or {})
-    if len(entries) < 2:
+    given = cfg.distillation.teacher_models or {}
+    if len(given) < 2:
         return
-    dropped = entries.pop("teacher_model", None)
-    if (dropped or {}).get("model_path"):
+    dropped = given.get("teacher_model") or {}
+    if dropped.get("model_path"):
         log.warning(
             "distillation.teacher_models has %d entries: the default entry teacher_model "
             "(model_path=%s) is dropped, as verl drops it; give that teacher another name (e.g. "
-            "teacher_model1) to use it", len(entries) + 1, dropped["model_path"]
+            "teacher_model1) to use it", len(given), dropped["model_path"]
         )  # fmt: skip
     keys: dict[str, str] = {}  # verl types `key` as a string: 1 and "1" are one key
-    for name, entry in entries.items():
+    for name, entry in _teacher_entries(cfg).items():
         where = f"distillation.teacher_models.{name}"
-        entry = entry or {}
         if not entry.get("model_path"):
             p.append(f"{where}.model_path is not set: every teacher of several needs one")
         if entry.get("key") is None:

@@ -221,9 +221,9 @@ def teacher_specs(cfg) -> dict[str, RoleSpec]:
     """The distillation teachers by role name (`teacher_roles`: `teacher`, or `teacher:<key>`
     for each of several), frozen, each in its `inference.dtype` (verl's default: the
     rollout's dtype)."""
-    specs = {}
+    specs, found = {}, teachers(cfg)
     for role, (name, _) in teacher_roles(cfg).items():
-        entry = teachers(cfg)[name]
+        entry = found[name]
         inference = entry.get("inference") or {}
         dtype = inference.get("dtype") or cfg.actor_rollout_ref.rollout.dtype
         dtype = dtype_name(dtype, f"distillation.teacher_models.{name}.inference.dtype")
