@@ -442,10 +442,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
     run = time.strftime("%Y%m%dT%H%M%S")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAXRL_SUITE_RUN": run,
-           "JAX_COMPILATION_CACHE_DIR": str(out_dir / "jax_cache")}  # fmt: skip
-    if args.dry_run:  # one CPU device, whatever the caller's flags (a test session asks for 8)
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAXRL_SUITE_RUN": run}
+    cache = str(out_dir / "jax_cache")
+    if args.dry_run:
+        # One CPU device whatever the caller's count (a test session asks for 8); the caller's
+        # other flags and compilation cache (a test session's) are kept.
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+        cache = env.get("JAX_COMPILATION_CACHE_DIR", cache)
+    env["JAX_COMPILATION_CACHE_DIR"] = cache
     outcomes = []
     for name in names:
         outcomes.append(run_child(name, out_dir, args.dry_run, limits[name], env))

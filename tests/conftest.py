@@ -7,10 +7,14 @@ Markers: `slow` (long, still run in CI), `multiprocess` (several JAX processes o
 import os
 import tempfile
 
+from _env import SESSION_FLAGS, session_flags, xla_flags
+
 # Must happen before anything imports jax: the CPU device count is fixed at backend start.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# The session's flags (tests/_env.py: LLVM level 0, then the caller's) are fixed once, by
+# pytest's first process; xdist's workers and the tests' subprocesses inherit them.
+if SESSION_FLAGS not in os.environ:
+    os.environ[SESSION_FLAGS] = session_flags(os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the session (and the processes its tests start): the many
 # runs of the same tiny models compile the same programs, and each is compiled once. Only the
@@ -22,6 +26,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Wall and compile time per test file, printed at the end (tests/_timing.py).
+pytest_plugins = ["_timing"]
 
 # Property tests (hypothesis) are derandomized: CI sees the same examples each run, so a
 # failure reproduces. JAXRL_HYPOTHESIS_EXAMPLES=2000 searches wider by hand.

@@ -2,20 +2,18 @@
 subprocess on 8 CPU devices, as a user runs them."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _env import subprocess_env
 
 ROOT = Path(__file__).parents[1]
 
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}  # fmt: skip
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=subprocess_env(8),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 

@@ -1,27 +1,22 @@
 """`python -m jaxrl.train`: the command a user runs (in a subprocess, as a user would)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _env import subprocess_env
 
 ROOT = Path(__file__).parents[1]
 
 
 def run(*args: str, devices: int = 8) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-    }
     return subprocess.run(
         [sys.executable, "-m", "jaxrl.train", *args],
         cwd=ROOT,
-        env=env,
+        env=subprocess_env(devices),
         capture_output=True,
         text=True,
         timeout=300,

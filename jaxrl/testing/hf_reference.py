@@ -1,24 +1,11 @@
-"""Running `transformers` models as the reference in equivalence tests, and the comparison."""
+"""Running `transformers` models as the reference in equivalence tests (compared with
+`jaxrl.testing.numerics.assert_close_to_scale`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-
-# DESIGN §6: float32, composite ops: 1e-4 relative to the scale of the reference output.
-RTOL = 1e-4
-
-
-def assert_close_to_scale(ours, ref, valid=None, rtol: float = RTOL) -> None:
-    """max |ours - ref| <= rtol * max |ref|, over the `valid` positions."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    if valid is not None:
-        ours, ref = ours[valid], ref[valid]
-    scale = np.abs(ref).max()
-    err = np.abs(ours - ref).max()
-    assert err <= rtol * scale, f"max error {err:.3g} > {rtol} x scale {scale:.3g}"
 
 
 def hf_model(folder: str | Path, head: str = "causal_lm"):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _env import compile_cache, xla_flags
+
 ROOT = Path(__file__).parents[2]
 WORKER = Path(__file__).parent / "worker.py"
 _DROP = ("XLA_FLAGS", "JAX_", "JAXRL_", "SLURM_", "OMPI_", "TPU_", "MEGASCALE_")
@@ -22,10 +24,12 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without JAX/cluster variables, 4 CPU devices, plus `extra`."""
+    """os.environ without JAX/cluster variables, 4 CPU devices (the session's XLA flags and
+    compilation cache: tests/_env.py), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        compile_cache(),
+        XLA_FLAGS=xla_flags(4),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
         PYTHONUNBUFFERED="1",

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from _env import xla_flags
 from _multiproc import ROOT, clean_env, free_port
 
 from jaxrl.compare import main as compare
@@ -43,7 +44,7 @@ def _overrides(run_dir, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list
 def _train(run_dir, processes: int, steps: int = STEPS, extra: tuple[str, ...] = ()) -> str:
     """Run the trainer (`extra`: more overrides); returns the logs."""
     if processes == 1:
-        env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = clean_env(XLA_FLAGS=xla_flags(8))
         cmd = [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir, steps, extra)]
     else:
         env = clean_env(
@@ -51,7 +52,7 @@ def _train(run_dir, processes: int, steps: int = STEPS, extra: tuple[str, ...] =
             JAXRL_LAUNCH_CMD=f"{sys.executable} -m jaxrl.train",
             JAXRL_QUIET="1",
         )
-        del env["XLA_FLAGS"]  # local.sh gives each process its 8 / N devices
+        env["XLA_FLAGS"] = xla_flags(None)  # local.sh gives each process its 8 / N devices
         local_sh = str(ROOT / "launch" / "local.sh")
         cmd = ["bash", local_sh, str(processes), *_overrides(run_dir, steps, extra)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -5,12 +5,12 @@ before anything loads, with the key, the path and what is missing, and nothing i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _env import subprocess_env
 
 pytestmark = pytest.mark.faults
 
@@ -20,7 +20,7 @@ QWEN2 = json.dumps({"model_type": "qwen2"})
 
 
 def train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env()
     return subprocess.run(
         [sys.executable, "-m", "jaxrl.train", "--config", CONFIG, *overrides],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,

@@ -8,7 +8,6 @@ training run resumed over the damage) are in `test_training_faults.py`.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _damage import flip_bytes
+from _env import subprocess_env
 
 from jaxrl.trainer.checkpoint import (
     KILLED,
@@ -262,7 +262,7 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous(tmp_path):
     mount.mkdir()
     script = tmp_path / "disk_full.py"
     script.write_text(DISK_FULL)
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env()
     inner = f"mount -t tmpfs -o size=2m tmpfs {mount} && {sys.executable} {script} {mount}/ckpt"
     inner += f" ; code=$? ; cp -r {mount}/ckpt {tmp_path}/copy ; exit $code"
     out = subprocess.run(

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from _damage import flip_bytes
+from _env import subprocess_env
 
 from jaxrl.assets import prepare
 from jaxrl.compare import main as compare
@@ -77,7 +78,7 @@ def command(assets: Path, run_dir: Path, steps: int = STEPS) -> list[str]:
     ]
 
 
-ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+ENV = subprocess_env(PYTHONUNBUFFERED="1")
 
 
 def train(assets: Path, run_dir: Path, steps: int = STEPS) -> subprocess.CompletedProcess:

@@ -56,7 +56,7 @@ def loss_and_grads(impl, params, data, layout=None, expect_permutes=False):
         params = jax.device_put(params, param_shardings(CONFIG, layout))
         data = [jax.device_put(x, layout.sharding(x.shape, TOKEN_AXES[: x.ndim])) for x in data]
     with use_layout(layout):
-        compiled = fn.lower(params, *data).compile()
+        compiled = fn.lower(params, *data).compile({"xla_backend_optimization_level": 2})
     assert ("collective-permute" in compiled.as_text()) == expect_permutes
     return compiled(params, *data)
 

@@ -10,13 +10,13 @@ import torch
 
 import jaxrl.models as M
 from jaxrl.testing.hf_reference import (
-    assert_close_to_scale,
     hf_model,
     hf_run,
     left_padded,
     random_batch,
     right_padded,
 )
+from jaxrl.testing.numerics import assert_close_to_scale
 from jaxrl.testing.tiny import TINY_CONFIGS, save_tiny
 
 B, T = 3, 12

@@ -11,7 +11,8 @@ import torch
 import jaxrl.models as M
 from jaxrl.models.params import param_shardings
 from jaxrl.sharding import make_mesh
-from jaxrl.testing.hf_reference import assert_close_to_scale, hf_run, left_padded, random_batch
+from jaxrl.testing.hf_reference import hf_run, left_padded, random_batch
+from jaxrl.testing.numerics import assert_close_to_scale
 from jaxrl.testing.tiny import save_tiny
 
 

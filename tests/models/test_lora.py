@@ -17,11 +17,11 @@ from jaxrl.models.params import adapter_spec
 from jaxrl.models.peft_io import AdapterError, load_adapter, read_spec, save_adapter
 from jaxrl.testing import import_reference
 from jaxrl.testing.hf_reference import (
-    assert_close_to_scale,
     hf_model,
     random_batch,
     right_padded,
 )
+from jaxrl.testing.numerics import assert_close_to_scale
 from jaxrl.testing.tiny import save_tiny
 
 

@@ -7,7 +7,8 @@ import pytest
 
 import jaxrl.models as M
 from jaxrl.testing import import_reference
-from jaxrl.testing.hf_reference import assert_close_to_scale, left_padded, random_batch
+from jaxrl.testing.hf_reference import left_padded, random_batch
+from jaxrl.testing.numerics import assert_close_to_scale
 from jaxrl.testing.tiny import save_tiny, tiny_decoder
 
 

@@ -5,7 +5,8 @@ import pytest
 
 import jaxrl.models as M
 from jaxrl.testing.assets import smollm2_135m_instruct
-from jaxrl.testing.hf_reference import assert_close_to_scale, hf_run
+from jaxrl.testing.hf_reference import hf_run
+from jaxrl.testing.numerics import assert_close_to_scale
 
 PROMPTS = [
     [{"role": "user", "content": "What is 12 + 30?"}],

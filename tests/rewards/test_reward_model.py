@@ -16,7 +16,8 @@ from jaxrl.config.mesh import TRAIN_RULES
 from jaxrl.config.schema import RewardModelConfig, RewardModelPathConfig
 from jaxrl.rewards.reward_model import RewardModel
 from jaxrl.sharding.layouts import Layout, train_mesh
-from jaxrl.testing.hf_reference import assert_close_to_scale, hf_model
+from jaxrl.testing.hf_reference import hf_model
+from jaxrl.testing.numerics import assert_close_to_scale
 from jaxrl.testing.tiny import save_tiny
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]

@@ -3,7 +3,6 @@ exact; a killed save leaves the previous checkpoint; the update does not depend 
 micro-batch split; the exported actor loads in transformers with the trained weights."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from _env import subprocess_env
 from _hf import hf_response_logits
 from _quickstart import asset_paths
 
@@ -169,7 +169,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
         os._exit(0)  # killed mid-save: no wait, no close
         """
     )
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env()
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
     from jaxrl.trainer.checkpoint import Checkpoints, abstract
 

@@ -3,6 +3,14 @@ loop: one step equals verl's SFT loss + torch AdamW, TRL 1.16's `DPOTrainer` and
 `KTOTrainer` (parameters after the step, float32); micro-batch invariance; exact resume; bad
 rows named by file and row.
 
+Parameters after Adam steps are compared as `jaxrl.testing.numerics` says: both sides use
+Adam's eps = `STABLE_ADAM_EPS` (so a gradient's rounding cannot move an element by ~lr) and
+the updates agree to `UPDATE_RTOL` of the learning rate. Logged losses and metrics are
+reductions of a few hundred float32 terms computed in another order (torch, or another
+micro-batch split): 1e-5 relative, 1e-6 absolute for those near 0, covers their rounding
+(~1e-7 per term) with a 10x margin; TRL's grad_norm is a norm over every gradient element
+(composite: 1e-4).
+
 The model is a tiny random Llama with the synthetic task's ChatML word-level tokenizer, so
 TRL, verl and jaxrl tokenize the same rows into the same ids.
 """
@@ -27,6 +35,7 @@ from jaxrl.data.offline import Example, OfflineDataset
 from jaxrl.data.rows import DataError, write_parquet
 from jaxrl.data.supervised import PreferenceLimits
 from jaxrl.models import from_pretrained, outputs
+from jaxrl.testing.numerics import STABLE_ADAM_EPS, assert_updates_close
 from jaxrl.testing.reference import import_reference
 from jaxrl.testing.tiny import save_tiny
 from jaxrl.trainer import offline
@@ -38,6 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 ONE = jax.devices()[:1]
+LR = 1e-3  # `_cfg`'s learning rate
+STABLE = f"optim.eps={STABLE_ADAM_EPS}"  # where parameters after Adam steps are compared
 SFT_COLUMNS = ("data.prompt_key=prompt", "data.response_key=response")
 KTO = ("dpo.loss_type=kto",)
 MESSAGES = [
@@ -74,7 +85,7 @@ def _cfg(schema, tiny, run_dir, *overrides, num_devices=1):
     base = [f"model.path={tiny}", "model.model_dtype=fp32", "model.dtype=fp32",
             "model.enable_gradient_checkpointing=false", f"trainer.default_local_dir={run_dir}",
             "trainer.logger=[console]", "optim.lr_scheduler_type=constant",
-            "optim.lr_warmup_steps_ratio=0.0", "optim.weight_decay=0.0", "optim.lr=1e-3",
+            "optim.lr_warmup_steps_ratio=0.0", "optim.weight_decay=0.0", f"optim.lr={LR}",
             "data.shuffle=false", "mesh.fsdp=1"]  # fmt: skip
     return load_config(None, [*base, *overrides], num_devices=num_devices, schema=schema)
 
@@ -84,12 +95,12 @@ def _torch_params(folder):
     return from_pretrained(str(folder), dtype="float32")[1]
 
 
-def _assert_trees_close(ours, ref, atol):
+def _assert_trees_equal(ours, ref):
     flat_ours = jax.tree_util.tree_leaves_with_path(ours)
     flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
     for path, x in flat_ours:
-        np.testing.assert_allclose(np.asarray(x), np.asarray(flat_ref[path]), atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(flat_ref[path]),
+                                      err_msg=jax.tree_util.keystr(path))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ SFT
@@ -187,7 +198,7 @@ def _verl_sft_loss(hf_model, ids_list, masks_list, batch_tokens):
 def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
     """One SFT step (single- and multi-turn rows in one batch, micro-batches of one row) equals
     verl's `sft_loss` on the HF model followed by `clip_grad_norm_(1.0)` and torch AdamW:
-    the logged loss (1e-5) and every parameter after the step (1e-5). Packed: the four
+    the logged loss and every parameter's update (module docstring). Packed: the four
     sequences share rows of 48 tokens (segment ids), as verl's no-padding mode removes
     padding; else each is a padded row."""
     import torch
@@ -207,7 +218,7 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+    opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=(0.9, 0.95), eps=STABLE_ADAM_EPS,
                             weight_decay=0.01)  # fmt: skip
     want_loss = _verl_sft_loss(hf, ids, masks, tokens)
     want_loss.backward()
@@ -221,7 +232,7 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
                "data.train_batch_size=4", "data.micro_batch_size_per_gpu=1",
                "optim.betas=[0.9,0.95]", "optim.weight_decay=0.01", "data.max_length=48",
                f"model.use_remove_padding={str(packed).lower()}",
-               "trainer.total_training_steps=1")  # fmt: skip
+               "trainer.total_training_steps=1", STABLE)  # fmt: skip
     run = build_sft_run(cfg, ONE)
     dataset = run.train_loader.dataset
     dataset.examples = [Example((s,), None, ("test", 0)) for s in rows]
@@ -229,8 +240,8 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
     assert rl.rows == (2 if packed else 4) and (rl.prompt_segment_ids is not None) == packed
     metrics = run.trainer.step(dataset.batch(np.arange(4)), 1)
     np.testing.assert_allclose(metrics["train/loss"], float(want_loss.detach()), rtol=1e-5)
-    _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "torch_after"),
-                        atol=1e-5)  # fmt: skip
+    assert_updates_close(_torch_params(tiny), run.trainer.cluster.actor.params,
+                         _torch_params(tmp_path / "torch_after"), LR)  # fmt: skip
 
 
 def test_packed_validation_equals_padded(tiny, tmp_path, monkeypatch):
@@ -310,11 +321,12 @@ def _trl_step(trainer_cls, config_cls, tiny, records, out, **args):
     torch.manual_seed(0)
     tok = load_tokenizer(str(tiny))
     common = dict(output_dir=str(out), per_device_train_batch_size=len(records),
-                  gradient_accumulation_steps=1, max_steps=1, learning_rate=1e-3,
+                  gradient_accumulation_steps=1, max_steps=1, learning_rate=LR,
                   lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
                   weight_decay=0.0, max_grad_norm=1.0, bf16=False, fp16=False, use_cpu=True,
                   gradient_checkpointing=False, report_to="none", logging_steps=1,
-                  save_strategy="no", seed=0, dataloader_num_workers=0, max_length=64)  # fmt: skip
+                  save_strategy="no", seed=0, dataloader_num_workers=0, max_length=64,
+                  adam_epsilon=STABLE_ADAM_EPS)  # fmt: skip
     trainer = trainer_cls(model=str(tiny), args=config_cls(**common, **args),
                           train_dataset=datasets.Dataset.from_list(records),
                           processing_class=tok)  # fmt: skip
@@ -345,8 +357,8 @@ DPO_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", 
 @pytest.mark.parametrize(("trl_loss", "ours"), DPO_STEPS)
 def test_dpo_step_equals_trl(tiny, tmp_path, trl_loss, ours):
     """One DPO step from the same checkpoint on the same pairs (conversational rows; chosen
-    and rejected in one forward) equals TRL 1.16's `DPOTrainer` step: every parameter
-    (1e-5), the loss and TRL's metrics (rpo_alpha as TRL 1.16's `sft` term)."""
+    and rejected in one forward) equals TRL 1.16's `DPOTrainer` step: every parameter's
+    update, the loss and TRL's metrics (rpo_alpha as TRL 1.16's `sft` term)."""
     trl = import_reference("trl")
     records = _pairs(4)
     types_, weights, more = trl_loss
@@ -356,19 +368,19 @@ def test_dpo_step_equals_trl(tiny, tmp_path, trl_loss, ours):
     path = _write(tmp_path, "pairs", records)
     cfg = _cfg(DPO, tiny, tmp_path / "run", f"data.train_files={path}", "dpo.beta=0.2",
                "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "dpo.max_length=64",
-               *ours)  # fmt: skip
+               STABLE, *ours)  # fmt: skip
     run = build_preference_run(cfg, ONE)
     metrics = run.trainer.step(next(run.train_loader), 1)
     for key in DPO_METRICS:
         np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-5, atol=1e-6, err_msg=key)
     np.testing.assert_allclose(metrics["grad_norm"], logged["grad_norm"], rtol=1e-4)
-    _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "trl/after"),
-                        atol=1e-5)  # fmt: skip
+    assert_updates_close(_torch_params(tiny), run.trainer.cluster.actor.params,
+                         _torch_params(tmp_path / "trl/after"), LR)  # fmt: skip
 
 
 def test_kto_step_equals_trl(tiny, tmp_path):
     """One KTO step (string rows, the KL estimate from each prompt with the previous row's
-    completion) equals TRL 1.16's `KTOTrainer` step: parameters (1e-5), loss and metrics."""
+    completion) equals TRL 1.16's `KTOTrainer` step: parameters' updates, loss and metrics."""
     trl = import_reference("trl")
     records = _kto_rows(3)
     logged = _trl_step(trl.KTOTrainer, trl.KTOConfig, tiny, records, tmp_path / "trl",
@@ -377,7 +389,7 @@ def test_kto_step_equals_trl(tiny, tmp_path):
     cfg = _cfg(DPO, tiny, tmp_path / "run", f"data.train_files={path}", "dpo.loss_type=kto",
                "dpo.beta=0.2", "dpo.desirable_weight=1.2", "dpo.undesirable_weight=0.8",
                "data.train_batch_size=6", "data.micro_batch_size_per_gpu=6",
-               "dpo.max_length=64")  # fmt: skip
+               "dpo.max_length=64", STABLE)  # fmt: skip
     run = build_preference_run(cfg, ONE)
     metrics = run.trainer.step(next(run.train_loader), 1)
     trl_only = {"epoch", "step", "learning_rate"}  # (jaxrl's learning_rate: its schedule)
@@ -385,8 +397,8 @@ def test_kto_step_equals_trl(tiny, tmp_path):
     for key in set(logged) - trl_only:
         np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-4 if key == "grad_norm"
                                    else 1e-5, atol=1e-6, err_msg=key)  # fmt: skip
-    _assert_trees_close(run.trainer.cluster.actor.params, _torch_params(tmp_path / "trl/after"),
-                        atol=1e-5)  # fmt: skip
+    assert_updates_close(_torch_params(tiny), run.trainer.cluster.actor.params,
+                         _torch_params(tmp_path / "trl/after"), LR)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- loop properties
@@ -401,9 +413,9 @@ def _run(cfg, devices=ONE):
 
 @pytest.mark.parametrize("kind", ["sft", "dpo", "kto"])
 def test_micro_batches_and_resume(tiny, tmp_path, kind):
-    """Two steps with micro-batches of one example equal two steps without (1e-6); two steps
-    straight equal one step + checkpoint + resume (shuffled rows: the data order resumes
-    too), every metric and parameter exactly."""
+    """Two steps with micro-batches of one example equal two steps without (metrics and
+    updates as the module docstring says); two steps straight equal one step + checkpoint +
+    resume (shuffled rows: the data order resumes too), every metric and parameter exactly."""
     if kind == "sft":  # packed two sequences a row: two rows a batch
         schema, rows, extra = SFT, _sft_rows(8), [*SFT_COLUMNS, "data.max_length=32"]
     elif kind == "dpo":
@@ -412,7 +424,7 @@ def test_micro_batches_and_resume(tiny, tmp_path, kind):
         schema, rows, extra = DPO, _kto_rows(4), KTO
     path = _write(tmp_path, "rows", rows)
     common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=1",
-              "trainer.total_training_steps=2", "data.shuffle=true", *extra]  # fmt: skip
+              "trainer.total_training_steps=2", "data.shuffle=true", STABLE, *extra]  # fmt: skip
 
     def run(name, *more):
         cfg = _cfg(schema, tiny, tmp_path / name, *common, *more)
@@ -429,8 +441,8 @@ def test_micro_batches_and_resume(tiny, tmp_path, kind):
                 if key == "rewards/accuracies" and a["training/global_step"] == 1:
                     continue  # step 1: the policy is the reference; it compares rounding noise
                 np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-        _assert_trees_close(other.trainer.cluster.actor.params,
-                            whole.trainer.cluster.actor.params, atol=1e-6)  # fmt: skip
+        assert_updates_close(_torch_params(tiny), other.trainer.cluster.actor.params,
+                             whole.trainer.cluster.actor.params, LR, steps=2)  # fmt: skip
 
     run("resumed", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=1")
     resumed, resumed_rows = run("resumed", "data.micro_batch_size_per_gpu=4")
@@ -527,7 +539,7 @@ def test_precomputed_reference_equals_per_batch_and_lora(tiny, tmp_path):
     cluster = lora.trainer.cluster
     assert cluster.shared_ref and "ref" not in cluster.frozen
     base = _torch_params(tiny)
-    _assert_trees_close(cluster.actor.frozen, base, atol=0)  # the base did not move
+    _assert_trees_equal(cluster.actor.frozen, base)  # the base did not move
     assert lora_rows[-1]["eval_rewards/margins"] > 0  # the adapters learned the preference
 
 
@@ -548,7 +560,7 @@ def test_lora_trains_only_the_adapters(tiny, tmp_path, kind):
                *extra)  # fmt: skip
     run = _run(cfg)
     rows = read_metrics(tmp_path / "run")
-    _assert_trees_close(run.trainer.cluster.actor.frozen, _torch_params(tiny), atol=0)
+    _assert_trees_equal(run.trainer.cluster.actor.frozen, _torch_params(tiny))
     if kind == "sft":
         assert rows[-1]["val/loss"] < 0.8 * rows[0]["val/loss"]
     else:
@@ -562,7 +574,8 @@ def test_lora_trains_only_the_adapters(tiny, tmp_path, kind):
 )  # fmt: skip
 def test_sharded_equals_one_device_and_exports(tiny, tmp_path, kind, mesh):
     """Two steps on 8 devices (fsdp x tp, and sp: ring attention, for SFT) equal two steps on
-    one (1e-5); the checkpoint exports to an HF folder with the trained weights."""
+    one (the updates, module docstring); the checkpoint exports to an HF folder with the
+    trained weights, bit for bit."""
     if kind == "sft":
         schema, rows, extra = SFT, _sft_rows(8), list(SFT_COLUMNS)
     elif kind == "dpo":
@@ -571,13 +584,13 @@ def test_sharded_equals_one_device_and_exports(tiny, tmp_path, kind, mesh):
         schema, rows, extra = DPO, _kto_rows(4), KTO
     path = _write(tmp_path, "rows", rows)
     common = [f"data.train_files={path}", "data.train_batch_size=4", "trainer.save_freq=2",
-              "data.micro_batch_size_per_gpu=1", "trainer.total_training_steps=2",
+              "data.micro_batch_size_per_gpu=1", "trainer.total_training_steps=2", STABLE,
               *extra]  # fmt: skip
     one = _run(_cfg(schema, tiny, tmp_path / "one", *common))
     cfg = _cfg(schema, tiny, tmp_path / "mesh", *common, *mesh, num_devices=8)
     sharded = _run(cfg, jax.devices())
-    _assert_trees_close(sharded.trainer.cluster.actor.params, one.trainer.cluster.actor.params,
-                        atol=1e-5)  # fmt: skip
+    assert_updates_close(_torch_params(tiny), sharded.trainer.cluster.actor.params,
+                         one.trainer.cluster.actor.params, LR, steps=2)  # fmt: skip
     out = tmp_path / "hf"
     assert export.main(["--checkpoint", str(tmp_path / "mesh"), "--out", str(out)]) == 0
-    _assert_trees_close(sharded.trainer.cluster.actor.params, _torch_params(out), atol=1e-6)
+    _assert_trees_equal(sharded.trainer.cluster.actor.params, _torch_params(out))
