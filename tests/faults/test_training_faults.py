@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,18 @@ def straight(assets, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("straight")
     out = train(assets, run_dir)
     assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def finished(assets, tmp_path_factory) -> Path:
+    """A finished one-step run validated at its step (tests copy it before changing it)."""
+    run_dir = tmp_path_factory.mktemp("finished")
+    first = subprocess.run(
+        [*command(assets, run_dir, steps=1), "trainer.test_freq=1"], cwd=ROOT, env=ENV,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
     return run_dir
 
 
@@ -201,19 +214,18 @@ def test_sigkill_soak_resumes_exactly(assets, straight, tmp_path):
 )
 def test_flipped_bytes_fall_back_and_train_exactly(assets, straight, tmp_path):
     """The issue's case: 64 bytes flipped in the largest file of the newest checkpoint's actor
-    parameters. The resume names it, sets it aside, resumes from the one before, and every
-    later step equals the uninterrupted run's."""
+    parameters (a copy of the uninterrupted run's folder). The resume names it, sets it aside,
+    resumes from the one before, and the step trained again equals the uninterrupted run's."""
     run_dir = tmp_path / "run"
-    out = train(assets, run_dir, steps=3)
-    assert out.returncode == 0, out.stderr[-3000:]
-    params = run_dir / "checkpoints" / "3" / "actor_params"
+    shutil.copytree(straight, run_dir)
+    params = run_dir / "checkpoints" / str(STEPS) / "actor_params"
     largest = max((p for p in params.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     flip_bytes(largest)
     out = train(assets, run_dir)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"checkpoint {run_dir / 'checkpoints' / '3'}: " in out.stderr
-    assert "sha256 mismatch" in out.stderr and "resuming from step 2" in out.stderr
-    assert resumed_from(out.stderr) == 2
+    assert f"checkpoint {run_dir / 'checkpoints' / str(STEPS)}: " in out.stderr
+    assert "sha256 mismatch" in out.stderr and f"resuming from step {STEPS - 1}" in out.stderr
+    assert resumed_from(out.stderr) == STEPS - 1
     assert (run_dir / "checkpoints.set_aside").is_dir()
     assert_same_run(run_dir, straight)
 
@@ -248,10 +260,9 @@ def test_killed_in_the_first_save_starts_over_exactly(assets, straight, tmp_path
     ),
     lost="Nothing (the run does not start)",
 )
-def test_no_intact_checkpoint_refuses_without_a_traceback(assets, tmp_path):
+def test_no_intact_checkpoint_refuses_without_a_traceback(assets, finished, tmp_path):
     run_dir = tmp_path / "run"
-    out = train(assets, run_dir, steps=1)
-    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(finished, run_dir)
     (run_dir / "checkpoints" / "1" / "_CHECKPOINT_METADATA").write_text("garbage")
     out = train(assets, run_dir)
     assert out.returncode == 1
@@ -327,15 +338,14 @@ def test_consecutive_nonfinite_steps_stop_the_run(assets, tmp_path):
     outcome="Nothing is trained, validated or logged again; `done:` reports the last validation",
     lost="Nothing",
 )
-def test_rerunning_a_finished_run_changes_nothing(assets, tmp_path):
+def test_rerunning_a_finished_run_changes_nothing(assets, finished, tmp_path):
     """A second `python -m jaxrl.train` of a finished run: no validation, no second row for
     the last step, and `done:` reports the last step's validation."""
     run_dir = tmp_path / "run"
-    validating = [*command(assets, run_dir, steps=1), "trainer.test_freq=1"]
-    first = subprocess.run(validating, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(finished, run_dir)
     rows = read_metrics(run_dir)
     assert "val-core/jaxrl/synthetic_repeat/acc/mean@1" in rows[-1]
+    validating = [*command(assets, run_dir, steps=1), "trainer.test_freq=1"]
     again = subprocess.run(validating, cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already at its last step (1)" in again.stderr

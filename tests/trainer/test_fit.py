@@ -67,11 +67,20 @@ VERL_KEYS = (
 )
 
 
+@pytest.fixture(scope="module")
+def grpo_run(assets, tmp_path_factory):
+    """Two GRPO steps with validation, TensorBoard and a checkpoint at step 2: the run that
+    `test_two_steps[grpo]`, the export and the fresh-run refusal read."""
+    run = tmp_path_factory.mktemp("grpo")
+    fit(config(assets, run, "trainer.logger=[console,tensorboard]", "trainer.save_freq=2"))
+    return run
+
+
 @pytest.mark.entry
 @pytest.mark.parametrize(
     "name, extra, expect",
     [
-        ("grpo", ["trainer.logger=[console,tensorboard]"], ()),
+        ("grpo", None, ()),  # the `grpo_run` fixture's run
         (
             "ppo_critic",
             ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=1"],
@@ -107,8 +116,11 @@ VERL_KEYS = (
         ),
     ],
 )
-def test_two_steps(assets, tmp_path, name, extra, expect):
-    fit(config(assets, tmp_path, *extra))
+def test_two_steps(assets, tmp_path, request, name, extra, expect):
+    if extra is None:
+        tmp_path = request.getfixturevalue("grpo_run")
+    else:
+        fit(config(assets, tmp_path, *extra))
     rows = read_metrics(tmp_path)
     assert [r["training/global_step"] for r in rows] == [0, 1, 2]
     assert any(k.startswith("val-core/jaxrl/synthetic_repeat/") for k in rows[0])
@@ -182,23 +194,20 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.entry
-def test_fresh_run_refuses_existing_checkpoints(assets, tmp_path):
-    fit(config(assets, tmp_path, "trainer.save_freq=1", "trainer.total_training_steps=1"))
+def test_fresh_run_refuses_existing_checkpoints(assets, grpo_run):
     with pytest.raises(FileExistsError, match="resume_mode=auto"):
-        fit(config(assets, tmp_path, "trainer.resume_mode=disable"))
+        fit(config(assets, grpo_run, "trainer.resume_mode=disable"))
 
 
 @pytest.mark.entry
-def test_export_loads_in_transformers_with_trained_weights(assets, tmp_path):
+def test_export_loads_in_transformers_with_trained_weights(assets, grpo_run, tmp_path):
     import torch
     import transformers
 
     import jaxrl.models as M
     from jaxrl.export import export
 
-    run = tmp_path / "run"
-    fit(config(assets, run, "trainer.save_freq=2", "trainer.test_freq=-1"))
-    out = export(run, tmp_path / "hf")
+    out = export(grpo_run, tmp_path / "hf")
     initial = transformers.AutoModelForCausalLM.from_pretrained(str(assets / "model"))
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     changed = [
