@@ -25,8 +25,13 @@ from typing import Any
 import jax
 import numpy as np
 
-# Adam's epsilon in tests that compare parameters after optimizer steps (see above).
+# Adam's epsilon in tests that compare parameters after optimizer steps (see above), and the
+# RL config's overrides that set it for the actor and the critic (runs compared over steps).
 STABLE_ADAM_EPS = 1e-2
+STABLE_ADAM_OVERRIDES = (
+    f"actor_rollout_ref.actor.optim.eps={STABLE_ADAM_EPS}",
+    f"critic.optim.eps={STABLE_ADAM_EPS}",
+)
 # float32, composite operations (a forward pass, a loss and its gradient): 1e-4 of the scale
 # leaves a 100x margin over the ~1e-6 rounding of a few composite operations.
 COMPOSITE_RTOL = 1e-4

@@ -155,7 +155,9 @@ def test_resume_equals_uninterrupted_run(assets, tmp_path):
 @pytest.mark.entry
 def test_sequence_parallel_ring_equals_one_sequence_shard(assets, tmp_path):
     """mesh.sp=2 trains with ring attention (zigzag layout); the step's metrics equal those of
-    the same devices without sequence parallelism (same rollouts, float32 reduction order)."""
+    the same devices without sequence parallelism (same rollouts; one step, so the losses
+    and the gradient norm differ by float32 reduction order only: the attention's sums in
+    another blocking, ~1e-6 relative, checked at 1e-4 = DESIGN §6's composite tolerance)."""
     common = ["trainer.test_freq=-1", "trainer.val_before_train=false"]
     common += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=true"]
     sp1, sp2 = tmp_path / "sp1", tmp_path / "sp2"
@@ -219,6 +221,8 @@ def test_export_loads_in_transformers_with_trained_weights(assets, grpo_run, tmp
     with torch.no_grad():
         ref = trained(torch.tensor(ids)).logits.numpy()
     config_, params = M.from_pretrained(out)
+    # jaxrl's forward against transformers' (the quickstart model's logits are O(1)):
+    # DESIGN §6's composite tolerance
     np.testing.assert_allclose(M.forward(config_, params, ids), ref, atol=1e-4)
     assert (out / "tokenizer.json").is_file()
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
@@ -289,6 +293,7 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
 
     z = torch.tensor(hf_response_logits(assets / "model", host)) / temperature
     want = torch_functional.calculate_sum_pi_squared_from_logits(z).numpy()
+    # sum_v pi_v^2 in (0, 1] from jaxrl's forward against torch's: composite (DESIGN §6)
     np.testing.assert_allclose(host["sum_pi_squared"] * mask, want * mask, rtol=1e-4, atol=1e-5)
 
     ref_adv, _ = getattr(verl, verl_name)(
@@ -298,6 +303,8 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
         old_log_probs=torch.tensor(host["old_log_probs"]),
         sum_pi_squared=torch.tensor(host["sum_pi_squared"]),
     )
+    # verl's estimator on the same float32 inputs in torch: elementwise ops and group sums,
+    # ~1e-7 relative on O(1) advantages (1e-5 absolute for those near 0)
     np.testing.assert_allclose(host["advantages"], ref_adv.numpy(), rtol=1e-5, atol=1e-5)
     assert np.abs(host["advantages"]).max() > 0
 
@@ -374,11 +381,13 @@ def test_decoupled_rollout_correction_equals_verls(assets, tmp_path, monkeypatch
     ref, ref_metrics = helper.compute_rollout_correction_and_add_to_batch(data, rc)
     mask = ref.batch["response_mask"].numpy()
     np.testing.assert_array_equal(after["loss_mask"], mask)
+    # exp of a float32 log-ratio, in torch and in jax: ~1e-7 relative (weights <= 2)
     np.testing.assert_allclose(after["rollout_is_weights"], ref.batch["rollout_is_weights"].numpy(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     weights = after["rollout_is_weights"][mask > 0]
     assert np.abs(weights - 1).max() > 0.05  # the premise: the two policies differ
     (row,) = read_metrics(tmp_path)
     for key, value in ref_metrics.items():
+        # means over the batch of the weights' statistics, summed in another order
         np.testing.assert_allclose(row[key], float(value), rtol=1e-4, atol=1e-5, err_msg=key)
     assert np.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0

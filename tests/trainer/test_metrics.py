@@ -50,6 +50,8 @@ def test_data_metrics_equal_verl(use_critic):
     ref = utils.compute_data_metrics(verl_batch(batch), use_critic=use_critic)
     assert set(ours) == {k for k in ref if not k.startswith("num_turns")}
     for key, value in ref.items():
+        # means, maxima and clip fractions of float32 batches in numpy and torch: one
+        # reduction each, ~1e-7 relative (1e-6 absolute for means near 0)
         np.testing.assert_allclose(ours[key], float(value), rtol=1e-5, atol=1e-6, err_msg=key)
 
 
@@ -61,6 +63,7 @@ def test_timing_metrics_equal_verl():
     ours = timing_metrics(batch, timing)
     assert set(ours) == set(ref)
     for key, value in ref.items():
+        # ratios of the same float64 figures: rounding only
         np.testing.assert_allclose(ours[key], value, rtol=1e-6, err_msg=key)
 
 
@@ -72,6 +75,7 @@ def test_mfu_needs_a_known_peak(monkeypatch):
     monkeypatch.setenv("JAXRL_PEAK_FLOPS", "1e6")
     tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
     out = mfu_metrics(batch, timing, params=1000, epochs=2, devices=8)
+    # float64 arithmetic on the same figures (approx: 1e-6 relative)
     assert out["perf/mfu/actor"] == pytest.approx(6 * 1000 * tokens * 2 / 2.0 / 8e6)
     assert out["perf/mfu/actor_infer"] == pytest.approx(2 * 1000 * tokens / 0.5 / 8e6)
 
@@ -100,6 +104,7 @@ def test_validation_metrics_equal_verl(n):
                     continue
                 section = "val-core" if var == core and stat.startswith("mean") else "val-aux"
                 key = f"{section}/{source}/{var}/{stat}"
+                # means and stds of the same float64 lists (numpy both): rounding only
                 np.testing.assert_allclose(ours[key], value, rtol=1e-6, err_msg=key)
     if n > 1:  # verl's bootstrap names for N = n
         assert "val-core/a/acc/best@3/mean" in ours and "val-aux/a/acc/worst@3/mean" in ours

@@ -37,5 +37,5 @@ def test_over_sampled_step_drops_the_slowest_rows(assets, tmp_path, monkeypatch)
     assert (host["loss_mask"][aborted] == 0).all() and (host["advantages"][aborted] == 0).all()
     rows = read_metrics(run)
     train = next(r for r in rows if "response/aborted_ratio" in r)
-    assert train["response/aborted_ratio"] == pytest.approx(aborted.mean())
+    assert train["response/aborted_ratio"] == pytest.approx(aborted.mean())  # k / 16 in float32
     assert np.isfinite(train["actor/pg_loss"])

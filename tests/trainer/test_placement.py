@@ -12,6 +12,7 @@ from _quickstart import quickstart_config
 
 from jaxrl.config import ConfigError
 from jaxrl.config.checks import placed_devices, role_devices
+from jaxrl.testing.numerics import STABLE_ADAM_OVERRIDES
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.fit import build_run, fit
 from jaxrl.trainer.loggers import read_metrics
@@ -29,6 +30,8 @@ COMMON = [
     # float32 compute (the quickstart's; the critic's default is bf16): reduction order then
     # costs ~1e-7, not bfloat16's ~1e-2
     "critic.dtype=fp32",
+    # Adam at STABLE_ADAM_EPS: a step's float32 rounding cannot move the next one by ~lr
+    *STABLE_ADAM_OVERRIDES,
     "mesh.dp=1",
     "mesh.fsdp=-1",
     "mesh.tp=1",
