@@ -27,6 +27,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest
 from hypothesis import HealthCheck, settings
 
+import jaxrl.models as M
+from jaxrl.testing.tiny import save_tiny
+
 # Wall and compile time per test file, printed at the end (tests/_timing.py).
 pytest_plugins = ["_timing"]
 
@@ -71,3 +74,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(name) -> (folder, config, params)`: the `jaxrl.testing.tiny` checkpoint
+    `name` written with transformers and loaded in float32 once per session (per xdist
+    worker), shared by every module that asks for it. The params are shared: a test that
+    donates them (an update's state) copies them first."""
+    models: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in models:
+            folder = save_tiny(name, tmp_path_factory.mktemp(name))
+            models[name] = (folder, *M.from_pretrained(folder))
+        return models[name]
+
+    return get

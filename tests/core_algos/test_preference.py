@@ -5,7 +5,7 @@ from a model's per-token log-probs; the tests call those methods on a stand-in t
 "model" returns given per-token log-probs, so TRL's own arithmetic (and its autograd) runs on
 random inputs (log-probs and the entropy, mean logits and top-1 flags TRL logs), and compare
 the loss, every metric TRL logs and the gradient with respect to the sequence log-probs with
-jaxrl's `dpo_terms` / `kto_terms` (1e-6; jaxrl in float64 here, as TRL's inputs).
+jaxrl's `dpo_terms` / `kto_terms` (jaxrl in float64 here, as TRL's inputs; tolerances below).
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ torch = import_reference("torch")
 trl = import_reference("trl")
 
 PAIRS, LENGTH = 6, 7
+# DPO against TRL: both sides run float64, yet some losses (exo_pair) and logged metrics differ
+# by up to 5e-8 relative, float32's rounding (ulp 1.2e-7): TRL rounds through float32 there.
+# rtol 1e-6 (~8 float32 ulps) leaves a 20x margin over that; atol 1e-9 covers a value that
+# cancels to ~0 (measured <= 0.06 of the tolerance).
+RTOL, ATOL = 1e-6, 1e-9
+# Where both sides stay in float64 (KTO, the sigmoid loss): rounding ~1e-16 relative per
+# operation, measured <= 1.2e-15; 1e-12 leaves a 1000x margin and still fails any float32 step.
+RTOL64, ATOL64 = 1e-12, 1e-14
 
 
 class _Accelerator:
@@ -178,19 +186,19 @@ CASES = [
 @pytest.mark.parametrize(("loss_types", "weights", "smoothing"), CASES)
 def test_dpo_losses_equal_trl(loss_types, weights, smoothing):
     """The loss, its gradient and every metric TRL logs (rewards, log-probs, entropy, mean
-    logits, chosen token accuracy) equal TRL's (1e-6)."""
+    logits, chosen token accuracy) equal TRL's (RTOL, ATOL)."""
     mask, lp = _random_batch(CASES.index((loss_types, weights, smoothing)), 2 * PAIRS)
     rng = np.random.default_rng(1)
     ref_c, ref_r = -rng.uniform(0.5, 6.0, PAIRS), -rng.uniform(0.5, 6.0, PAIRS)
     args = (loss_types, weights, 0.3, smoothing, lp, mask, ref_c, ref_r)
     want, want_grad, logged = _trl_dpo(*args)
     got, got_grad, metrics = _jax_dpo(*args)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=RTOL, atol=ATOL)
     compared = set(logged) - {"num_tokens"}  # the trainer's running count (test_offline)
     assert compared == set(metrics)
     for key in compared:
-        np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-6, atol=1e-9, err_msg=key)
+        np.testing.assert_allclose(metrics[key], logged[key], rtol=RTOL, atol=ATOL, err_msg=key)
 
 
 def test_sigmoid_label_smoothing_is_conservative_dpo():
@@ -205,7 +213,7 @@ def test_sigmoid_label_smoothing_is_conservative_dpo():
     swapped_mask = np.concatenate([mask[PAIRS:], mask[:PAIRS]])
     flipped = _trl_dpo(("sigmoid",), (1.0,), 0.2, 0.0, swapped_lp, swapped_mask, ref_r, ref_c)[0]
     got = _jax_dpo(("sigmoid",), (1.0,), 0.2, e, lp, mask, ref_c, ref_r)[0]
-    np.testing.assert_allclose(got, (1 - e) * plain + e * flipped, rtol=1e-6)
+    np.testing.assert_allclose(got, (1 - e) * plain + e * flipped, rtol=RTOL64, atol=ATOL64)
 
 
 def test_reference_free_is_a_zero_reference():
@@ -214,7 +222,7 @@ def test_reference_free_is_a_zero_reference():
     zeros = np.zeros(PAIRS)
     want = _trl_dpo(("sigmoid",), (1.0,), 0.1, 0.0, lp, mask, zeros, zeros)[0]
     got = _jax_dpo(("sigmoid",), (1.0,), 0.1, 0.0, lp, mask, zeros, zeros)[0]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=RTOL64, atol=ATOL64)
 
 
 def test_global_counts_make_micro_batches_add_up():
@@ -234,13 +242,16 @@ def test_global_counts_make_micro_batches_add_up():
         parts += dpo_loss(seq[cc], seq[cc + PAIRS], ref[cc], ref[cc + PAIRS],
                           chosen_lengths=lengths[cc], rejected_lengths=lengths[cc + PAIRS],
                           **counts, **kw)  # fmt: skip
+    # float32, the same per-pair terms grouped otherwise: a mean over 6 pairs per loss, the
+    # weighted sum of 3 losses and of 2 parts, all terms >= 0 (no cancellation), so the orders
+    # differ by at most ~9 u = 5.4e-7 relative (u = 2^-24, Higham's bound); measured 6.8e-8.
     np.testing.assert_allclose(parts, whole, rtol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_kto_equals_trl(loss_type):
-    """The loss, its gradient (1e-6) and every metric TRL logs (the KL estimate, rewards and
-    log-probs per class, margins, entropy, mean logits) equal TRL's."""
+    """The loss, its gradient and every metric TRL logs (the KL estimate, rewards and
+    log-probs per class, margins, entropy, mean logits) equal TRL's (float64: RTOL64, ATOL64)."""
     rows = 8
     mask, lp = _random_batch(7, rows)
     kl_mask, kl_lp = _random_batch(8, rows)
@@ -301,12 +312,12 @@ def test_kto_equals_trl(loss_type):
         )
         metrics = {k: float(v) for k, v in metrics.items()} | {"kl": float(info["kl"])}
     metrics = _kto_metrics(metrics, {"chosen": labels.sum(), "rejected": (~labels).sum()})
-    np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(float(got), float(want), rtol=RTOL64, atol=ATOL64)
+    np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=RTOL64, atol=ATOL64)
     compared = set(logged) - {"num_tokens"}  # the trainer's running count (test_offline)
     assert compared == set(metrics)
     for key in compared:
-        np.testing.assert_allclose(metrics[key], logged[key], rtol=1e-6, atol=1e-9, err_msg=key)
+        np.testing.assert_allclose(metrics[key], logged[key], rtol=RTOL64, atol=ATOL64, err_msg=key)
 
 
 def test_config_lists_the_loss_types():

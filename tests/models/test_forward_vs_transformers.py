@@ -1,7 +1,9 @@
 """Logits, values and reward scores equal to `transformers` in torch (float32).
 
-Tolerance policy (DESIGN §6): 1e-4 relative to the scale of the reference output, over the
-positions that hold real tokens.
+Tolerance policy (DESIGN §6): `COMPOSITE_RTOL` (1e-4) relative to the scale of the reference
+output, over the positions that hold real tokens: a forward pass (composite float32 ops) in
+another framework; measured <= 1e-6 of the scale under both XLA CPU configurations, a 100x
+margin.
 """
 
 import numpy as np

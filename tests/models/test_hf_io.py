@@ -1,4 +1,9 @@
-"""HF checkpoint folders: sharded (index) loading, placement on a mesh, export, and errors."""
+"""HF checkpoint folders: sharded (index) loading, placement on a mesh, export, and errors.
+
+Logits are compared with transformers' by `assert_close_to_scale` at `COMPOSITE_RTOL` over the
+real tokens (a forward pass in another framework: measured <= 2.5e-6 of the scale); loaded and
+exported parameters exactly.
+"""
 
 import json
 

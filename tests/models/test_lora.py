@@ -1,5 +1,9 @@
 """LoRA adapters equal PEFT's on the same base and adapter weights (llama, qwen2, qwen3), the
-PEFT folder round-trip, merging, and the target-module rules."""
+PEFT folder round-trip, merging, and the target-module rules.
+
+Logits against PEFT: `assert_close_to_scale` at `COMPOSITE_RTOL` over the real tokens (a
+forward pass in another framework, measured <= 8e-7 of the scale); ours against ours at the
+tolerances stated where they are compared."""
 
 import json
 
@@ -59,7 +63,7 @@ def _batch():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_forward_equals_peft(peft, name, tmp_path):
     """Our adapters, written as a PEFT folder and loaded by PeftModel onto the transformers
-    base: logits equal (1e-4), for every target and a rank that is not a power of two."""
+    base: logits equal (COMPOSITE_RTOL), for every target and a rank that is not a power of two."""
     folder = save_tiny(name, tmp_path / "base")
     base_config, base = M.from_pretrained(folder)
     config = base_config.replace(lora=LoraSpec(rank=3, alpha=5.0, targets=lora.ALL_LINEAR))
@@ -73,7 +77,8 @@ def test_forward_equals_peft(peft, name, tmp_path):
         ).logits.numpy()
     ours = M.forward(config, params, ids, mask)
     assert_close_to_scale(ours, ref, mask.astype(bool))
-    # the adapters change the function (the check above is not the base against the base)
+    # the adapters change the function (the check above is not the base against the base): by
+    # ~1.8 on logits of scale ~2.3, far above any rounding
     plain = np.asarray(M.forward(config, base, ids, mask))
     assert np.abs(plain - ref)[mask.astype(bool)].max() > 1e-2
 
@@ -112,6 +117,8 @@ def test_peft_init_and_load_round_trip(peft, tmp_path):
     own = lora.init_adapters(lora_config, jax.random.key(0), adapter_spec(lora_config))["layers"]
     a_q = np.asarray(own["attn"]["lora"]["w_q_dnh"]["a"])
     bound = 1 / np.sqrt(config.hidden_size)
+    # not rounding: the largest of 576 uniform draws falls below 0.9 of the bound with
+    # probability 0.9^576 ~ 1e-26 (and the key is fixed)
     assert np.abs(a_q).max() <= bound and np.abs(a_q).max() > 0.9 * bound
     assert not np.asarray(own["mlp"]["lora"]["w_down_fd"]["b"]).any()
 
@@ -126,7 +133,9 @@ def test_rank_zero_and_base_are_todays_model(tmp_path):
     adapted = config.replace(lora=LoraSpec(4, 8.0, lora.ALL_LINEAR))
     assert np.array_equal(np.asarray(M.forward(adapted, base, ids, mask)), plain)
     fresh = lora.merge(base, lora.init_adapters(adapted, jax.random.key(1), adapter_spec(adapted)))
-    np.testing.assert_allclose(M.forward(adapted, fresh, ids, mask), plain, atol=1e-6)
+    # The adapters add exact zeros (B = 0); only XLA's fusion of the larger program may reorder
+    # a float32 sum: ~1e-7 of the logits' scale (measured exact), so 1e-6 of it.
+    assert_close_to_scale(M.forward(adapted, fresh, ids, mask), plain, rtol=1e-6)
 
 
 def test_fold_and_merged_export_equal_adapted(tmp_path):
@@ -140,11 +149,14 @@ def test_fold_and_merged_export_equal_adapted(tmp_path):
     adapted = M.forward(config, params, ids, mask)
     folded = lora.fold(config, params)
     assert not lora.has_adapters(folded)
-    np.testing.assert_allclose(M.forward(base_config, folded, ids, mask), adapted, atol=2e-5)
+    # W + (alpha/r) A B rounded to float32 once, then a forward pass in another grouping
+    # (x (W + s A B) against x W + s (x A) B): measured 6.8e-7 of the logits' scale; 1e-5 of
+    # it leaves a 15x margin.
+    assert_close_to_scale(M.forward(base_config, folded, ids, mask), adapted, rtol=1e-5)
     M.save_pretrained(config, params, tmp_path / "merged")
     merged_config, merged = M.from_pretrained(tmp_path / "merged")
     assert merged_config.lora is None
-    np.testing.assert_allclose(M.forward(merged_config, merged, ids, mask), adapted, atol=2e-5)
+    assert_close_to_scale(M.forward(merged_config, merged, ids, mask), adapted, rtol=1e-5)  # idem
 
 
 def test_gradients_reach_only_adapters(tmp_path):

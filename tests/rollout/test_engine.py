@@ -18,7 +18,6 @@ from jaxrl.rollout import RolloutEngine, SamplingParams, generate
 from jaxrl.rollout.backends import XlaBackend, choose_backend
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.numerics import assert_close_to_scale
-from jaxrl.testing.tiny import save_tiny
 
 GREEDY = dict(do_sample=False, temperature=0.0, ignore_eos=True)
 # Log-probs of a 97-token vocabulary are O(1)-O(10) (log 97 = 4.6); the same log-prob from
@@ -28,9 +27,8 @@ LOG_PROB_ATOL = 2e-5
 
 
 @pytest.fixture(scope="module", params=["qwen2_sliding_yarn", "llama_gqa_bias_llama3"])
-def tiny(request, tmp_path_factory):
-    folder = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    return M.from_pretrained(folder)
+def tiny(request, tiny_model):
+    return tiny_model(request.param)[1:]
 
 
 def prompts(b=3, p=7, seed=0):

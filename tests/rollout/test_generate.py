@@ -17,7 +17,7 @@ from jaxrl.models.params import param_shardings
 from jaxrl.rollout import SamplingParams, compile_generate, generate, idle_fraction, sample
 from jaxrl.rollout.generation import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
-from jaxrl.testing.tiny import save_tiny, tiny_decoder
+from jaxrl.testing.tiny import tiny_decoder
 
 GREEDY = dict(do_sample=False, temperature=0.0)
 # Tokens are compared exactly. Log-probs of a 97-token vocabulary are O(1)-O(10): the same
@@ -42,16 +42,14 @@ def prompts(b=4, p=7, seed=0, vocab=97):
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, tmp_path_factory):
-    folder = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    return folder, *M.from_pretrained(folder)
+def tiny(request, tiny_model):
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
-def one_model(tmp_path_factory):
+def one_model(tiny_model):
     """The sampling tests' model: sliding windows and yarn rope (the fiddliest cache path)."""
-    folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("one"))
-    return folder, *M.from_pretrained(folder)
+    return tiny_model("qwen2_sliding_yarn")
 
 
 def hf_greedy(folder, ids, mask, max_new, eos):

@@ -9,16 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-import jaxrl.models as M
 from jaxrl.rollout import RolloutEngine, SamplingParams, generate
 from jaxrl.rollout.streaming import stream_groups
-from jaxrl.testing.tiny import save_tiny
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("stream"))
-    return M.from_pretrained(folder)
+def tiny(tiny_model):
+    return tiny_model("qwen2_sliding_yarn")[1:]
 
 
 def batches(b=4, p=6, seed=0):

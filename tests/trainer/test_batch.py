@@ -11,12 +11,10 @@ import optax
 import pytest
 from _batches import rl_batch
 
-import jaxrl.models as M
 from jaxrl.config import load_config
 from jaxrl.core_algos import AdvantageEstimator
 from jaxrl.models.params import param_shardings
 from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh
-from jaxrl.testing.tiny import save_tiny
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import compute_advantage, gdpo_components
 from jaxrl.trainer.batch import SEQUENCE_FIELDS, RLBatch, take
@@ -31,9 +29,9 @@ def layout():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, layout):
-    folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("m"))
-    config, params = M.from_pretrained(folder)
+def model(tiny_model, layout):
+    _, config, params = tiny_model("qwen2_sliding_yarn")
+    params = jax.tree.map(jnp.copy, params)  # the session's: an update here donates its copy
     return config, jax.device_put(params, param_shardings(config, layout))
 
 

@@ -9,11 +9,9 @@ import optax
 import pytest
 from _batches import rl_batch
 
-import jaxrl.models as M
 from jaxrl.config import load_config
 from jaxrl.models.params import param_shardings
 from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh
-from jaxrl.testing.tiny import save_tiny
 from jaxrl.trainer import losses
 from jaxrl.trainer.batch import RLBatch
 from jaxrl.trainer.learner import Learner
@@ -22,9 +20,8 @@ from jaxrl.trainer.update import init_state
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = save_tiny("qwen2_sliding_yarn", tmp_path_factory.mktemp("m"))
-    return M.from_pretrained(folder)
+def model(tiny_model):
+    return tiny_model("qwen2_sliding_yarn")[1:]
 
 
 def updated_params(model, layout, mode, balance=False, **split):
