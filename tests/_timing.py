@@ -69,13 +69,15 @@ def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     row = _by_file[path]
     row["wall_s"] += report.duration
+    test = _by_test.setdefault(report.nodeid, {"file": path, "wall_s": 0.0})
+    test["wall_s"] += report.duration  # setup, call and teardown
     if report.when == "call":
         row["tests"] += 1
     if report.when == "teardown":
         props = dict(report.user_properties)
         for key in (*_EVENTS.values(), *_COUNTS.values()):
             row[key] += props.get(key, 0)
-        _by_test[report.nodeid] = {**props, "file": path}
+        test.update(props)
 
 
 def pytest_sessionfinish(session):
@@ -106,3 +108,28 @@ def pytest_terminal_summary(terminalreporter):
     if target:
         with open(target, "w") as f:
             json.dump({"files": _by_file, "tests": _by_test}, f, indent=1, sort_keys=True)
+
+
+def markdown(figures: dict, before: dict | None = None) -> str:
+    """The per-file table of docs/testing.md from `JAXRL_TEST_TIMING` JSON (`before`: an
+    earlier run's, for a column of its wall times)."""
+    old = (before or {}).get("files", {})
+    rows = sorted(figures["files"].items(), key=lambda kv: -kv[1]["wall_s"])
+    head = "| file | tests | wall s | compile s | cache hits / misses |"
+    lines = [head + (" wall s before |" if before else ""), "|---" * (5 + bool(before)) + "|"]
+    for path, r in rows:
+        compile_s = r.get("trace_s", 0) + r.get("lower_s", 0) + r.get("compile_s", 0)
+        line = (f"| {path} | {r.get('tests', 0)} | {r['wall_s']:.1f} | {compile_s:.1f} | "
+                f"{r.get('cache_hits', 0)} / {r.get('cache_misses', 0)} |")  # fmt: skip
+        if before:
+            line += f" {old[path]['wall_s']:.1f} |" if path in old else " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python tests/_timing.py TIMING.json [BEFORE.json]
+    import pathlib
+    import sys
+
+    runs = [json.loads(pathlib.Path(path).read_text()) for path in sys.argv[1:3]]
+    print(markdown(runs[0], runs[1] if len(runs) > 1 else None))
