@@ -41,6 +41,8 @@ def test_add_rows():
 )  # fmt: skip
 def test_the_add_scorer(text, expected):
     out = score(text)
+    # float64 fractions such as 0.5 * 6 / 7, the scorer's in another order: ~1e-16 relative,
+    # so numpy's default rtol 1e-7 (a wrong credit is off by > 1e-2)
     np.testing.assert_allclose([out["score"], out["acc"], out["call"]], expected)
 
 
