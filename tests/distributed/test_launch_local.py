@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+from _env import xla_flags
 from _multiproc import ROOT, WORKER, clean_env
 
 pytestmark = pytest.mark.multiprocess
@@ -14,7 +15,7 @@ LOCAL_SH = ROOT / "launch" / "local.sh"
 
 def _local_sh(tmp_path, n: int, command: str, *args: str) -> subprocess.CompletedProcess:
     env = clean_env(JAXRL_LAUNCH_CMD=command, JAXRL_LOG_DIR=str(tmp_path / "logs"))
-    del env["XLA_FLAGS"]  # local.sh gives each process its devices
+    env["XLA_FLAGS"] = xla_flags(None)  # the session's flags; local.sh adds each one's devices
     return subprocess.run(
         ["bash", str(LOCAL_SH), str(n), *args],
         cwd=ROOT,

@@ -214,18 +214,22 @@ def test_sigkill_soak_resumes_exactly(assets, straight, tmp_path):
 )
 def test_flipped_bytes_fall_back_and_train_exactly(assets, straight, tmp_path):
     """The issue's case: 64 bytes flipped in the largest file of the newest checkpoint's actor
-    parameters (a copy of the uninterrupted run's folder). The resume names it, sets it aside,
-    resumes from the one before, and the step trained again equals the uninterrupted run's."""
+    parameters (a copy of the uninterrupted run's folder cut back to its step-3 checkpoint, as
+    if it had stopped there). The resume names it, sets it aside, resumes from step 2, and the
+    10 steps trained again equal the uninterrupted run's."""
+    flipped = 3
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
-    params = run_dir / "checkpoints" / str(STEPS) / "actor_params"
+    for later in range(flipped + 1, STEPS + 1):
+        shutil.rmtree(run_dir / "checkpoints" / str(later))
+    params = run_dir / "checkpoints" / str(flipped) / "actor_params"
     largest = max((p for p in params.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     flip_bytes(largest)
     out = train(assets, run_dir)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"checkpoint {run_dir / 'checkpoints' / str(STEPS)}: " in out.stderr
-    assert "sha256 mismatch" in out.stderr and f"resuming from step {STEPS - 1}" in out.stderr
-    assert resumed_from(out.stderr) == STEPS - 1
+    assert f"checkpoint {run_dir / 'checkpoints' / str(flipped)}: " in out.stderr
+    assert "sha256 mismatch" in out.stderr and f"resuming from step {flipped - 1}" in out.stderr
+    assert resumed_from(out.stderr) == flipped - 1
     assert (run_dir / "checkpoints.set_aside").is_dir()
     assert_same_run(run_dir, straight)
 

@@ -17,13 +17,11 @@ from jaxrl.models.transformer import positions_from_mask
 from jaxrl.rollout import RolloutEngine, SamplingParams, generate
 from jaxrl.rollout.backends import XlaBackend, choose_backend
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
-from jaxrl.testing.numerics import assert_close_to_scale
+from jaxrl.testing.numerics import LOG_PROB_ATOL, assert_close_to_scale
 
 GREEDY = dict(do_sample=False, temperature=0.0, ignore_eos=True)
-# Log-probs of a 97-token vocabulary are O(1)-O(10) (log 97 = 4.6); the same log-prob from
-# another program (prefill vs decode, chunks, a mesh) is float32 rounding apart, ~1e-6
-# relative, so <= 1e-5 absolute: 2e-5 is the margin. Tokens are compared exactly.
-LOG_PROB_ATOL = 2e-5
+# Tokens are compared exactly; log-probs from another program at LOG_PROB_ATOL (its reason:
+# jaxrl.testing.numerics).
 
 
 @pytest.fixture(scope="module", params=["qwen2_sliding_yarn", "llama_gqa_bias_llama3"])
@@ -344,7 +342,7 @@ def test_copies_share_one_prefill_and_equal_repeated_prompts(tiny):
     for x, y in zip(ta.tokens, tb.tokens, strict=True):
         np.testing.assert_array_equal(x, y)
     for x, y in zip(ta.log_probs, tb.log_probs, strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-5)  # the same programs: <= 1e-5 (above)
+        np.testing.assert_allclose(x, y, atol=LOG_PROB_ATOL)  # the same programs (above)
     assert [a.conversation(s).prompt for s in shared] == [
         b.conversation(s).prompt for s in repeated
     ]

@@ -17,14 +17,14 @@ from jaxrl.models.params import param_shardings
 from jaxrl.rollout import SamplingParams, compile_generate, generate, idle_fraction, sample
 from jaxrl.rollout.generation import _compiled
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+from jaxrl.testing.numerics import LOG_PROB_ATOL
 from jaxrl.testing.tiny import tiny_decoder
 
 GREEDY = dict(do_sample=False, temperature=0.0)
-# Tokens are compared exactly. Log-probs of a 97-token vocabulary are O(1)-O(10): the same
-# log-prob from another program (slots, blocks, a mesh, shared prefixes) is float32 rounding
-# apart (~1e-6 relative, <= 1e-5 absolute). Against the float64 numpy reference over the
-# model's float32 forward, the forward's own rounding (~1e-6 of logits of scale ~10, through
-# the temperature) is compared: 1e-4 absolute.
+# Tokens are compared exactly. The same log-prob from another program (slots, blocks, a mesh,
+# shared prefixes) at LOG_PROB_ATOL (its reason: jaxrl.testing.numerics). Against the float64
+# numpy reference over the model's float32 forward, the forward's own rounding (~1e-6 of
+# logits of scale ~10, through the temperature) is compared: 1e-4 absolute.
 FAMILIES = [
     "llama_gqa_bias_llama3",
     "qwen2_sliding_yarn",
@@ -211,7 +211,7 @@ def test_sharded_generation_equals_single_device(tiny):
     sharded_params = jax.device_put(params, param_shardings(config, layout))
     out = generate(config, sharded_params, ids, mask, sp, layout=layout)
     np.testing.assert_array_equal(out.responses, ref.responses)
-    np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+    np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=LOG_PROB_ATOL)
 
 
 def test_bad_input_is_named():
@@ -305,7 +305,7 @@ def test_continuous_batching_equals_static_batching(one_model):
         assert cb.slots == slots
         np.testing.assert_array_equal(cb.responses, static.responses)
         np.testing.assert_array_equal(cb.lengths, static.lengths)
-        np.testing.assert_allclose(cb.log_probs, static.log_probs, atol=1e-5)
+        np.testing.assert_allclose(cb.log_probs, static.log_probs, atol=LOG_PROB_ATOL)
         produced = int((lengths - 1).sum())
         assert -(-produced // slots) <= int(cb.decode_steps) <= produced
     assert idle_fraction(cb) < idle_fraction(static)
@@ -354,7 +354,7 @@ def test_prefix_sharing_changes_no_output(one_model, slots):
         ]
         np.testing.assert_array_equal(outs[0].responses, outs[1].responses)
         np.testing.assert_array_equal(outs[0].lengths, outs[1].lengths)
-        np.testing.assert_allclose(outs[0].log_probs, outs[1].log_probs, atol=1e-5)
+        np.testing.assert_allclose(outs[0].log_probs, outs[1].log_probs, atol=LOG_PROB_ATOL)
     flops = [
         compile_generate(config, params, ids, mask, sp, prefix_sharing=on).cost_analysis()["flops"]
         for on in (True, False)
@@ -380,7 +380,7 @@ def test_long_cache_is_read_in_blocks_with_the_same_result(one_model, monkeypatc
         _compiled.cache_clear()
     assert blocked_geometry(8, 40) == (48, 16)
     np.testing.assert_array_equal(blocked.responses, whole.responses)
-    np.testing.assert_allclose(blocked.log_probs, whole.log_probs, atol=1e-5)
+    np.testing.assert_allclose(blocked.log_probs, whole.log_probs, atol=LOG_PROB_ATOL)
 
 
 def test_decode_attention_equals_dense_reference():
@@ -413,7 +413,7 @@ def test_decode_attention_equals_dense_reference():
                 q_offset=i,
             )
             # averages of N(0, 1) values (|out| < 4), the softmax in blocks: ~1e-6 apart
-            np.testing.assert_allclose(got[row], want[0], atol=1e-5)
+            np.testing.assert_allclose(got[row], want[0], atol=LOG_PROB_ATOL)
         # the same layer read out of stacked caches [L, ...] (as the decode step's scan does)
         stacked = decode_attention(
             q,

@@ -118,7 +118,7 @@ def test_teacher_on_devices_of_its_own_equals_colocated(assets, tmp_path, monkey
     """The teacher on 4 devices of its own (verl's teacher pool: `distillation.nnodes` x
     `n_gpus_per_node`) beside training on the other 4, against colocated on all 8: the same
     rollouts, and the distillation and policy losses to float32 reduction order (sums over 8
-    or 4 batch shards: measured <= 5e-6 relative, 2e-5 the margin; 1e-6 absolute for values
+    or 4 batch shards: measured <= 5e-6 relative, 5e-5 leaves 10x; 1e-6 absolute for values
     near 0). Adam at `STABLE_ADAM_EPS`, so step 1's rounding cannot move step 2 by ~lr."""
     teacher = write_teacher(tmp_path / "teacher", assets / "model")
     mesh = ["mesh.dp=1", "mesh.fsdp=-1", "mesh.tp=1", "mesh.sp=1"]
@@ -145,7 +145,7 @@ def test_teacher_on_devices_of_its_own_equals_colocated(assets, tmp_path, monkey
         assert a["fingerprint/inputs"] == b["fingerprint/inputs"]
         for key in ("distillation/loss", "distillation/abs_loss", "distillation/loss_max",
                     "actor/pg_loss"):  # fmt: skip
-            np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(b[key], a[key], rtol=5e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.entry

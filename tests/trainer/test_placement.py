@@ -169,7 +169,7 @@ def test_placed_runs_equal_the_colocated_run(assets, tmp_path):
     same (`fingerprint/inputs`, bit for bit) and so are the response statistics; losses,
     gradient norms and values agree to float32 reduction order: the batch is split over 8, 6,
     4 or 2 devices, so sums are added in another order (measured: at most 5e-6 relative, 6e-8
-    absolute on means that are 0 up to rounding)."""
+    absolute on means that are 0 up to rounding; rtol 5e-5 and atol 1e-6 leave 10x)."""
     steps = "trainer.total_training_steps=3"
     colocated = read_metrics(_run(assets, tmp_path / "colocated", steps))
     runs = {
@@ -189,7 +189,7 @@ def test_placed_runs_equal_the_colocated_run(assets, tmp_path):
                 if key.startswith(IGNORED):
                     continue
                 np.testing.assert_allclose(
-                    b[key], value, rtol=2e-5, atol=1e-7, err_msg=f"{name}: {key}"
+                    b[key], value, rtol=5e-5, atol=1e-6, err_msg=f"{name}: {key}"
                 )
 
 
