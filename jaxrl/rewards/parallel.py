@@ -8,10 +8,13 @@ whose scorer raises, or whose worker dies, scores `error_score` and is counted i
 `reward/errors`. The clock of a row starts when its worker receives it, so waiting in the queue
 and starting a fresh worker do not count.
 
-Workers start with the `forkserver` method (`spawn` where there is none), never `fork`: the
-parent holds JAX's threads, and forking those can deadlock. They are daemons that exit when the
-manager closes, is garbage-collected, or the parent dies. `compute_score` must be picklable:
-a module-level function, or a `CustomRewardFn` (which each worker loads from its file).
+Workers start with the `spawn` method, never `fork` (the parent holds JAX's threads, and
+forking those can deadlock) nor `forkserver`: before Python 3.14 the fork server listens on an
+unauthenticated unix socket, and whatever connects to it runs a pickle as the trainer's user
+(tests/agent/test_sandbox_redteam.py checks that a sandboxed program reaches no listener).
+They are daemons that exit when the manager closes, is garbage-collected, or the parent
+dies. `compute_score` must be picklable: a module-level function, or a `CustomRewardFn` (which
+each worker loads from its file).
 """
 
 from __future__ import annotations
@@ -93,8 +96,7 @@ class ScoringPool:
             raise ValueError(
                 f"need num_workers >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}"
             )
-        methods = mp.get_all_start_methods()
-        self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+        self._ctx = mp.get_context("spawn")
         self.compute_score = compute_score
         self.num_workers = num_workers
         self.timeout_s = timeout_s

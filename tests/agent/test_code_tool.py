@@ -1,10 +1,9 @@
 """The code sandbox (`jaxrl.agent.sandbox`) and the `code_interpreter` tool.
 
-Runaway and hostile programs (an infinite loop, a fork bomb, a 10 GB allocation, writes
-outside the sandbox, reading a home directory's secrets, the host's network) are stopped or
-denied and reported, and leave no process or file behind. The file-policy tests run with
-every layer, with the kernel's alone (Landlock, where the machine has it) and with the audit
-hook alone. Limits are small so the file runs in seconds.
+Normal programs and their output; runaway programs (an infinite loop, a fork bomb, a 10 GB
+allocation, the host's network) are stopped or denied and reported, and leave no process
+behind; the tool's text. The attacks, judged from the host side and run as root and as an
+ordinary user, are in test_sandbox_redteam.py. Limits are small so the file runs in seconds.
 """
 
 import asyncio
@@ -20,19 +19,7 @@ from jaxrl.agent.sandbox import LAYERS, SandboxResult, isolation, run_python
 from jaxrl.agent.tools.code import CodeInterpreter
 
 LIMITS = {"timeout_s": 5, "cpu_s": 2, "memory_mb": 512, "max_output_bytes": 4096}
-REPO = pathlib.Path(__file__).parents[2]
-
-
-def layer_variants():
-    """Every layer; the kernel's alone (needs Landlock); the audit hook alone."""
-    kernel_only = pytest.param(
-        {"audit_hook": False},
-        id="kernel",
-        marks=pytest.mark.skipif(
-            not isolation()["landlock_fs"], reason="no Landlock on this machine"
-        ),
-    )
-    return [pytest.param({}, id="all"), kernel_only, pytest.param({"landlock": False}, id="hook")]
+pytestmark = pytest.mark.sandbox
 
 
 def session_members(sid: int) -> list[int]:
@@ -69,6 +56,21 @@ def test_prints_output():
     assert result.stderr == "" and result.error is None
 
 
+def test_threads_processes_and_numpy_work():
+    # What the syscall filter and the view must leave working: threads (clone3 -> clone),
+    # a multiprocessing pool (semaphores in /dev/shm), a child process, numpy.
+    code = (
+        "import concurrent.futures as cf, multiprocessing as mp, subprocess\n"
+        "with cf.ThreadPoolExecutor(4) as ex:\n    print(sum(ex.map(lambda x: x * x, range(10))))\n"
+        "with mp.Pool(2) as pool:\n    print(pool.map(abs, [-1, -2]))\n"
+        "print(subprocess.run(['echo', 'hi'], capture_output=True, text=True).stdout.strip())\n"
+        "import numpy as np\nprint(np.linalg.inv(2 * np.eye(3)).sum())\n"
+    )
+    result = run_python(code, **{**LIMITS, "timeout_s": 30, "memory_mb": 1024})
+    assert result.stdout == "285\n[1, 2]\nhi\n1.5\n", result
+    assert result.exit_code == 0 and result.error is None
+
+
 def test_exception_traceback_is_returned():
     result = run_python("def f():\n    raise ValueError('boom')\n\nf()", **LIMITS)
     assert result.exit_code == 1 and result.exception == "ValueError"
@@ -87,7 +89,7 @@ def test_output_over_the_limit_is_truncated_and_marked():
     assert result.stdout.startswith("aaa") and result.stdout.rstrip().endswith("END")
 
 
-def test_minimal_environment_own_directory_closed_stdin(monkeypatch):
+def test_minimal_environment_own_directory_closed_stdin(monkeypatch, tmp_path):
     secret = uuid.uuid4().hex
     monkeypatch.setenv("JAXRL_TEST_SECRET", secret)
     code = (
@@ -100,13 +102,13 @@ def test_minimal_environment_own_directory_closed_stdin(monkeypatch):
         "print(open('made_here.txt').read())\n"
         "print(os.getcwd())\n"
     )
-    result = run_python(code, **LIMITS)
+    result = run_python(code, **LIMITS, tmp_dir=str(tmp_path))
     lines = result.stdout.splitlines()
     assert secret not in result.stdout and lines[1] == "None"
     assert "JAXRL_TEST_SECRET" not in lines[0]
     assert lines[2:5] == ["True", "''", "ok"]  # HOME = cwd; stdin is empty; cwd is writable
-    cwd = pathlib.Path(lines[5])
-    assert not cwd.exists() and not cwd.parent.exists()  # the run's directory is removed
+    assert lines[5] == "/sandbox"  # the run's directory, as the file-system view shows it
+    assert list(tmp_path.iterdir()) == []  # removed on the host afterwards
 
 
 # ------------------------------------------------------------------------- runaway programs
@@ -170,7 +172,7 @@ def test_fork_bomb_leaving_the_session_is_still_killed():
 def test_background_processes_end_with_the_program(namespaces):
     # Without namespaces (the fallback) the boot kills the init's process group instead.
     code = "import subprocess\nsubprocess.Popen(['sleep', '30'])\nprint('started')"
-    result = run_python(code, **LIMITS, namespaces=namespaces)
+    result = run_python(code, **LIMITS, namespaces=namespaces, allow_weaker_isolation=True)
     assert result.stdout == "started\n" and result.exit_code == 0, result
     assert result.wall_s < 5
     assert result.isolation["pid_namespace"] is (namespaces and isolation()["pid_namespace"])
@@ -200,56 +202,6 @@ def attempt(label, action):
     else:
         print(label, "DONE", value)
 """
-
-
-@pytest.mark.parametrize("layers", layer_variants())
-def test_writing_outside_its_directory_is_denied(layers):
-    name = f"jaxrl_sandbox_escape_{uuid.uuid4().hex}"
-    targets = [pathlib.Path("/tmp") / name, REPO / name]
-    code = ATTEMPT + "".join(
-        f"attempt('write{i}', lambda: open({str(path)!r}, 'w').write('escaped'))\n"
-        f"attempt('mkdir{i}', lambda: os.mkdir({str(path) + '_dir'!r}))\n"
-        for i, path in enumerate(targets)
-    )
-    code += "attempt('symlink', lambda: os.symlink('/tmp', 'link'))\n"
-    code += f"attempt('via_link', lambda: open('link/{name}', 'w').write('escaped'))\n"
-    try:
-        result = run_python(code, **LIMITS, **layers)
-        for i in range(len(targets)):
-            assert f"write{i} DENIED" in result.stdout, result
-            assert f"mkdir{i} DENIED" in result.stdout, result
-        assert "via_link DENIED" in result.stdout, result
-        assert "DONE" not in result.stdout.replace("symlink DONE", "")
-    finally:
-        leftovers = [p for t in targets for p in (t, pathlib.Path(f"{t}_dir")) if p.exists()]
-        for path in leftovers:
-            path.rmdir() if path.is_dir() else path.unlink()
-    assert leftovers == []
-
-
-@pytest.mark.parametrize("layers", layer_variants())
-def test_reading_home_secrets_is_denied(layers, tmp_path):
-    secret = f"SECRET-{uuid.uuid4().hex}"
-    ssh = tmp_path / "home" / ".ssh"  # a home directory outside the sandbox
-    ssh.mkdir(parents=True)
-    (ssh / "id_rsa").write_text(secret)
-    real_home = os.path.expanduser("~")  # the test process's own home
-    code = ATTEMPT + (
-        f"attempt('secret', lambda: open({str(ssh / 'id_rsa')!r}).read())\n"
-        f"attempt('list_ssh', lambda: os.listdir({str(ssh)!r}))\n"
-        f"attempt('list_home', lambda: os.listdir({real_home!r}))\n"
-        f"attempt('real_ssh', lambda: os.listdir(os.path.join({real_home!r}, '.ssh')))\n"
-        "attempt('root_ssh', lambda: os.listdir(os.path.expanduser('~root/.ssh')))\n"
-        "attempt('root_key', lambda: open('/root/.ssh/id_rsa').read())\n"
-        "attempt('shadow', lambda: open('/etc/shadow').read())\n"
-    )
-    result = run_python(code, **LIMITS, **layers)
-    assert secret not in result.stdout + result.stderr
-    assert "secret DENIED" in result.stdout and "list_ssh DENIED" in result.stdout, result
-    assert "list_home DENIED" in result.stdout, result
-    for label in ("real_ssh", "root_ssh", "root_key", "shadow"):
-        assert f"{label} DENIED" in result.stdout or f"{label} NOTFOUND" in result.stdout, result
-    assert "DONE" not in result.stdout, result
 
 
 def test_the_hosts_network_is_unreachable():

@@ -14,8 +14,14 @@ non-zero exit code.
 
 Config options (the tool YAML's `config`): `timeout` (wall-clock seconds, 10), `cpu_time`
 (CPU seconds, 10), `memory_limit_mb` (1024), `max_output_length` (bytes kept per stream,
-4096), `max_processes` (64). A config written for verl's `SandboxFusionTool` (which the
-registry maps here) works as it is: its `default_timeout` is the timeout, and its options
+4096), `max_processes` (64); the isolation it requires: `required_isolation` (layer names,
+default `jaxrl.agent.sandbox.REQUIRED`: the unprivileged identity, the file-system view, the
+network namespace, the syscall filter), `allow_weaker_isolation` (false: the tool refuses to
+start where a required layer is missing, naming it and the kernel setting it needs; true: it
+runs with a warning per run), `sandbox_uid`/`sandbox_gid` (the host ids the program runs as
+when the trainer is root, default `SANDBOX_HOST_ID`). A config written for verl's
+`SandboxFusionTool` (which the registry maps here) works as it is: its `default_timeout` is
+the timeout, and its options
 for the remote service (`sandbox_fusion_url`, `num_workers`, rate limits) are ignored.
 """
 
@@ -26,7 +32,15 @@ import logging
 import signal
 from typing import Any
 
-from jaxrl.agent.sandbox import SandboxResult, run_python
+from jaxrl.agent.sandbox import (
+    REQUIRED,
+    SANDBOX_HOST_ID,
+    SandboxResult,
+    SandboxUnavailable,
+    check,
+    isolation,
+    run_python,
+)
 from jaxrl.agent.tools.base import BaseTool, ToolResponse
 
 log = logging.getLogger("jaxrl.agent")
@@ -62,6 +76,17 @@ class CodeInterpreter(BaseTool):
         self.memory_limit_mb = int(options["memory_limit_mb"])
         self.max_output_length = int(options["max_output_length"])
         self.max_processes = int(options["max_processes"])
+        self.isolation_options = _isolation_options(self.config)
+        required = self.isolation_options["require"]
+        if self.isolation_options["allow_weaker_isolation"]:
+            missing = [layer for layer in required if not isolation()[layer]]
+            if missing:
+                log.warning(
+                    "code_interpreter: allow_weaker_isolation: running untrusted code without "
+                    "%s (docs/sandbox.md)", ", ".join(missing),
+                )  # fmt: skip
+        else:
+            check(required)  # SandboxUnavailable: refuse before any code arrives
 
     def default_schema(self) -> dict[str, Any]:
         return {
@@ -105,7 +130,11 @@ class CodeInterpreter(BaseTool):
                 memory_mb=self.memory_limit_mb,
                 max_output_bytes=self.max_output_length,
                 max_processes=self.max_processes,
+                **self.isolation_options,
             )
+        except SandboxUnavailable as exc:  # a layer vanished since start-up: fail closed
+            log.error("code_interpreter: %s", exc)
+            return ToolResponse(text=f"Error: the sandbox refused to run the code: {exc}"), 0.0, {}
         except OSError as exc:  # the sandbox could not start (no interpreter, no temp dir)
             log.warning("code_interpreter: the sandbox failed to start: %r", exc)
             return ToolResponse(text=f"Error: the sandbox failed to start: {exc}"), 0.0, {}
@@ -162,6 +191,27 @@ class CodeInterpreter(BaseTool):
         elif result.exit_code not in (0, None) and reason is None:
             notes.append(f"Exit code: {result.exit_code}")
         return notes
+
+
+def _isolation_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The run_python keywords for the isolation the config asks for (validated)."""
+    required = config.get("required_isolation", REQUIRED)
+    if isinstance(required, str) or not all(isinstance(name, str) for name in required):
+        raise ValueError(
+            f"CodeInterpreter: required_isolation must be a list of layer names, got {required!r}"
+        )
+    allow = config.get("allow_weaker_isolation", False)
+    if not isinstance(allow, bool):
+        raise ValueError(
+            f"CodeInterpreter: allow_weaker_isolation must be true or false, got {allow!r}"
+        )
+    ids = {key: config.get(key, SANDBOX_HOST_ID) for key in ("sandbox_uid", "sandbox_gid")}
+    for key, value in ids.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"CodeInterpreter: {key} must be an unprivileged id (> 0), got {value!r}"
+            )
+    return {"require": tuple(required), "allow_weaker_isolation": allow, **ids}
 
 
 def _signal_name(number: int | None) -> str:
