@@ -4,14 +4,17 @@
     ├─ <read paths>     read-only binds (nosuid, nodev) of the interpreter's prefix, the system
     │                   libraries and binaries, a few /etc files, at their host paths
     ├─ /etc/passwd, /etc/group, /etc/hosts   written here: one user, `sandbox` (uid 1000)
-    ├─ /sandbox         the run's directory (read-write bind): cwd, HOME, TMPDIR
+    ├─ /sandbox         the program's directory (tmpfs, 0700): cwd, HOME, TMPDIR
     ├─ /.sandbox        runner.py and code.py (read-only binds)
-    ├─ /tmp, /dev/shm   private tmpfs (`tmp_mb` each)
+    ├─ /tmp, /dev/shm   private tmpfs (1777)
+    │                   (the three tmpfs `tmp_mb` each: nothing the program writes reaches
+    │                   the host's disk, and all of it is gone with the mount namespace)
     ├─ /dev/{null,zero,urandom,random}   binds of the host's nodes; /dev/fd -> /proc/self/fd
     └─ /proc            proc of the sandbox's own PID namespace, `subset=pid` (no /proc/sys)
 
 No host socket file, no host /tmp, /home, /root or /proc exists in it, so `connect()`,
-inotify, and metadata calls (chmod, utime, xattrs) on host paths have nothing to act on.
+inotify, and metadata calls (chmod, utime, xattrs) on host paths have nothing to act on (the
+bound host files are read-only; watching or flock-ing them the syscall filter refuses).
 
 It is built in two phases inside the new user and mount namespaces (the init process):
 `open_sources` opens every bind source as an `O_PATH` descriptor while the process still
@@ -31,7 +34,7 @@ VIEW_MOUNT = "/tmp"  # where the view is built, in the new mount namespace only
 WORK = "/sandbox"
 EXEC_DIR = "/.sandbox"
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
-PRIVATE_TMPFS = ("/tmp", "/dev/shm")
+PRIVATE_TMPFS = {"/tmp": "1777", "/dev/shm": "1777", WORK: "0700"}  # path: mode
 GENERATED = {
     "/etc/passwd": "sandbox:x:1000:1000:sandbox:/sandbox:/bin/sh\n"
     "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
@@ -59,7 +62,7 @@ class Plan:
         self.sources, self.symlinks = sources, symlinks
 
 
-def open_sources(read_paths: list[str], work: str, exec_files: dict[str, str]) -> Plan:
+def open_sources(read_paths: list[str], exec_files: dict[str, str]) -> Plan:
     """Phase 1 (the caller's uid): open every bind source; dedupe nested read paths.
 
     A read path that is a symlink (e.g. /lib -> usr/lib on merged-/usr systems) becomes a
@@ -81,7 +84,6 @@ def open_sources(read_paths: list[str], work: str, exec_files: dict[str, str]) -
     sources = [_open(path, path, writable=False) for path in binds]
     sources += [_open(source, target, writable=False) for target, source in exec_files.items()]
     sources += [_open(device, device, writable=device == "/dev/null") for device in DEVICES]
-    sources.append(_open(work, WORK, writable=True))
     return Plan([s for s in sources if s is not None], symlinks)
 
 
@@ -101,10 +103,10 @@ def build(plan: Plan, tmp_mb: int) -> bool:
     """
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
     linux.mount("tmpfs", VIEW_MOUNT, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755")
-    tmpfs = f"mode=1777,size={int(tmp_mb)}m,nr_inodes=16384"
-    for path in PRIVATE_TMPFS:  # first: a read path under the host's /tmp is bound inside
+    for path, mode in PRIVATE_TMPFS.items():  # first: a read path under /tmp is bound inside
         os.makedirs(_in_view(path))
-        linux.mount("tmpfs", _in_view(path), "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, tmpfs)
+        options = f"mode={mode},size={int(tmp_mb)}m,nr_inodes=16384"
+        linux.mount("tmpfs", _in_view(path), "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, options)
     for source in plan.sources:
         _bind(source)
     for path, target in plan.symlinks:
@@ -136,10 +138,11 @@ def _bind(source: Source) -> None:
             pass
     linux.mount(f"/proc/self/fd/{source.fd}", target, None, linux.MS_BIND | linux.MS_REC)
     os.close(source.fd)
-    if source.target in DEVICES:
-        return  # the host's nodes: nodev would make them unusable
-    flags = (linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV) if source.writable else _RO
-    linux.mount_setattr(target, flags)
+    if source.target in DEVICES:  # the host's nodes: nodev would make them unusable
+        if not source.writable:
+            linux.mount_setattr(target, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID)
+        return
+    linux.mount_setattr(target, _RO)
 
 
 def _symlink(path: str, target: str) -> None:
@@ -181,7 +184,7 @@ def policy(view: bool, work: str, read_paths: list[str], exec_files: list[str]) 
     if view:
         return {
             "read": [*read_paths, "/etc", "/proc", EXEC_DIR, *DEVICES],
-            "write": [WORK, *PRIVATE_TMPFS, "/dev/null"],
+            "write": [*PRIVATE_TMPFS, "/dev/null"],
             "work": WORK,
         }
     return {

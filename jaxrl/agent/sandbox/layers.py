@@ -13,7 +13,11 @@ LAYERS = (
     "pid_namespace", "ipc_namespace", "pid_limit", "process_limit", "landlock_fs",
     "landlock_net", "landlock_scope", "syscall_filter", "audit_hook",
 )  # fmt: skip
-REQUIRED = ("unprivileged_identity", "filesystem_view", "network_namespace", "syscall_filter")
+# The PID namespace too: without it a program's setsid()'d children outlive the run.
+REQUIRED = (
+    "unprivileged_identity", "filesystem_view", "network_namespace", "pid_namespace",
+    "ipc_namespace", "syscall_filter",
+)  # fmt: skip
 
 _USERNS = (
     "unprivileged user namespaces (sysctl user.max_user_namespaces > 0; on Debian kernels "

@@ -11,9 +11,12 @@ sees an ordinary `PermissionError`.
 What is denied, and why (`DENIED`): whatever a Python program that computes and prints has
 no use for, and that reaches another process, the mount table, namespaces, the kernel's
 keyrings, BPF, performance counters, modules, the clock, or a large kernel surface
-(io_uring, userfaultfd). `clone` may not create namespaces; `socket` may open only unix,
-IPv4/IPv6 (in an empty network namespace) and netlink sockets: in particular not `AF_VSOCK`,
-which reaches a virtual machine's host and no network namespace confines.
+(io_uring, userfaultfd); memory that no rlimit counts (memfd, System V shared memory and
+queues); watching or locking the host files bound into the view (inotify, flock). `clone`
+may not create namespaces; `prlimit64` may change only the caller's own limits; `socket` may
+open only unix, IPv4/IPv6 (in an empty network namespace) and netlink sockets, `socketpair`
+only unix ones: in particular not `AF_VSOCK`, which reaches a virtual machine's host and no
+network namespace confines.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ DENIED = {
         "fsconfig", "fsmount", "fspick", "mount_setattr", "unshare", "setns",
     ),
     "kernel keyrings": ("keyctl", "add_key", "request_key"),
+    "memory no rlimit counts": (
+        "memfd_create", "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv",
+        "msgctl", "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_timedsend",
+    ),
+    "watching and locking the bound host files": (
+        "inotify_init", "inotify_init1", "inotify_add_watch", "flock",
+    ),
     "large kernel surfaces": (
         "bpf", "perf_event_open", "userfaultfd", "fanotify_init", "fanotify_mark",
         "io_uring_setup", "io_uring_enter", "io_uring_register", "open_by_handle_at",
@@ -51,7 +61,8 @@ ALLOWED_SOCKET_DOMAINS = (1, 2, 10, 16)
 
 _ACT_ALLOW = 0x7FFF0000
 _ATTR_ACT_BADARCH = 2
-_CMP_EQ, _CMP_GE, _CMP_MASKED_EQ = 4, 5, 7
+_CMP_NE, _CMP_EQ, _CMP_GE, _CMP_MASKED_EQ = 1, 4, 5, 7
+AF_UNIX = 1
 
 
 def _errno_action(code: int) -> int:
@@ -111,6 +122,9 @@ def apply() -> None:
             _deny(lib, ctx, name, errno.ENOSYS)
         for flag in linux.NAMESPACE_FLAGS:  # clone's flags are its first argument
             _deny(lib, ctx, "clone", errno.EPERM, _ArgCmp(0, _CMP_MASKED_EQ, flag, flag))
+        # Another process's rlimits (the init's: it shares the program's uid); 0 is itself.
+        _deny(lib, ctx, "prlimit64", errno.EPERM, _ArgCmp(0, _CMP_NE, 0, 0))
+        _deny(lib, ctx, "socketpair", errno.EAFNOSUPPORT, _ArgCmp(0, _CMP_NE, AF_UNIX, 0))
         for domain in _denied_socket_domains():
             _deny(lib, ctx, "socket", errno.EAFNOSUPPORT, domain)
         linux.no_new_privs()

@@ -34,6 +34,11 @@ from . import fsview, identity, landlock, limits, linux, seccomp
 from .layers import LAYERS
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
+# Signals the init ignores (SIGCHLD stays: it reaps; SIGKILL and SIGSTOP cannot be caught).
+CATCHABLE = tuple(
+    s for s in signal.valid_signals()
+    if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD) and s < signal.SIGRTMIN
+)  # fmt: skip
 NAMESPACES = {
     linux.CLONE_NEWUSER: "user_namespace",
     linux.CLONE_NEWNET: "network_namespace",
@@ -175,8 +180,12 @@ def _killpg(pgid: int) -> None:
 def _init(config: dict[str, object], layers: dict[str, bool]) -> int:
     """The init (pid 1 of the PID namespace when there is one): identity, view, runner, reap.
 
-    When it returns, the kernel kills every process left in its PID namespace.
+    It ignores every signal it may (a namespace's init gets from inside only those it
+    handles, and Python handles SIGINT); the runner restores them before its exec. When it
+    returns, the kernel kills every process left in its PID namespace.
     """
+    for number in CATCHABLE:
+        signal.signal(number, signal.SIG_IGN)
     os.setpgid(0, 0)
     fd = config["status_fd"]
     if layers["pid_namespace"] and layers["user_namespace"]:
@@ -187,6 +196,8 @@ def _init(config: dict[str, object], layers: dict[str, bool]) -> int:
     runner = os.fork()
     if runner == 0:
         try:
+            for number in CATCHABLE:
+                signal.signal(number, signal.SIG_DFL)
             _exec_runner(config, layers, view)
         except BaseException as exc:
             report(fd, error=f"could not start the runner: {exc!r}")
@@ -220,7 +231,7 @@ def _identity_and_view(config: dict[str, object], layers: dict[str, bool]) -> bo
         f"{fsview.EXEC_DIR}/runner.py": RUNNER,
         f"{fsview.EXEC_DIR}/code.py": config["code_path"],
     }
-    plan = fsview.open_sources(config["read_paths"], config["work"], files)
+    plan = fsview.open_sources(config["read_paths"], files)
     identity.become_inside_user(config["is_root"])
     layers["unprivileged_identity"] = True
     report(fd, unprivileged_identity=True)

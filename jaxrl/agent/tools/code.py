@@ -12,17 +12,17 @@ then its stderr under a `[stderr]` line, then one bracketed line per event the p
 know about: a limit that stopped it, an access the sandbox denied, truncated output, a
 non-zero exit code.
 
-Config options (the tool YAML's `config`): `timeout` (wall-clock seconds, 10), `cpu_time`
-(CPU seconds, 10), `memory_limit_mb` (1024), `max_output_length` (bytes kept per stream,
-4096), `max_processes` (64); the isolation it requires: `required_isolation` (layer names,
-default `jaxrl.agent.sandbox.REQUIRED`: the unprivileged identity, the file-system view, the
-network namespace, the syscall filter), `allow_weaker_isolation` (false: the tool refuses to
-start where a required layer is missing, naming it and the kernel setting it needs; true: it
+Config options (the tool YAML's `config`): `timeout` (wall-clock seconds, 10), `cpu_time` (CPU
+seconds, 10), `memory_limit_mb` (1024), `max_output_length` (bytes kept per stream, 4096),
+`max_processes` (64); the isolation it requires: `required_isolation` (layer names, default
+`jaxrl.agent.sandbox.REQUIRED`: the unprivileged identity, the file-system view, the network,
+PID and IPC namespaces, the syscall filter), `allow_weaker_isolation` (false: the tool refuses
+to start where a required layer is missing, naming it and the kernel setting it needs; true: it
 runs with a warning per run), `sandbox_uid`/`sandbox_gid` (the host ids the program runs as
 when the trainer is root, default `SANDBOX_HOST_ID`). A config written for verl's
-`SandboxFusionTool` (which the registry maps here) works as it is: its `default_timeout` is
-the timeout, and its options
-for the remote service (`sandbox_fusion_url`, `num_workers`, rate limits) are ignored.
+`SandboxFusionTool` (which the registry maps here) works as it is: its `default_timeout` is the
+timeout, and its options for the remote service (`sandbox_fusion_url`, `num_workers`, rate
+limits) are ignored.
 """
 
 from __future__ import annotations
@@ -138,6 +138,9 @@ class CodeInterpreter(BaseTool):
         except OSError as exc:  # the sandbox could not start (no interpreter, no temp dir)
             log.warning("code_interpreter: the sandbox failed to start: %r", exc)
             return ToolResponse(text=f"Error: the sandbox failed to start: {exc}"), 0.0, {}
+        except Exception as exc:  # a fault of the sandbox's own: this call fails, not training
+            log.exception("code_interpreter: the sandbox failed")
+            return ToolResponse(text=f"Error: the sandbox failed: {exc!r}"), 0.0, {}
         return ToolResponse(text=self.render(result)), 0.0, _metrics(result)
 
     def render(self, result: SandboxResult) -> str:
