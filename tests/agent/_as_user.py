@@ -2,12 +2,12 @@
 
     python _as_user.py UID confined|unconfined REQUEST_JSON      (started as root)
 
-Enters a private mount namespace in which /root, when other users cannot traverse it, holds
-only the interpreter's installation (so uid UID can start the interpreter when it lives
-under /root, as pyenv's does), drops to UID (no supplementary groups), then either runs
-`run_python(code, **kwargs)` and prints its result as one JSON line (or the refusal's), or
-runs the code unconfined (`python -I -c code`) and prints its output. The sandbox package is
-loaded from its folder without importing jaxrl (which would start JAX).
+Enters a private mount namespace in which uid UID can reach the interpreter and the sandbox's
+files (a 0700 ancestor, such as /root holding pyenv or CI's `mktemp -d` holding the venv, is
+covered by a tmpfs into which only those paths are bound back), drops to UID (no supplementary
+groups), then either runs `run_python(code, **kwargs)` and prints its result as one JSON line
+(or the refusal's), or runs the code unconfined (`python -I -c code`) and prints its output.
+The sandbox package is loaded from its folder without importing jaxrl (which would start JAX).
 """
 
 import json
@@ -33,18 +33,36 @@ def load_sandbox():
 
 
 def expose_interpreter(host, linux) -> None:
-    """Private mounts; a 0700 /root replaced by a tmpfs holding the interpreter's paths."""
+    """Private mounts in which uid UID can reach the interpreter and the sandbox's files.
+
+    Each path it needs whose ancestor other users cannot traverse (a 0700 /root holding
+    pyenv, CI's `mktemp -d` holding the venv) gets that ancestor covered by a tmpfs (0755)
+    into which the path is bound back, at the same place.
+    """
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    if os.stat("/root").st_mode & stat.S_IXOTH:
-        return
-    under_root = [p for p in host.default_read_paths() if p.startswith("/root/")]
-    fds = {path: os.open(path, os.O_PATH) for path in under_root}
-    linux.mount("tmpfs", "/root", "tmpfs", linux.MS_NOSUID, "mode=0755")
-    for path, fd in fds.items():
-        os.makedirs(path, exist_ok=True)
-        linux.mount(f"/proc/self/fd/{fd}", path, None, linux.MS_BIND | linux.MS_REC)
-        os.close(fd)
+    covers: dict[str, list[str]] = {}
+    for path in sorted({*host.default_read_paths(), SANDBOX_DIR}):
+        closed = next((a for a in ancestors(path) if not os.stat(a).st_mode & stat.S_IXOTH), None)
+        if closed is not None:
+            covers.setdefault(closed, []).append(path)
+    for closed, paths in covers.items():
+        fds = {path: os.open(path, os.O_PATH) for path in paths}
+        linux.mount("tmpfs", closed, "tmpfs", linux.MS_NOSUID, "mode=0755")
+        for path, fd in fds.items():
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "a").close()
+            linux.mount(f"/proc/self/fd/{fd}", path, None, linux.MS_BIND | linux.MS_REC)
+            os.close(fd)
+
+
+def ancestors(path: str) -> list[str]:
+    """/a, /a/b, ... of /a/b/c (not / and not the path itself), outermost first."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def main(uid: int, mode: str, request: dict) -> None:
