@@ -16,6 +16,7 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -551,6 +552,8 @@ FILTERED = {
     "socketpair_vsock": "__import__('socket').socketpair(40)",
     # Memory no rlimit counts; IPC_PRIVATE, size 0 (EINVAL unconfined: no segment is made).
     "memfd_create": "os.memfd_create('x')",
+    "memfd_secret": "c_call('syscall', NR['memfd_secret'], 0)",
+    "dnotify": "__import__('fcntl').fcntl(os.open('.', os.O_RDONLY), 0x402, 4)",  # DN_CREATE
     "shmget": "c_call('syscall', NR['shmget'], 0, 0, 0o1600)",
     # Watching and locking bound host files; another process's limits.
     "inotify_init1": "c_call('inotify_init1', 0)",
@@ -564,7 +567,7 @@ def syscall_numbers() -> dict[str, int]:
 
     lib = ctypes.CDLL("libseccomp.so.2")
     names = ("unshare", "keyctl", "mount", "bpf", "perf_event_open", "userfaultfd",
-             "io_uring_setup", "process_vm_readv", "clone", "shmget")  # fmt: skip
+             "io_uring_setup", "process_vm_readv", "clone", "shmget", "memfd_secret")  # fmt: skip
     return {name: lib.seccomp_syscall_resolve_name(name.encode()) for name in names}
 
 
@@ -664,6 +667,9 @@ def test_the_program_cannot_forge_its_verdict(caller):
     result = caller.confined(code, audit_hook=False, landlock=False)
     assert result["exit_code"] == 3 and result["error"] is None, result
     assert b"read_paths" not in result["stdout"].encode() and "boot.py" in result["stdout"]
+    # A SIGXCPU it sends itself is not the CPU limit (the CPU time it used is read outside).
+    result = caller.confined("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)")
+    assert (result["signal"], result["killed_reason"]) == (signal.SIGXCPU, "signal"), result
 
 
 def test_processes_are_capped_also_for_root(caller):

@@ -459,9 +459,9 @@ def _reason(
     """Why the run stopped, when a limit or the sandbox stopped it (see `SandboxResult`)."""
     if timed_out:
         return "timeout"
-    if sig == signal.SIGXCPU or (
-        sig == signal.SIGKILL and cpu_s is not None and cpu_s >= math.ceil(cpu_limit)
-    ):
+    # A SIGXCPU the program sent itself is a "signal": the CPU limit needs the CPU time used.
+    spent = cpu_s is not None and cpu_s >= 0.9 * math.ceil(cpu_limit)
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and spent:
         return "cpu_time"
     if sig is not None:
         return "signal"

@@ -6,6 +6,7 @@ RLIMIT_FSIZE   file_size_mb: the largest file
 RLIMIT_CORE    0
 RLIMIT_NOFILE  256 open descriptors: each socket or pipe may hold kernel buffers no rlimit
                counts
+RLIMIT_SIGPENDING 1024 queued signals, RLIMIT_MSGQUEUE 0
 RLIMIT_NPROC   tasks of the sandbox's uid in its user namespace: the program's processes and
                threads (itself included) at most max_processes, plus the sandbox's own of
                that uid (the kernel does not enforce it for the host's root, which the
@@ -24,6 +25,7 @@ import os
 import resource
 
 MAX_OPEN_FILES = 256
+MAX_PENDING_SIGNALS = 1024
 NICE = 10  # the program runs niced: the sandbox's own processes and the trainer come first
 PID_MAX_MIN = 301  # the kernel's floor for a namespace's pid_max (RESERVED_PIDS + 1)
 
@@ -36,6 +38,8 @@ def apply(config: dict[str, object], nproc: int | None) -> None:
     _limit(resource.RLIMIT_FSIZE, config["file_size_mb"] * 2**20)
     _limit(resource.RLIMIT_CORE, 0)
     _limit(resource.RLIMIT_NOFILE, MAX_OPEN_FILES)
+    _limit(resource.RLIMIT_SIGPENDING, MAX_PENDING_SIGNALS)  # a budget shared by the uid's runs
+    _limit(resource.RLIMIT_MSGQUEUE, 0)
     if nproc is not None:
         _limit(resource.RLIMIT_NPROC, nproc)
     try:

@@ -12,7 +12,8 @@ What is denied, and why (`DENIED`): whatever a Python program that computes and 
 no use for, and that reaches another process, the mount table, namespaces, the kernel's
 keyrings, BPF, performance counters, modules, the clock, or a large kernel surface
 (io_uring, userfaultfd); memory that no rlimit counts (memfd, System V shared memory and
-queues); watching or locking the host files bound into the view (inotify, flock). `clone`
+queues); watching or locking the host files bound into the view (inotify, flock; fcntl's
+dnotify and leases). `clone`
 may not create namespaces; `prlimit64` may change only the caller's own limits; `socket` may
 open only unix, IPv4/IPv6 (in an empty network namespace) and netlink sockets, `socketpair`
 only unix ones: in particular not `AF_VSOCK`, which reaches a virtual machine's host and no
@@ -37,8 +38,9 @@ DENIED = {
     ),
     "kernel keyrings": ("keyctl", "add_key", "request_key"),
     "memory no rlimit counts": (
-        "memfd_create", "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv",
-        "msgctl", "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_timedsend",
+        "memfd_create", "memfd_secret", "shmget", "shmat", "shmdt", "shmctl", "msgget",
+        "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl", "mq_open",
+        "mq_timedsend",
     ),
     "watching and locking the bound host files": (
         "inotify_init", "inotify_init1", "inotify_add_watch", "flock",
@@ -63,6 +65,7 @@ _ACT_ALLOW = 0x7FFF0000
 _ATTR_ACT_BADARCH = 2
 _CMP_NE, _CMP_EQ, _CMP_GE, _CMP_MASKED_EQ = 1, 4, 5, 7
 AF_UNIX = 1
+F_SETLEASE, F_NOTIFY = 0x400, 0x402
 
 
 def _errno_action(code: int) -> int:
@@ -125,6 +128,8 @@ def apply() -> None:
         # Another process's rlimits (the init's: it shares the program's uid); 0 is itself.
         _deny(lib, ctx, "prlimit64", errno.EPERM, _ArgCmp(0, _CMP_NE, 0, 0))
         _deny(lib, ctx, "socketpair", errno.EAFNOSUPPORT, _ArgCmp(0, _CMP_NE, AF_UNIX, 0))
+        for command in (F_SETLEASE, F_NOTIFY):  # leases and dnotify on the bound host files
+            _deny(lib, ctx, "fcntl", errno.EPERM, _ArgCmp(1, _CMP_EQ, command, 0))
         for domain in _denied_socket_domains():
             _deny(lib, ctx, "socket", errno.EAFNOSUPPORT, domain)
         linux.no_new_privs()
