@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+from _procs import assert_session_empty
 
 from jaxrl.agent.sandbox import LAYERS, SandboxResult, isolation, run_python
 from jaxrl.agent.tools.code import CodeInterpreter
@@ -22,28 +23,9 @@ LIMITS = {"timeout_s": 5, "cpu_s": 2, "memory_mb": 512, "max_output_bytes": 4096
 pytestmark = pytest.mark.sandbox
 
 
-def session_members(sid: int) -> list[int]:
-    """Pids of the live processes in session `sid` (from /proc; no psutil)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[3]) == sid:
-            members.append(int(entry))
-    return members
-
-
 def assert_nothing_left(result: SandboxResult) -> None:
-    """No process of the run's session survives it (checked for up to 2 s: reaping)."""
-    deadline = time.monotonic() + 2
-    while session_members(result.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert session_members(result.pid) == []
+    """No process of the run's session survives it."""
+    assert_session_empty(result.pid)
 
 
 # ------------------------------------------------------------------------------ normal code

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import linux
 from .identity import SANDBOX_HOST_ID, host_ids
 from .layers import LAYERS, REQUIRED, SandboxUnavailable, validate
 
@@ -91,11 +92,6 @@ class SandboxResult:
     isolation: dict[str, bool] = dataclasses.field(default_factory=dict)
     error: str | None = None
     pid: int = 0
-
-    @property
-    def missing(self) -> list[str]:
-        """The layers this run did not apply."""
-        return [layer for layer in LAYERS if not self.isolation.get(layer)]
 
 
 def run_python(
@@ -334,19 +330,11 @@ def _collect(
                     sinks[key.fd](data)
                 else:
                     selector.unregister(key.fd)
-            if not swept and _exited(proc.pid):
+            if not swept and linux.exited(proc.pid):
                 swept = True
                 _kill_sandbox(proc.pid, _parse_status(raw).get("group"))
                 deadline = min(deadline, time.monotonic() + GRACE_S)
     return out, err, _parse_status(raw), backstop > 0
-
-
-def _exited(pid: int) -> bool:
-    """Whether child `pid` has exited, leaving it unreaped (its pid stays reserved)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
 
 
 def _kill_sandbox(boot_pid: int, group: Any, *, boot: bool = True, scan: bool = False) -> None:
@@ -356,9 +344,9 @@ def _kill_sandbox(boot_pid: int, group: Any, *, boot: bool = True, scan: bool = 
     boot's session, so nothing written there can aim this at another process.
     """
     if isinstance(group, int) and group > 1 and _session(group) == boot_pid:
-        _killpg(group)
+        linux.killpg(group)
     if boot:
-        _killpg(boot_pid)
+        linux.killpg(boot_pid)
     if boot and scan:
         _kill_session(boot_pid)
 
@@ -379,11 +367,6 @@ def _kill_session(sid: int) -> None:
             pass
         finally:
             os.close(pidfd)
-
-
-def _killpg(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def _session(pid: int) -> int | None:

@@ -5,11 +5,16 @@ Namespaces (`unshare`), mounts (`mount`, `mount_setattr`, `pivot_root`, `umount2
 (mount_setattr 442, landlock 444-446) are the same on every architecture (the generic table).
 """
 
+# try/except instead of contextlib.suppress: the sandbox's processes import as little as they
+# can (an interpreter start is most of a call's cost).
+# ruff: noqa: SIM105
+
 from __future__ import annotations
 
 import ctypes
 import functools
 import os
+import signal
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -102,6 +107,22 @@ def not_dumpable() -> None:
     """This process's /proc entries become root's: no process of its uid opens its fds,
     memory or environment (the runner's exec makes the program dumpable again)."""
     _check(libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def exited(pid: int) -> bool:
+    """Whether child `pid` has exited, leaving it unreaped (its pid stays reserved)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def killpg(pgid: int) -> None:
+    """SIGKILL process group `pgid`, if it is still there and ours to signal."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def no_new_privs() -> None:

@@ -114,13 +114,13 @@ def _keeper(config: dict[str, object], ready_w: int, go_r: int) -> int:
     report(fd, group=init)
     timed_out = not _wait_exit(init, config["timeout_s"])
     if timed_out:
-        _killpg(init)
+        linux.killpg(init)
         try:
             os.kill(init, signal.SIGKILL)
         except ProcessLookupError:
             pass
     os.waitid(os.P_PID, init, os.WEXITED | os.WNOWAIT)
-    _killpg(init)  # what is left of its group (without a PID namespace); its pgid is reserved
+    linux.killpg(init)  # what is left of its group (without a PID namespace); its pgid is reserved
     os.waitpid(init, 0)
     report(fd, timed_out=timed_out)
     return 0
@@ -153,28 +153,14 @@ def _wait_exit(pid: int, timeout_s: float) -> bool:
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # Linux < 5.3: poll
-        while not _exited(pid) and time.monotonic() < deadline:
+        while not linux.exited(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return _exited(pid)
+        return linux.exited(pid)
     try:
         remaining = max(0.0, deadline - time.monotonic())
-        return bool(select.select([pidfd], [], [], remaining)[0]) or _exited(pid)
+        return bool(select.select([pidfd], [], [], remaining)[0]) or linux.exited(pid)
     finally:
         os.close(pidfd)
-
-
-def _exited(pid: int) -> bool:
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _init(config: dict[str, object], layers: dict[str, bool]) -> int:

@@ -38,9 +38,9 @@ from jaxrl.agent.sandbox import (
     SandboxResult,
     SandboxUnavailable,
     check,
-    isolation,
     run_python,
 )
+from jaxrl.agent.sandbox.layers import validate
 from jaxrl.agent.tools.base import BaseTool, ToolResponse
 
 log = logging.getLogger("jaxrl.agent")
@@ -77,16 +77,15 @@ class CodeInterpreter(BaseTool):
         self.max_output_length = int(options["max_output_length"])
         self.max_processes = int(options["max_processes"])
         self.isolation_options = _isolation_options(self.config)
-        required = self.isolation_options["require"]
-        if self.isolation_options["allow_weaker_isolation"]:
-            missing = [layer for layer in required if not isolation()[layer]]
-            if missing:
-                log.warning(
-                    "code_interpreter: allow_weaker_isolation: running untrusted code without "
-                    "%s (docs/sandbox.md)", ", ".join(missing),
-                )  # fmt: skip
-        else:
-            check(required)  # SandboxUnavailable: refuse before any code arrives
+        try:
+            check(self.isolation_options["require"])  # refuse before any code arrives
+        except SandboxUnavailable as exc:
+            if not self.isolation_options["allow_weaker_isolation"]:
+                raise
+            log.warning(
+                "code_interpreter: allow_weaker_isolation: running untrusted code without "
+                "%s (docs/sandbox.md)", ", ".join(exc.missing),
+            )  # fmt: skip
 
     def default_schema(self) -> dict[str, Any]:
         return {
@@ -203,6 +202,7 @@ def _isolation_options(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"CodeInterpreter: required_isolation must be a list of layer names, got {required!r}"
         )
+    required = validate(required)  # unknown names: ValueError listing the layers
     allow = config.get("allow_weaker_isolation", False)
     if not isinstance(allow, bool):
         raise ValueError(
@@ -214,7 +214,7 @@ def _isolation_options(config: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"CodeInterpreter: {key} must be an unprivileged id (> 0), got {value!r}"
             )
-    return {"require": tuple(required), "allow_weaker_isolation": allow, **ids}
+    return {"require": required, "allow_weaker_isolation": allow, **ids}
 
 
 def _signal_name(number: int | None) -> str:
