@@ -20,7 +20,8 @@ from typing import Any
 
 from jaxrl.trainer.loggers import read_metrics
 
-VOLATILE = ("timing", "perf/time", "perf/throughput", "perf/mfu")  # wall-time based
+# wall-time based, and the programs a process compiles (a resumed run compiles them again)
+VOLATILE = ("timing", "perf/time", "perf/throughput", "perf/mfu", "perf/compile")
 
 
 def by_step(run_dir: Path) -> dict[int, dict[str, Any]]:

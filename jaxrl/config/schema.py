@@ -420,7 +420,7 @@ class RolloutConfig:
             (`jaxrl.data.bucket`) + the response length, within the model's context.
         decode_backend: *jaxrl*. How the decode step runs: `xla` (the model's own step on
             any platform), `cpu_kernels` (jaxrl's C++ CPU kernels: float32 on one CPU device),
-            or `auto` (the kernels where they apply, else xla).
+            or `auto` (the kernels where they apply on an AVX-512 CPU, else xla).
         calculate_log_probs: Return the log-probs of the sampled tokens.
         seed: Base seed of the sampler; every step folds in the step number.
         log_prob_micro_batch_size_per_gpu: Sequences per device per old-log-prob pass; null:

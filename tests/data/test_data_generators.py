@@ -7,11 +7,14 @@ import zipfile
 import pytest
 
 from jaxrl.data import generators, read_rows
+from jaxrl.data.generators import SEED_STRIDE
 from jaxrl.data.preprocess import GSM8K_INSTRUCTION, main
 
 
 def _fake_reasoning_gym(answers):
-    def create_dataset(task, size, seed):
+    def create_dataset(task, size, seed, **config):
+        if set(config) - {"max_terms"}:
+            raise TypeError(f"unexpected keyword argument {sorted(config)}")
         return [{"question": f"{task} q{i} s{seed}?", "answer": answers[i % len(answers)],
                  "metadata": {}} for i in range(size)]  # fmt: skip
 
@@ -27,7 +30,65 @@ def test_reasoning_gym_rows(tmp_path, monkeypatch):
     assert rows[0].messages[0]["content"] == "gsm_symbolic q0 s7? " + GSM8K_INSTRUCTION
     assert rows[0].extra_info["source"] == "reasoning_gym/gsm_symbolic"
     test, _ = read_rows(paths["test"])
-    assert test[0].messages[0]["content"].startswith("gsm_symbolic q0 s8?")
+    assert test[0].messages[0]["content"].startswith(f"gsm_symbolic q0 s{7 + SEED_STRIDE}?")
+
+
+def _shifted_reasoning_gym(distinct=None):
+    """reasoning-gym's usual seeding: item i of seed s is problem s + i (seeds 0 and 1 overlap),
+    one of `distinct` problems if given (a small difficulty setting)."""
+
+    def create_dataset(task, size, seed, **config):
+        numbers = [(seed + i) % (distinct or seed + size + 1) for i in range(size)]
+        return [{"question": f"{task} problem {n}?", "answer": str(n), "metadata": {}}
+                for n in numbers]  # fmt: skip
+
+    return types.SimpleNamespace(create_dataset=create_dataset)
+
+
+def test_reasoning_gym_test_split_is_held_out(tmp_path, monkeypatch):
+    """The test split holds no training problem, even where the package draws item i of seed s
+    from seed s + i (before, seed + 1 made the test split the training split shifted by one);
+    a repeated problem (small difficulty settings) is dropped from the test split."""
+    monkeypatch.setitem(sys.modules, "reasoning_gym", _shifted_reasoning_gym())
+    paths = generators.write_reasoning_gym(tmp_path, train_size=50, test_size=10, seed=3)
+    train, test = read_rows(paths["train"])[0], read_rows(paths["test"])[0]
+    questions = {r.extra_info["question"] for r in train}
+    assert len(test) == 10 and not questions & {r.extra_info["question"] for r in test}
+    # 100 distinct problems: training 0..49; the test seed (SEED_STRIDE, 0 mod 100) draws
+    # 0..59, of which the ten not in training are kept
+    monkeypatch.setitem(sys.modules, "reasoning_gym", _shifted_reasoning_gym(distinct=100))
+    assert SEED_STRIDE % 100 == 0
+    paths = generators.write_reasoning_gym(tmp_path, train_size=50, test_size=60, seed=0)
+    test = read_rows(paths["test"])[0]
+    assert [r.ground_truth for r in test] == [str(n) for n in range(50, 60)]
+
+
+def test_reasoning_gym_shots_and_task_config(tmp_path, monkeypatch):
+    """--shots puts solved problems (the same for every row) before each question as chat
+    turns, each answer ending in '#### N'; --task-config reaches the task, and a key the task
+    does not take is an error naming it."""
+    monkeypatch.setitem(sys.modules, "reasoning_gym", _fake_reasoning_gym(["5"]))
+    config = ["--task-config", '{"max_terms": 3}']
+    main(["reasoning_gym", "--output", str(tmp_path), "--task", "gcd", "--train-size", "3",
+          "--test-size", "2", "--shots", "2", *config])  # fmt: skip
+    with pytest.raises(ValueError, match=r"rejects --task-config.*digits"):
+        generators.reasoning_gym_records("gcd", 1, task_config={"digits": 2})
+    rows, _ = read_rows(str(tmp_path / "train.parquet"))
+    roles = [m["role"] for m in rows[0].messages]
+    assert roles == ["user", "assistant", "user", "assistant", "user"]
+    assert rows[0].messages[:4] == rows[2].messages[:4]  # the same shots for every row
+    assert rows[0].messages[1]["content"].endswith("#### 5")
+    assert rows[0].messages[-1]["content"] == "gcd q0 s0? " + GSM8K_INSTRUCTION
+
+
+def test_worked_chain_sum_answer():
+    """A chain_sum answer worked left to right, one operation per line, checked against the
+    package's answer."""
+    entry = {"answer": "-4", "metadata": {"expression": "4 - 1 - 7"}}
+    assert generators.worked_answer("chain_sum", entry) == "4 - 1 = 3\n3 - 7 = -4\n#### -4"
+    with pytest.raises(ValueError, match="worked -4"):
+        generators.worked_answer("chain_sum", {**entry, "answer": "4"})
+    assert generators.worked_answer("gcd", {"answer": "6"}) == "#### 6"
 
 
 def test_reasoning_gym_rejects_non_numeric_tasks(monkeypatch):

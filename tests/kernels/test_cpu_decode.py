@@ -121,8 +121,13 @@ def test_generation_with_kernels_equals_xla(variant, monkeypatch, max_num_seqs):
     np.testing.assert_allclose(
         out["cpu_kernels"].log_probs, out["xla"].log_probs, rtol=COMPOSITE_RTOL, atol=1e-5
     )
-    # auto picks the kernels here (float32, one CPU device), unless they are turned off
+    # auto picks the kernels here (float32, one CPU device) on a CPU with AVX-512, XLA on one
+    # without (where the kernels' registers spill), and XLA when they are turned off
+    monkeypatch.setattr(cpu_decode, "vectors_fit", lambda: True)
     assert choose_backend("auto", config, None) == CpuKernelsBackend()
+    monkeypatch.setattr(cpu_decode, "vectors_fit", lambda: False)
+    assert choose_backend("auto", config, None) == XlaBackend()
+    monkeypatch.setattr(cpu_decode, "vectors_fit", lambda: True)
     monkeypatch.setenv("JAXRL_CPU_KERNELS", "0")
     assert choose_backend("auto", config, None) == XlaBackend()
     with pytest.raises(ValueError, match="decode_backend=cpu_kernels cannot run here"):

@@ -2,6 +2,7 @@
 
 import jax
 
+from jaxrl.compare import VOLATILE
 from jaxrl.config import load_config
 
 
@@ -29,5 +30,5 @@ def assert_same_metrics(a: list[dict], b: list[dict], steps: list[int]) -> None:
     assert [r["training/global_step"] for r in b] == steps
     for ra, rb in zip(a, b, strict=True):
         for key, value in ra.items():
-            if not key.startswith(("timing", "perf/time", "perf/throughput")):
+            if not key.startswith(VOLATILE):
                 assert rb[key] == value, (ra["training/global_step"], key, value, rb[key])
