@@ -1,7 +1,8 @@
 """The XLA programs a step builds, from `jax.monitoring`'s compile events.
 
-    with counted(metrics):            # metrics["perf/compiles"], metrics["perf/compile_s"]
-        ...                           # one step
+    start = compile_totals()
+    ...                                        # one step, to its last metric
+    metrics.update(compiles_since(start))      # perf/compiles, perf/compile_s
 
 A program is counted when it is lowered (`jaxpr_to_mlir_module`): every miss of a jitted
 function's in-memory cache, whether XLA then compiles it or the persistent compilation cache
@@ -14,9 +15,7 @@ changes every step).
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import jax.monitoring
 
@@ -38,7 +37,8 @@ def _on_duration(event: str, seconds: float, **_) -> None:
             _totals["programs"] += event == _LOWERING
 
 
-def _snapshot() -> tuple[int, float]:
+def compile_totals() -> tuple[int, float]:
+    """Programs lowered and compile seconds so far in this process (every thread)."""
     global _registered
     with _lock:
         if not _registered:  # once per process: jax.monitoring keeps its listeners for good
@@ -47,12 +47,8 @@ def _snapshot() -> tuple[int, float]:
         return _totals["programs"], _totals["seconds"]
 
 
-@contextlib.contextmanager
-def counted(metrics: dict[str, float]) -> Iterator[None]:
-    """Sets `perf/compiles` (programs lowered) and `perf/compile_s` in `metrics` for the
-    block (every thread's compiles in that time)."""
-    programs, seconds = _snapshot()
-    yield
-    after_programs, after_seconds = _snapshot()
-    metrics["perf/compiles"] = float(after_programs - programs)
-    metrics["perf/compile_s"] = after_seconds - seconds
+def compiles_since(start: tuple[int, float]) -> dict[str, float]:
+    """`perf/compiles` (programs lowered) and `perf/compile_s` since `compile_totals()`
+    returned `start`."""
+    programs, seconds = compile_totals()
+    return {"perf/compiles": float(programs - start[0]), "perf/compile_s": seconds - start[1]}

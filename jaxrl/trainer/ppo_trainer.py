@@ -60,7 +60,7 @@ from jaxrl.trainer.advantage import (
 )
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
-from jaxrl.trainer.compiles import counted
+from jaxrl.trainer.compiles import compile_totals, compiles_since
 from jaxrl.trainer.dynamic_sampling import (
     NO_MORE_PROMPTS,
     DynamicSamplingError,
@@ -362,8 +362,9 @@ class PPOTrainer:
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         scalars: dict[str, jax.Array] = {}  # device metrics, read back with the batch
+        compiles = compile_totals()  # the whole step's, read-back and fingerprints included
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
-        with timer("step", timing), counted(metrics):
+        with timer("step", timing):
             if cfg.algorithm.filter_groups.enable:
                 scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
             else:
@@ -453,6 +454,7 @@ class PPOTrainer:
         metrics.update(step_fingerprints(host, self.cluster.param_hashes()))
         if cfg.trainer.rollout_data_dir:
             self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir, conversations)
+        metrics.update(compiles_since(compiles))
         return metrics
 
     def _advantages(
