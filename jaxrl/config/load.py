@@ -188,7 +188,12 @@ def parse_overrides(overrides: Sequence[str], root: type = Config) -> list[tuple
         try:
             (override,) = parser.parse_overrides([text])
         except HydraException as e:
-            problems.append(f"cannot parse override {text!r}: {str(e).splitlines()[0]}")
+            problem = f"cannot parse override {text!r}: {str(e).splitlines()[0]}"
+            key, _, value = text.partition("=")
+            if "~" in value:
+                # Hydra's grammar keeps `~` for deletions: a home path must be quoted.
+                problem += f"; quote a path that starts with ~ ({key}='{value}') or use $HOME"
+            problems.append(problem)
             continue
         key = override.key_or_group
         if override.type is OverrideType.DEL:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,13 @@ def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
     return Run(tokenizer, train_loader, val_loader, steps, trainer)
 
 
+def timed_validation(trainer: Trainer, loader: PromptIterator, step: int) -> dict[str, float]:
+    """`trainer.validate` with its wall time as verl's `timing_s/testing`."""
+    began = time.perf_counter()
+    val = trainer.validate(loader, step)
+    return {**val, "timing_s/testing": time.perf_counter() - began}
+
+
 def fit(cfg, devices=None) -> dict[str, float]:
     """Run `cfg` to its last step; returns the last step's metrics. The trainer's `close()`
     (if it has one: the tool runner's threads of a multi-turn run) runs at the end."""
@@ -281,10 +289,11 @@ def train_run(cfg, run: Run) -> dict[str, float]:
     )
     metrics: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
+    began = time.perf_counter()
     try:
         if val_loader is not None and cfg.trainer.val_before_train:  # on resume too, as verl
-            val = trainer.validate(val_loader, start)
-            tracking.log(val, start)
+            val = timed_validation(trainer, val_loader, start)
+            tracking.log({**val, "timing_s/elapsed": time.perf_counter() - began}, start)
             if cfg.trainer.val_only:
                 return val
         progress = tqdm(range(start + 1, steps + 1), initial=start, total=steps, disable=None)
@@ -294,12 +303,13 @@ def train_run(cfg, run: Run) -> dict[str, float]:
             last = step == steps
             freq = cfg.trainer.test_freq
             if val_loader is not None and freq > 0 and (step % freq == 0 or last):
-                metrics.update(trainer.validate(val_loader, step))
+                metrics.update(timed_validation(trainer, val_loader, step))
             save = cfg.trainer.save_freq
             if save > 0 and (step % save == 0 or last):
                 items, meta = trainer.state_items()
                 meta.update(global_step=step, data=train_loader.state_dict())
                 ckpts.save(step, items, meta)
+            metrics["timing_s/elapsed"] = time.perf_counter() - began
             tracking.log(metrics, step)
             guard.check(step, metrics)
     finally:

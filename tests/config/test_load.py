@@ -231,6 +231,7 @@ def test_missing_and_broken_files(tmp_path):
         ("data.train_batch_size=1,2", "sweeps"),
         ("~data.seed", "deleting keys"),
         ("data.train_files=[a,", "cannot parse override"),
+        ("data.train_files=~/data/x.parquet", "data.train_files='~/data/x.parquet'"),
     ],
 )
 def test_unsupported_hydra_forms(override, match):

@@ -129,6 +129,9 @@ def test_two_steps(assets, tmp_path, request, name, extra, expect):
         assert key in rows[2], f"{name}: {key} missing"
         assert np.isfinite(rows[2][key]), f"{name}: {key} = {rows[2][key]}"
     assert rows[2]["actor/skipped_steps"] == 0
+    elapsed = [r["timing_s/elapsed"] for r in rows]  # the loop's wall clock, validations in
+    assert 0 < rows[0]["timing_s/testing"] <= elapsed[0] < elapsed[1] < elapsed[2], elapsed
+    assert "timing_s/testing" in rows[2] and "timing_s/testing" not in rows[1]
     assert plot_run(tmp_path).stat().st_size > 1000  # the CLI's last act
     if name == "grpo":
         assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
