@@ -191,8 +191,8 @@ def parse_overrides(overrides: Sequence[str], root: type = Config) -> list[tuple
             problem = f"cannot parse override {text!r}: {str(e).splitlines()[0]}"
             key, _, value = text.partition("=")
             if "~" in value:
-                # Hydra's grammar keeps `~` for deletions: a home path must be quoted.
-                problem += f"; quote a path that starts with ~ ({key}='{value}') or use $HOME"
+                # Hydra's grammar keeps `~` for deletions: a value holding it must be quoted.
+                problem += f"; quote a value that holds ~ ({key}='{value}') or use $HOME"
             problems.append(problem)
             continue
         key = override.key_or_group
