@@ -4,6 +4,7 @@ object that holds the rollout's weights and its multi-turn conversations.
     out = jaxrl.rollout.generate(model_config, params, input_ids, attention_mask,
                                  jaxrl.rollout.SamplingParams(max_tokens=128, n=4), rng)
     engine = jaxrl.rollout.RolloutEngine(model_config, layout, max_num_seqs=64)
+    scheduler = jaxrl.rollout.Scheduler(engine)     # requests, each with its own settings
 """
 
 from jaxrl.rollout.engine import Conversation, RolloutEngine, Turn
@@ -13,17 +14,30 @@ from jaxrl.rollout.generation import (
     generate,
     idle_fraction,
 )
-from jaxrl.rollout.sampling import SamplingParams, processed_logits, sample
+from jaxrl.rollout.sampling import (
+    RowSampling,
+    SamplingParams,
+    processed_logits,
+    processed_rows,
+    sample,
+    sample_rows,
+)
+from jaxrl.rollout.scheduler import Handle, Scheduler
 
 __all__ = [
     "Conversation",
     "GenerationOutput",
+    "Handle",
     "RolloutEngine",
+    "RowSampling",
     "SamplingParams",
+    "Scheduler",
     "Turn",
     "compile_generate",
     "generate",
     "idle_fraction",
     "processed_logits",
+    "processed_rows",
     "sample",
+    "sample_rows",
 ]

@@ -2,8 +2,8 @@
 
     cache = open_cache(config, layout, slots=S, length=C)                   # once
     cache = start(config, layout, params, cache, slot_f, ids_fp, mask_fp)    # prompts in
-    cache, decoded = decode(config, sp, layout, steps, block, backend, params, cache,
-                            pending, budget_s, keys_s, offsets_s)            # sample
+    cache, decoded = decode(config, layout, steps, block, backend, params, cache,
+                            pending, budget_s, keys_s, offsets_s, rows_s)    # sample
     cache = append(config, layout, params, cache, slot_f, ids_ft, index_ft, positions_ft)
 
 A slot's sequence is in the cache up to its last token, which is *pending*: known, but its
@@ -36,8 +36,7 @@ from jaxrl.models.cached import KVCache, extend, init_cache, prefill
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.rollout.backends import DecodeBackend
-from jaxrl.rollout.generation import is_end
-from jaxrl.rollout.sampling import SamplingParams, sample
+from jaxrl.rollout.sampling import RowSampling, is_end_row, sample_rows
 from jaxrl.sharding.layouts import Layout, use_layout
 
 
@@ -113,7 +112,6 @@ class _Loop:
 
 def decode(
     config: DecoderConfig,
-    sp: SamplingParams,
     layout: Layout | None,
     steps: int,
     block: int,
@@ -124,17 +122,18 @@ def decode(
     budget: Int[Array, " s"],
     keys: jax.Array,
     offsets: Int[Array, " s"],
+    settings: RowSampling,
 ) -> tuple[KVCache, Decoded]:
-    """Sample up to `budget[s]` (<= `steps`) tokens for each slot, a slot stopping early at an
-    end token (`sp.end_ids`); slots with budget 0 are not decoded. The caller keeps
-    `index + budget` below the cache length (see the module doc).
+    """Sample up to `budget[s]` (<= `steps`) tokens for each slot with the slot's own
+    `settings` (temperature, top-k, top-p, greedy: data, so one program serves every mix), a
+    slot stopping early at one of its end tokens; slots with budget 0 are not decoded. The
+    caller keeps `index + budget` below the cache length (see the module doc).
 
     `keys` [S] (typed): slot s samples its k-th token of this call with
     `fold_in(keys[s], offsets[s] + k)` (the engine passes each turn's key and the tokens
     it has so far), so its draws depend on its own key only, not on which other slots
     decode alongside it, or in which chunks."""
     s = budget.shape[0]
-    end_ids = sp.end_ids(config.eos_token_id)
     rows = jnp.arange(s)
 
     def running(st: _Loop) -> Bool[Array, " s"]:
@@ -149,14 +148,14 @@ def decode(
         logits, cache = backend.step(
             config, params, prepared, st.last, positions, st.cache, write_index, live, block
         )
-        tok, lp = sample(logits, sp, sub)
+        tok, lp = sample_rows(logits, settings, sub)
         out_row = jnp.where(run, rows, s)
         column = jnp.minimum(st.counts, steps - 1)
         return st.replace(
             cache=cache,
             last=jnp.where(run, tok, st.last),
             counts=st.counts + run,
-            ended=st.ended | (run & is_end(tok, end_ids)),
+            ended=st.ended | (run & is_end_row(tok, settings.end_ids)),
             tokens=st.tokens.at[out_row, column].set(tok),
             log_probs=st.log_probs.at[out_row, column].set(lp),
         )

@@ -11,9 +11,15 @@
                                                   # not over; the next decode continues it)
     engine.append(slots[:1], [tool_output_ids])   # a tool's output, prefilled (not sampled)
     turn = engine.decode(slots[:1], sampling, rng2)
+    turn = engine.decode(slots, [greedy, hot, short])  # or each slot its own settings
     record = engine.conversation(slots[0])        # prompt, response, log-probs, sampled mask
     engine.end(slots)                             # the slots are free again
     engine.release()                              # free weights and cache (verl's sleep)
+
+A slot's sampling settings (temperature, top-k, top-p, greedy, end tokens) are arrays the
+decode program takes (`sampling.RowSampling`, one row per slot), not constants compiled into
+it: one program decodes slots whose requests asked for different settings; `max_tokens` and
+stop strings are the host's (the slot's budget per call, the text checked between chunks).
 
 `generate` is `jaxrl.rollout.generation.generate` on the loaded weights: its KV cache lives in
 its program. Conversations keep theirs: one cache of `max_num_seqs` slots of `max_model_len`
@@ -43,6 +49,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -53,7 +60,7 @@ from jaxrl.models.params import param_shardings
 from jaxrl.rollout import conversation
 from jaxrl.rollout.backends import DecodeBackend, choose_backend
 from jaxrl.rollout.generation import GenerationOutput, cache_geometry, compile_generate, generate
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.sampling import RowSampling, SamplingParams
 from jaxrl.sharding.layouts import ROLLOUT_RULES, Layout, placed_abstract, rollout_mesh
 from jaxrl.sharding.reshard import free, reshard
 
@@ -145,6 +152,7 @@ class RolloutEngine:
         self.decode_backend = decode_backend
         self.backend = choose_backend(decode_backend, config, layout)
         self.params: Any = None
+        self.version: int | None = None  # of the loaded weights (`load_weights`)
         # LoRA (`load_weights(..., frozen_base=True)`): the base's rollout copy, kept across
         # loads and releases, and which of its leaves are the source's own arrays (not freed)
         self._base: Any = None
@@ -155,12 +163,16 @@ class RolloutEngine:
         self._turns: dict[int, _TurnSoFar] = {}  # turns a decode(max_steps=) left running
         self._key_impl = jax.random.key_impl(jax.random.key(0))
         self._keys: np.ndarray | None = None  # each slot's turn key (key data [S, ...])
+        self._rows: RowSampling | None = None  # each slot's turn's sampling settings [S]
 
     # ---- weights -------------------------------------------------------------------------
 
-    def load_weights(self, params: Any, *, frozen_base: bool = False) -> None:
+    def load_weights(
+        self, params: Any, *, frozen_base: bool = False, version: int | None = None
+    ) -> None:
         """Copy `params` (any layout, any devices) into the rollout layout (cast to the
-        config's `param_dtype` if they differ), replacing (and freeing) the previous copy.
+        config's `param_dtype` if they differ), replacing (and freeing) the previous copy;
+        `version` (the policy's, e.g. its step) is what the scheduler's handles record.
         Open conversations keep their caches (computed with the earlier weights). With the
         `xla` decode backend the copy is held per layer (`models.cached.unstack_layers`), so
         the decode step reads each weight where it is instead of slicing it from its stack.
@@ -170,6 +182,7 @@ class RolloutEngine:
         it is, not copied), later calls move only the adapters, and the decode step applies
         them (`transformer._block`)."""
         self._free_weights()
+        self.version = version
         if not frozen_base:
             self._drop_base()
             copy = reshard(params, self.shardings, dtype=self.config.param_dtype)
@@ -325,6 +338,8 @@ class RolloutEngine:
             self._cache = _open_cache(self.config, self.layout, s, length)
             data = np.asarray(jax.random.key_data(jax.random.key(0)))
             self._keys = np.zeros((s, *data.shape), data.dtype)
+            self._idle_row = RowSampling.of([SamplingParams()], self.config.eos_token_id)
+            self._rows = RowSampling.of([SamplingParams()] * s, self.config.eos_token_id)
             self._pending = {
                 "last": np.zeros(s, np.int32),
                 "index": np.zeros(s, np.int32),
@@ -430,7 +445,7 @@ class RolloutEngine:
     def decode(
         self,
         slots: Sequence[int],
-        sampling: SamplingParams,
+        sampling: SamplingParams | Sequence[SamplingParams],
         rng: jax.Array | None = None,
         *,
         max_steps: int | None = None,
@@ -438,29 +453,30 @@ class RolloutEngine:
         """Sample each slot's next turn: until an end token (EOS, `stop_token_ids`), a stop
         string, `max_tokens`, or its cache is full. The slots' records grow by the turn.
 
+        `sampling`: one `SamplingParams` for every slot, or one per slot (in `slots`' order):
+        the settings are data of the one compiled decode program, so slots with different
+        temperatures, top-k / top-p, max_tokens, end tokens or stop strings decode together.
+
         `rng`: one typed key (slot `slots[i]`'s turn samples with `fold_in(rng, i)`) or a key
-        per slot [len(slots)]; None: `sampling.seed`'s. A turn's k-th token is drawn with
-        `fold_in(turn key, k)`: the same tokens whichever slots decode alongside it.
+        per slot [len(slots)]; None: each slot's `sampling.seed`'s (folded with i too). A
+        turn's k-th token is drawn with `fold_in(turn key, k)`: the same tokens whichever
+        slots decode alongside it.
 
         `max_steps`: return after at most this many decode steps (about: stop-string
         chunks round it up); a turn not over by then has finish reason None and its tokens
-        so far, and continues (with its own key and `sampling`; the call's `rng` is not
-        used for it) when its slot is next decoded. Its record grows when it is over.
+        so far, and continues (with its own key and sampling settings; the call's `rng` is
+        not used for it) when its slot is next decoded. Its record grows when it is over.
         """
         slots = self._check_open(slots)
         params = self._weights()
-        if sampling.n != 1:
-            raise ValueError(
-                f"decode() samples one continuation per slot (n={sampling.n}): start() the "
-                "prompt n times for n samples"
-            )
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError(
-                "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
-            )
+        per_slot = self._per_slot(sampling, len(slots))
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"decode(max_steps={max_steps}): must be >= 1 (or None)")
-        other = [s for s in slots if s in self._turns and self._turns[s].sampling != sampling]
+        other = [
+            s
+            for s, sp in zip(slots, per_slot, strict=True)
+            if s in self._turns and self._turns[s].sampling != sp
+        ]
         if other:
             raise ValueError(
                 f"slots {other}: their turns started with other sampling parameters; continue "
@@ -468,18 +484,20 @@ class RolloutEngine:
             )
         new = [i for i, s in enumerate(slots) if s not in self._turns]
         if new:  # continuing turns keep their keys: no key work (a host copy) per chunk
-            keys = _turn_keys(rng, sampling, len(slots), self._key_impl)
+            keys = _turn_keys(rng, [sp.seed for sp in per_slot], len(slots), self._key_impl)
             for i in new:
-                self._turns[slots[i]] = _TurnSoFar(sampling=sampling)
+                sp = per_slot[i]
+                self._turns[slots[i]] = _TurnSoFar(sampling=sp)
                 self._keys[slots[i]] = keys[i]
-        steps = sampling.max_tokens
-        if sampling.stop:  # chunks, with the text checked between them
+                self._rows.set_row(slots[i], RowSampling.of([sp], self.config.eos_token_id))
+        turns = {s: self._turns[s] for s in slots}
+        steps = bucket(max(t.sampling.max_tokens for t in turns.values()), 1)
+        if any(t.sampling.stop for t in turns.values()):  # chunks, the text checked between
             steps = min(steps, self.stop_check_tokens)
         if max_steps is not None:
             steps = min(steps, max_steps)
         block = self._geometry()[1]
-        program = _decode_program(self.config, sampling, self.layout, steps, block, self.backend)
-        turns = {s: self._turns[s] for s in slots}
+        program = _decode_program(self.config, self.layout, steps, block, self.backend)
         taken = 0
         with self._ending_on_error(slots):
             while not all(t.reason for t in turns.values()):
@@ -489,12 +507,14 @@ class RolloutEngine:
                 offsets = np.zeros(self.slots, np.int32)
                 for s, turn in turns.items():
                     if not turn.reason:
-                        left = sampling.max_tokens - len(turn.tokens)
+                        left = turn.sampling.max_tokens - len(turn.tokens)
                         budget[s] = max(min(steps, left, self.room(s)), 0)
                         offsets[s] = len(turn.tokens)
                 pending = conversation.Pending(**self._pending)
                 keys = jax.random.wrap_key_data(self._keys, impl=self._key_impl)
-                self._cache, out = program(params, self._cache, pending, budget, keys, offsets)
+                self._cache, out = program(
+                    params, self._cache, pending, budget, keys, offsets, self._rows
+                )
                 taken += steps
                 out = jax.tree.map(np.asarray, out)
                 for s, turn in turns.items():
@@ -504,10 +524,11 @@ class RolloutEngine:
                     turn.tokens += out.tokens[s, :n].tolist()
                     turn.log_probs += out.log_probs[s, :n].tolist()
                     self._move_pending(s, n, turn.tokens[-1] if n else None)
-                    turn.reason = self._finished(s, turn, bool(out.ended[s]), sampling)
+                    turn.reason = self._finished(s, turn, bool(out.ended[s]))
         for s, turn in turns.items():
             if turn.reason:
                 del self._turns[s]
+                self._rows.set_row(s, self._idle_row)  # no filter left to sort for
                 record = self._records[s]
                 record.response += turn.tokens
                 record.log_probs += turn.log_probs
@@ -518,6 +539,27 @@ class RolloutEngine:
             finish_reasons=[turns[s].reason for s in slots],
         )
 
+    def _per_slot(
+        self, sampling: SamplingParams | Sequence[SamplingParams], count: int
+    ) -> list[SamplingParams]:
+        """`decode`'s sampling as one `SamplingParams` per slot, checked."""
+        per_slot = [sampling] * count if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(per_slot) != count:
+            raise ValueError(f"decode(): {count} slots but {len(per_slot)} SamplingParams")
+        for sp in per_slot:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"decode(sampling=...) takes SamplingParams, got {type(sp)}")
+            if sp.n != 1:
+                raise ValueError(
+                    f"decode() samples one continuation per slot (n={sp.n}): start() the "
+                    "prompt n times for n samples"
+                )
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(
+                    "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
+                )
+        return per_slot
+
     def _move_pending(self, slot: int, n: int, last: int | None) -> None:
         """The slot's pending token moves `n` tokens (back, for n < 0) to `last`."""
         if n:
@@ -525,11 +567,10 @@ class RolloutEngine:
             self._pending["index"][slot] += n
             self._pending["position"][slot] += n
 
-    def _finished(
-        self, slot: int, turn: _TurnSoFar, ended: bool, sampling: SamplingParams
-    ) -> str | None:
+    def _finished(self, slot: int, turn: _TurnSoFar, ended: bool) -> str | None:
         """The finish reason if the slot's turn is over, else None; a stop string cuts the
         turn (its tokens and log-probs) and moves the slot's pending token back with it."""
+        sampling = turn.sampling
         if sampling.stop:
             cut = _stop_string_end(self.tokenizer, turn.tokens, sampling.stop)
             if cut is not None:
@@ -607,7 +648,8 @@ class RolloutEngine:
         records."""
         slots = self._check_open(slots)
         for s in slots:
-            self._turns.pop(s, None)
+            if self._turns.pop(s, None) is not None:
+                self._rows.set_row(s, self._idle_row)
         return [self._records.pop(s) for s in slots]
 
 
@@ -621,13 +663,14 @@ class _TurnSoFar:
     reason: str | None = None
 
 
-def _turn_keys(
-    rng: jax.Array | None, sampling: SamplingParams, count: int, impl: Any
-) -> np.ndarray:
+def _turn_keys(rng: jax.Array | None, seeds: list[int | None], count: int, impl: Any) -> np.ndarray:
     """Each decoded slot's turn key, as key data [count, ...] (see `RolloutEngine.decode`'s
-    `rng`)."""
+    `rng`; `seeds`: each slot's `SamplingParams.seed`, used when `rng` is None)."""
+    if rng is None and len(set(seeds)) > 1:
+        keys = [jax.random.fold_in(jax.random.key(s or 0), i) for i, s in enumerate(seeds)]
+        return np.asarray(jax.random.key_data(jnp.stack(keys)))
     if rng is None:
-        rng = jax.random.key(sampling.seed or 0)  # as generate()
+        rng = jax.random.key(seeds[0] or 0)  # as generate()
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
         raise ValueError("decode(rng=...) takes typed keys (jax.random.key), not raw uint32 keys")
     if jax.random.key_impl(rng) != impl:
@@ -690,14 +733,9 @@ def _start_program(config: DecoderConfig, layout: Layout | None, copies: int = 1
 
 @functools.lru_cache(maxsize=32)
 def _decode_program(
-    config: DecoderConfig,
-    sp: SamplingParams,
-    layout: Layout | None,
-    steps: int,
-    block: int,
-    backend: DecodeBackend,
+    config: DecoderConfig, layout: Layout | None, steps: int, block: int, backend: DecodeBackend
 ):
-    fn = functools.partial(conversation.decode, config, sp, layout, steps, block, backend)
+    fn = functools.partial(conversation.decode, config, layout, steps, block, backend)
     return jax.jit(fn, donate_argnums=(1,))
 
 

@@ -9,6 +9,11 @@ The processed distribution of one step, from the logits z of the next token:
             probability in ascending order is <= 1 - top_p)
     p = softmax(z' over the kept tokens)
 
+`sample` takes one `SamplingParams` for every row, compiled into its program (the batch
+`generate` loop); `sample_rows` takes each row's settings as arrays (`RowSampling`), so one
+compiled program serves requests with different settings (the engine's slots); for the same
+settings the two draw the same tokens.
+
 `do_sample=True` draws from p by inverse CDF (one uniform per row against the cumulative
 probabilities: cheaper on a CPU than Gumbel noise per logit); `do_sample=False` takes the argmax.
 The returned log-prob of the chosen token is log p (the processed distribution, as verl's
@@ -18,11 +23,13 @@ The returned log-prob of the chosen token is log p (the processed distribution, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +121,54 @@ class SamplingParams:
 
 
 _NEG_INF = -jnp.inf
+END_ID_WIDTH = 8  # end tokens a row holds in `RowSampling.end_ids` (-1 pads)
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """Each row's sampling settings as arrays: data of the program, not part of it.
+
+    Attributes:
+        temperature: [S] divides the row's logits where > 0 (0: the logits as they are).
+        top_k: [S] keep the k most likely tokens; -1: off.
+        top_p: [S] nucleus mass; 1.0: off.
+        greedy: [S] take the argmax (`do_sample=False`) instead of drawing.
+        end_ids: [S, END_ID_WIDTH] the tokens that end the row's response
+            (`SamplingParams.end_ids`), -1 padding.
+    """
+
+    temperature: Float[Array, " s"]
+    top_k: Int[Array, " s"]
+    top_p: Float[Array, " s"]
+    greedy: Bool[Array, " s"]
+    end_ids: Int[Array, "s e"]
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], model_eos: tuple[int, ...]) -> RowSampling:
+        """Host arrays of `params` (row i's settings are `params[i]`); `model_eos`: the
+        model config's EOS ids (`SamplingParams.end_ids`)."""
+        ends = [sp.end_ids(model_eos) for sp in params]
+        if any(len(e) > END_ID_WIDTH for e in ends):
+            worst = max(ends, key=len)
+            raise ValueError(
+                f"{len(worst)} end tokens {worst}: a row holds at most {END_ID_WIDTH} "
+                "(eos_token_ids + stop_token_ids); end on stop strings instead"
+            )
+        end_ids = np.full((len(params), END_ID_WIDTH), -1, np.int32)
+        for row, e in enumerate(ends):
+            end_ids[row, : len(e)] = e
+        return cls(
+            temperature=np.asarray([sp.temperature for sp in params], np.float32),
+            top_k=np.asarray([sp.top_k for sp in params], np.int32),
+            top_p=np.asarray([sp.top_p for sp in params], np.float32),
+            greedy=np.asarray([not sp.do_sample for sp in params], bool),
+            end_ids=end_ids,
+        )
+
+    def set_row(self, row: int, other: RowSampling) -> None:
+        """Write `other`'s only row into row `row` (host arrays, in place)."""
+        for name in ("temperature", "top_k", "top_p", "greedy", "end_ids"):
+            getattr(self, name)[row] = getattr(other, name)[0]
 
 
 def processed_logits(logits: Float[Array, "b v"], params: SamplingParams) -> Float[Array, "b v"]:
@@ -190,6 +245,58 @@ def sample(
     tokens = inverse_cdf(weights, key) if params.do_sample else first_argmax(z)
     chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen - log_norm
+
+
+def processed_rows(logits: Float[Array, "s v"], rs: RowSampling) -> Float[Array, "s v"]:
+    """`processed_logits` with each row's own settings (the same values for the same
+    settings). The sort that top-k and top-p need runs only when some row filters."""
+    z = logits.astype(jnp.float32)
+    z = z / jnp.where(rs.temperature > 0, rs.temperature, 1.0)[:, None]
+
+    def filtered(z: Float[Array, "s v"]) -> Float[Array, "s v"]:
+        v = z.shape[-1]
+        ascending = jnp.sort(z, axis=-1)
+        k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, v)
+        kth = jnp.take_along_axis(ascending, (v - k)[:, None], axis=-1)
+        z = jnp.where(z < kth, _NEG_INF, z)
+        ascending = jnp.where(ascending < kth, _NEG_INF, ascending)  # sort(z), still sorted
+        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+        removed = cumulative <= 1.0 - rs.top_p[:, None]
+        removed = removed.at[:, -1].set(False)  # the most likely token always stays
+        threshold = jnp.min(jnp.where(removed, jnp.inf, ascending), axis=-1, keepdims=True)
+        nucleus = jnp.where(z < threshold, _NEG_INF, z)
+        return jnp.where((rs.top_p < 1.0)[:, None], nucleus, z)
+
+    any_filter = jnp.any((rs.top_k > 0) | (rs.top_p < 1.0))
+    return jax.lax.cond(any_filter, filtered, lambda z: z, z)
+
+
+def sample_rows(
+    logits: Float[Array, "s v"], rs: RowSampling, keys: jax.Array
+) -> tuple[Int[Array, " s"], Float[Array, " s"]]:
+    """`sample` with each row's own settings `rs` and its own typed key (`keys` [S]): row i
+    draws what `sample(logits[i:i+1], params_i, keys[i:i+1])` draws."""
+    z = processed_rows(logits, rs)
+    top = jnp.max(z, axis=-1, keepdims=True)
+    weights = jnp.exp(z - top)
+    log_norm = jnp.log(jnp.sum(weights, axis=-1)) + top[:, 0]
+    # which rows draw decides the work: all (one inverse CDF), none (one argmax), or a mix
+    mode = jnp.where(jnp.all(rs.greedy), 1, jnp.where(jnp.any(rs.greedy), 2, 0))
+    tokens = jax.lax.switch(
+        mode,
+        [
+            lambda: inverse_cdf(weights, keys),
+            lambda: first_argmax(z),
+            lambda: jnp.where(rs.greedy, first_argmax(z), inverse_cdf(weights, keys)),
+        ],
+    )
+    chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - log_norm
+
+
+def is_end_row(tokens: Int[Array, " s"], end_ids: Int[Array, "s e"]) -> Bool[Array, " s"]:
+    """Whether each row's token is one of the row's end tokens (`RowSampling.end_ids`)."""
+    return jnp.any(tokens[:, None] == end_ids, axis=-1)
 
 
 def nested_keys(rng: jax.Array, outer: list[int], inner: list[int], size: int) -> jax.Array:

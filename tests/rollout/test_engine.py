@@ -18,6 +18,7 @@ from jaxrl.rollout import RolloutEngine, SamplingParams, generate
 from jaxrl.rollout.backends import XlaBackend, choose_backend
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.numerics import LOG_PROB_ATOL, assert_close_to_scale
+from jaxrl.trainer.compiles import compile_totals, compiles_since
 
 GREEDY = dict(do_sample=False, temperature=0.0, ignore_eos=True)
 # Tokens are compared exactly; log-probs from another program at LOG_PROB_ATOL (its reason:
@@ -162,6 +163,51 @@ def test_sampled_turns_do_not_depend_on_chunks_or_companions(tiny):
     with pytest.raises(ValueError, match="other sampling parameters"):
         chunked.decode(slots, greedy, max_steps=1)  # slot 0's turn is sampled
     assert chunked.decode(slots[1:], greedy, max_steps=1).finish_reasons == [None, None]
+
+
+def test_slots_with_different_settings_decode_together(tiny):
+    """A server's requests: slots with different temperatures, top-k / top-p, max_tokens, end
+    tokens and seeds decode in one call of one compiled program, and each slot's turn is the
+    one it decodes alone with its own settings; other settings of the same length bucket
+    compile nothing new."""
+    config, params = tiny
+    ids, mask = prompts(b=4)
+    ids[3], mask[3] = ids[0], mask[0]  # slot 3: slot 0's prompt, ended by a stop token
+    settings = [
+        SamplingParams(max_tokens=7, **GREEDY),
+        SamplingParams(max_tokens=9, temperature=0.7, top_k=5, ignore_eos=True, seed=3),
+        SamplingParams(max_tokens=4, temperature=1.2, top_p=0.8, ignore_eos=True, seed=4),
+    ]
+    apart = engine(config, params)
+    slots = apart.start(ids, mask)
+    key = [jax.random.fold_in(jax.random.key(sp.seed or 0), i) for i, sp in enumerate(settings)]
+    alone = [apart.decode([s], sp, k[None]) for s, sp, k in zip(slots, settings, key, strict=False)]
+    greedy = alone[0].tokens[0].tolist()
+    stop = greedy[max(i for i, t in enumerate(greedy) if greedy.index(t) == i)]  # a new token
+    settings.append(SamplingParams(max_tokens=7, stop_token_ids=(stop,), **GREEDY))
+    alone.append(apart.decode(slots[3:], settings[3]))
+    assert alone[3].tokens[0].tolist() == greedy[: greedy.index(stop) + 1]
+
+    together = engine(config, params)
+    slots = together.start(ids, mask)
+    start = compile_totals()
+    both = together.decode(slots, settings)  # rng None: each slot's own seed, folded with i
+    for i, turn in enumerate(alone):
+        np.testing.assert_array_equal(both.tokens[i], turn.tokens[0], err_msg=str(settings[i]))
+        np.testing.assert_allclose(both.log_probs[i], turn.log_probs[0], atol=LOG_PROB_ATOL)
+    assert [len(t) for t in both.tokens[:3]] == [7, 9, 4]
+    assert both.finish_reasons == ["length", "length", "length", "stop"]
+    assert compiles_since(start)["perf/compiles"] <= 1
+    start = compile_totals()
+    mixes = [(0.3, -1, 0.5, 1), (1.5, 2, 1.0, 2), (1.0, -1, 1.0, 3), (0.9, 9, 0.95, 4)]
+    other = [
+        SamplingParams(max_tokens=12, temperature=t, top_k=k, top_p=p, ignore_eos=True, seed=s)
+        for t, k, p, s in mixes
+    ]
+    again = together.decode(slots, other)
+    assert compiles_since(start)["perf/compiles"] == 0  # settings are data of one program
+    assert [len(t) for t in again.tokens] == [12] * 4
+    assert set(again.tokens[1].tolist()) != set(again.tokens[2].tolist())
 
 
 class CharTokenizer:

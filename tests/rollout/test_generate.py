@@ -16,6 +16,7 @@ from jaxrl.kernels import attention, decode_attention
 from jaxrl.models.params import param_shardings
 from jaxrl.rollout import SamplingParams, compile_generate, generate, idle_fraction, sample
 from jaxrl.rollout.generation import _compiled
+from jaxrl.rollout.sampling import END_ID_WIDTH, RowSampling, is_end_row, sample_rows
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 from jaxrl.testing.numerics import LOG_PROB_ATOL
 from jaxrl.testing.tiny import tiny_decoder
@@ -264,6 +265,63 @@ def test_two_level_sampler_across_blocks():
     counts = np.array([(tokens == t).sum() for t in (3, 300, 599)])
     chi2 = ((counts - draws * probs) ** 2 / (draws * probs)).sum()
     assert chi2 < stats.chi2.ppf(0.999, 2), counts
+
+
+ROW_SETTINGS = [
+    SamplingParams(**GREEDY),
+    SamplingParams(temperature=0.8, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.7),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+    SamplingParams(temperature=1.3),
+    SamplingParams(temperature=1.0, top_k=700),  # k beyond the vocabulary: off
+    SamplingParams(do_sample=False, temperature=0.7, top_p=0.5),  # greedy, tempered log-prob
+]
+
+
+def test_row_sampling_draws_what_sample_draws():
+    """Rows with different settings in one program (`sample_rows`, the settings as data) draw,
+    key for key, the token `sample` draws for each row with its settings compiled in, with
+    its log-prob; and a batch of rows none of which filters skips the sort."""
+    rng = np.random.RandomState(7)
+    logits = jnp.asarray(rng.randn(len(ROW_SETTINGS), 600) * 2, jnp.float32)
+    rows = RowSampling.of(ROW_SETTINGS, ())
+    draws = 300
+    keys = jax.random.split(jax.random.key(2), (draws, len(ROW_SETTINGS)))
+    tokens, log_probs = jax.jit(jax.vmap(lambda k: sample_rows(logits, rows, k)))(keys)
+    for i, sp in enumerate(ROW_SETTINGS):
+        one = jax.jit(jax.vmap(lambda k, i=i, sp=sp: sample(logits[i : i + 1], sp, k[None])))
+        want_tokens, want_log_probs = one(keys[:, i])
+        np.testing.assert_array_equal(tokens[:, i], want_tokens[:, 0], err_msg=str(sp))
+        # the same float32 operations on one row or on seven
+        np.testing.assert_allclose(log_probs[:, i], want_log_probs[:, 0], rtol=1e-6, atol=1e-6)
+    assert len(np.unique(tokens[:, 4])) > 10  # the sampled rows do draw
+    plain = RowSampling.of([SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0)], ())
+    jaxpr = jax.make_jaxpr(lambda z: sample_rows(z, plain, keys[0, :3]))(logits[:3])
+    assert "sort" in str(jaxpr)  # in the filtering branch of the cond, not run: below
+    tokens, _ = sample_rows(logits[:3], plain, keys[0, :3])
+    for i, t in enumerate((0.5, 1.0, 2.0)):
+        want = sample(logits[i : i + 1], SamplingParams(temperature=t), keys[0, i : i + 1])[0]
+        assert int(tokens[i]) == int(want[0])
+
+
+def test_row_sampling_end_tokens_are_each_rows_own():
+    rows = RowSampling.of(
+        [
+            SamplingParams(),  # the model's EOS
+            SamplingParams(stop_token_ids=(5,)),  # EOS and 5
+            SamplingParams(ignore_eos=True),  # nothing ends it
+            SamplingParams(eos_token_ids=(7,), stop_token_ids=(9,)),
+        ],
+        model_eos=(2,),
+    )
+    assert rows.end_ids[1, :2].tolist() == [2, 5] and (rows.end_ids[2] == -1).all()
+    tokens = jnp.asarray([[2, 5, 2, 7], [5, 2, 7, 9], [9, 9, 2, 2]])
+    ended = np.asarray(jax.vmap(lambda t: is_end_row(t, rows.end_ids))(tokens))
+    np.testing.assert_array_equal(
+        ended, [[True, True, False, True], [False, True, False, True], [False, False, False, False]]
+    )
+    with pytest.raises(ValueError, match=f"at most {END_ID_WIDTH}"):
+        RowSampling.of([SamplingParams(stop_token_ids=tuple(range(3, 12)))], (2,))
 
 
 def test_sampling_params_from_config():

@@ -1,0 +1,330 @@
+"""`Scheduler`: requests over the engine's conversation slots.
+
+    scheduler = Scheduler(engine, chunk=16)
+    [h] = scheduler.submit(prompt_ids, sampling, key)          # one request, queued
+    group = scheduler.submit(prompt_ids, sampling, key, copies=4)   # 4 samples of one prompt
+    finished = scheduler.step()        # admit what fits, decode every running turn a chunk
+    h.tokens, h.log_probs              # the turn so far (streamed, chunk by chunk)
+    h.finish_reason                    # "stop" | "length" | "abort"; None while it runs
+    scheduler.run(group)               # step until these are over
+    scheduler.abort(h)                 # queued or running: it ends now
+
+    [h] = scheduler.submit(prompt_ids, sampling, key, keep_open=True)   # a conversation
+    scheduler.run([h])
+    h2 = scheduler.resume(h, tool_output_ids, sampling, key2)   # its next turn, after them
+    record = scheduler.close(h2)       # prompt, response, log-probs, sampled mask; slot free
+
+A request is one turn: the first of a new conversation (`submit`) or the next of an open one
+(`resume`: the given tokens, a tool's output or the next user message, are appended first).
+Requests carry their own sampling settings: the engine decodes slots with different
+temperatures, top-k / top-p, max_tokens, end tokens and stop strings in one compiled program
+(`RolloutEngine.decode`), so requests of any settings share the engine.
+
+`step`:
+    admit    queued new requests in order, as long as the free slots hold the next one's
+             copies (one `engine.start` per distinct copy count; prompts of different lengths
+             left-padded to one width, each prompt prefilled once for its copies)
+    append   the queued resumes' tokens, in one `engine.append`; a resume with no room left
+             ends with "length", nothing sampled
+    decode   every running turn, `chunk` tokens at most (None: until every turn is over)
+    finish   a turn over: its handle is done; its conversation's slot is freed unless
+             `keep_open` (then `resume` or `close` it)
+
+A turn samples its k-th token with `fold_in(key, k)` (a group's copy j with `fold_in(key, j)`
+as its key): the same tokens whichever requests decode alongside it, in whatever chunks. A
+handle's `version` is the engine's `version` (`load_weights(..., version=)`) when the turn
+sampled its first token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxrl.rollout.engine import Conversation, RolloutEngine
+from jaxrl.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+    """One request: a turn of a conversation, as far as it has got.
+
+    Attributes:
+        id: The request's number in its scheduler (submission order).
+        sampling: Its settings (`n` must be 1: `copies` makes groups).
+        tokens: The turn's sampled tokens so far.
+        log_probs: Their log-probs (the processed distribution).
+        finish_reason: "stop", "length" or "abort" once over; None before.
+        version: The engine's weights version the turn was sampled with (None: unversioned
+            weights, or nothing sampled yet).
+        slot: The engine slot of its conversation (None while queued, and once freed).
+        record: The conversation's record, once its slot is freed (the turn's end without
+            `keep_open`, `abort` or `close`).
+    """
+
+    id: int
+    sampling: SamplingParams
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    version: int | None = None
+    slot: int | None = None
+    record: Conversation | None = None
+    keep_open: bool = False
+    _key: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _NewGroup:
+    """A queued `submit`: one prompt for `len(handles)` copies."""
+
+    prompt: np.ndarray
+    handles: list[Handle]
+
+
+@dataclasses.dataclass
+class _Resume:
+    """A queued `resume`: tokens to append before the handle's turn."""
+
+    handle: Handle
+    tokens: np.ndarray
+
+
+class Scheduler:
+    """Requests over one `RolloutEngine`'s slots (module doc).
+
+    Args:
+        engine: The engine (its weights loaded before the first `step`).
+        chunk: Decode steps per `step` (None: each `step` decodes until every running turn is
+            over).
+    """
+
+    def __init__(self, engine: RolloutEngine, chunk: int | None = 16):
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"Scheduler(chunk={chunk}): must be >= 1 (or None)")
+        self.engine, self.chunk = engine, chunk
+        self._queue: collections.deque[_NewGroup] = collections.deque()
+        self._resumes: list[_Resume] = []
+        self._running: dict[int, Handle] = {}  # slot -> the handle decoding in it
+        self._open: dict[int, Handle] = {}  # slot -> the kept-open conversation's last handle
+        self._count = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        key: jax.Array,
+        *,
+        copies: int = 1,
+        keep_open: bool = False,
+    ) -> list[Handle]:
+        """Queue a new conversation's first turn, `copies` times (copy j samples with
+        `fold_in(key, j)`); returns its handles. `keep_open`: the conversation stays in its
+        slot after the turn (for `resume` or `close`)."""
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or not ids.size or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"submit() takes one prompt as a flat, non-empty list of token ids; got "
+                f"{ids.dtype} {ids.shape}"
+            )
+        if copies < 1:
+            raise ValueError(f"submit(copies={copies}): must be >= 1")
+        if copies > self.engine.slots:
+            raise ValueError(
+                f"submit(copies={copies}): more than the engine's {self.engine.slots} slots "
+                "(max_num_seqs) can ever hold at once"
+            )
+        _check_sampling(sampling)
+        keys = _key_data(key, copies)
+        handles = [self._handle(sampling, k, keep_open) for k in keys]
+        self._queue.append(_NewGroup(ids.astype(np.int32), handles))
+        return handles
+
+    def resume(
+        self,
+        handle: Handle,
+        tokens: Sequence[int],
+        sampling: SamplingParams,
+        key: jax.Array,
+        *,
+        keep_open: bool = True,
+    ) -> Handle:
+        """Queue the next turn of `handle`'s open conversation, after `tokens` (a tool's
+        output, the next user message; may be empty) are appended; returns its handle."""
+        if not handle.done or handle.slot is None or self._open.get(handle.slot) is not handle:
+            raise ValueError(
+                f"resume(): request {handle.id} is not the finished last turn of an open "
+                "conversation (submit it with keep_open=True and run it to its end first)"
+            )
+        _check_sampling(sampling)
+        ids = np.asarray(tokens, np.int64).reshape(-1)
+        new = self._handle(sampling, _key_data(key, 1)[0], keep_open)
+        new.slot = handle.slot
+        del self._open[handle.slot]
+        self._resumes.append(_Resume(new, ids))
+        return new
+
+    def close(self, handle: Handle) -> Conversation:
+        """End the open conversation whose last turn is `handle` (its slot is free again);
+        returns its record."""
+        if handle.slot is None or self._open.get(handle.slot) is not handle:
+            raise ValueError(f"close(): request {handle.id} holds no open conversation")
+        del self._open[handle.slot]
+        return self._free(handle)
+
+    def abort(self, handle: Handle) -> None:
+        """End a queued or running request now (finish reason "abort"), and its
+        conversation; an open conversation is closed. A finished one is left as it is."""
+        if handle.slot is not None and self._open.get(handle.slot) is handle:
+            self.close(handle)
+            return
+        if handle.done:
+            return
+        handle.finish_reason = "abort"
+        for group in self._queue:
+            if handle in group.handles:
+                group.handles.remove(handle)
+        self._queue = collections.deque(g for g in self._queue if g.handles)
+        self._resumes = [r for r in self._resumes if r.handle is not handle]
+        if handle.slot is not None:
+            self._running.pop(handle.slot, None)
+            self._free(handle)
+
+    # ---- progress ------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is queued or running."""
+        return bool(self._queue or self._resumes or self._running)
+
+    def step(self) -> list[Handle]:
+        """Admit, append, decode one chunk, finish (module doc); returns the handles whose
+        turns ended in this step."""
+        self._admit()
+        ended = self._append()
+        if self._running:
+            ended += self._decode()
+        return ended
+
+    def run(self, handles: Sequence[Handle] | None = None) -> list[Handle]:
+        """`step` until `handles` (None: every request) are over; returns them."""
+        wanted = list(handles) if handles is not None else None
+        while (not all(h.done for h in wanted)) if wanted is not None else self.busy:
+            if not self.busy:
+                raise RuntimeError(
+                    "run(): the requests waited for are neither queued nor running (handles "
+                    "of another scheduler?)"
+                )
+            self.step()
+        return wanted if wanted is not None else []
+
+    # ---- the four phases -----------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Start queued groups in order while the free slots hold the next."""
+        taken, free = [], self.engine.free_slots
+        while self._queue and len(self._queue[0].handles) <= free:
+            group = self._queue.popleft()
+            free -= len(group.handles)
+            taken.append(group)
+        by_copies: dict[int, list[_NewGroup]] = collections.defaultdict(list)
+        for group in taken:
+            by_copies[len(group.handles)].append(group)
+        for copies, groups in by_copies.items():
+            width = max(len(g.prompt) for g in groups)
+            ids = np.stack([np.pad(g.prompt, (width - len(g.prompt), 0)) for g in groups])
+            mask = np.stack(
+                [np.pad(np.ones_like(g.prompt), (width - len(g.prompt), 0)) for g in groups]
+            )
+            slots = self.engine.start(ids, mask, copies=copies)
+            handles = [h for g in groups for h in g.handles]
+            for slot, handle in zip(slots, handles, strict=True):
+                handle.slot = int(slot)
+                self._running[int(slot)] = handle
+
+    def _append(self) -> list[Handle]:
+        """Append the queued resumes' tokens (one `engine.append`); a resume without room
+        ends with "length"."""
+        resumes, self._resumes = self._resumes, []
+        ended, fed = [], []
+        for r in resumes:
+            if len(r.tokens) >= self.engine.room(r.handle.slot):  # no token left to sample
+                r.handle.finish_reason = "length"
+                self._finish(r.handle)
+                ended.append(r.handle)
+            else:
+                fed.append(r)
+        if nonempty := [r for r in fed if len(r.tokens)]:
+            self.engine.append([r.handle.slot for r in nonempty], [r.tokens for r in nonempty])
+        for r in fed:
+            self._running[r.handle.slot] = r.handle
+        return ended
+
+    def _decode(self) -> list[Handle]:
+        """One chunk of every running turn."""
+        handles = list(self._running.values())
+        slots = [h.slot for h in handles]
+        keys = jax.random.wrap_key_data(np.stack([h._key for h in handles]))
+        for h in handles:
+            if h.version is None and not h.tokens:
+                h.version = self.engine.version
+        turn = self.engine.decode(slots, [h.sampling for h in handles], keys, max_steps=self.chunk)
+        ended = []
+        for h, tokens, log_probs, reason in zip(
+            handles, turn.tokens, turn.log_probs, turn.finish_reasons, strict=True
+        ):
+            h.tokens, h.log_probs = tokens.tolist(), log_probs.tolist()
+            if reason is not None:
+                h.finish_reason = reason
+                del self._running[h.slot]
+                self._finish(h)
+                ended.append(h)
+        return ended
+
+    def _finish(self, handle: Handle) -> None:
+        """A turn is over: keep its conversation open, or free its slot."""
+        if handle.keep_open:
+            self._open[handle.slot] = handle
+        else:
+            self._free(handle)
+
+    def _free(self, handle: Handle) -> Conversation:
+        [handle.record] = self.engine.end([handle.slot])
+        handle.slot = None
+        return handle.record
+
+    def _handle(self, sampling: SamplingParams, key: np.ndarray, keep_open: bool) -> Handle:
+        self._count += 1
+        return Handle(id=self._count - 1, sampling=sampling, keep_open=keep_open, _key=key)
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"a request's sampling is a SamplingParams, not {type(sampling)}")
+    if sampling.n != 1:
+        raise ValueError(
+            f"a request samples one continuation (n={sampling.n}): submit(copies=n) for n "
+            "samples of one prompt"
+        )
+
+
+def _key_data(key: jax.Array, copies: int) -> np.ndarray:
+    """Key data [copies, ...]: `key` itself for one copy, `fold_in(key, j)` for copy j of
+    several."""
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.ndim != 0:
+        raise ValueError("a request's key is one typed key (jax.random.key), not raw uint32 data")
+    if copies > 1:
+        key = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(copies, dtype=np.uint32))
+    else:
+        key = key[None]
+    return np.asarray(jax.random.key_data(key))

@@ -1,0 +1,139 @@
+"""The request scheduler over the engine's slots: requests with their own sampling settings
+share one engine (more of them than slots) and each gets the turn it gets decoded alone;
+tokens stream chunk by chunk; groups of copies, kept-open conversations with appended tokens,
+abort, weights versions, and bad calls."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.rollout import RolloutEngine, SamplingParams
+from jaxrl.rollout.scheduler import Scheduler
+from jaxrl.testing.numerics import LOG_PROB_ATOL
+
+GREEDY = dict(do_sample=False, temperature=0.0, ignore_eos=True)
+# Tokens are compared exactly; log-probs from another program (another prompt padding, other
+# companions) at LOG_PROB_ATOL (its reason: jaxrl.testing.numerics).
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return tiny_model("llama_gqa_bias_llama3")[1:]
+
+
+def engine(config, params, version=None, **kw):
+    eng = RolloutEngine(config, None, **(dict(max_num_seqs=4, max_model_len=64) | kw))
+    eng.load_weights(params, version=version)
+    return eng
+
+
+def alone(config, params, prompt, sampling, key, appended=None, second=None):
+    """The turn (tokens, log-probs) a fresh engine decodes for one prompt; with `appended`
+    and `second` (sampling, key), the turn after those tokens are appended."""
+    eng = engine(config, params)
+    slot = eng.start(np.asarray([prompt]), np.ones((1, len(prompt)), np.int32))
+    turn = eng.decode(slot, sampling, key[None])
+    if appended is not None:
+        eng.append(slot, [appended])
+        turn = eng.decode(slot, second[0], second[1][None])
+    return turn.tokens[0], turn.log_probs[0]
+
+
+def assert_turn(handle, want):
+    np.testing.assert_array_equal(handle.tokens, want[0], err_msg=str(handle.sampling))
+    np.testing.assert_allclose(handle.log_probs, want[1], atol=LOG_PROB_ATOL)
+
+
+def test_requests_with_their_own_settings_share_the_engine(tiny):
+    """Six requests of different prompts and settings on four slots: the last two wait for
+    free slots; each turn streams in chunks and equals the one decoded alone; each records
+    the weights version and frees its slot."""
+    config, params = tiny
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(2, 97, n).tolist() for n in (7, 4, 9, 5, 7, 3)]
+    settings = [
+        SamplingParams(max_tokens=6, **GREEDY),
+        SamplingParams(max_tokens=9, temperature=0.7, top_k=5, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=1.2, top_p=0.8, ignore_eos=True),
+        SamplingParams(max_tokens=13, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=3, **GREEDY),
+        SamplingParams(max_tokens=8, temperature=0.9, top_k=3, top_p=0.9, ignore_eos=True),
+    ]
+    keys = [jax.random.key(10 + i) for i in range(6)]
+    eng = engine(config, params, version=7)
+    scheduler = Scheduler(eng, chunk=4)
+    requests = zip(prompts, settings, keys, strict=True)
+    handles = [scheduler.submit(p, sp, k)[0] for p, sp, k in requests]
+    seen = []  # request 3's tokens after each step: it streams, 4 at a time
+    while scheduler.busy:
+        scheduler.step()
+        assert eng.free_slots + len(scheduler._running) == 4
+        seen.append(len(handles[3].tokens))
+    assert seen[:4] == [4, 8, 12, 13] and handles[3].finish_reason == "length"
+    for h, p, sp, k in zip(handles, prompts, settings, keys, strict=True):
+        assert_turn(h, alone(config, params, p, sp, k))
+        assert len(h.tokens) == sp.max_tokens and h.done and h.version == 7
+        assert h.slot is None and h.record.prompt == p and h.record.response == h.tokens
+    assert eng.free_slots == 4
+
+
+def test_groups_conversations_and_abort(tiny):
+    config, params = tiny
+    prompt = [5, 9, 13, 2, 40, 41, 7]
+    sp = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    key = jax.random.key(3)
+    eng = engine(config, params)
+    scheduler = Scheduler(eng, chunk=None)
+
+    # A group: copy j samples with fold_in(key, j), its prompt prefilled once.
+    group = scheduler.run(scheduler.submit(prompt, sp, key, copies=3))
+    for j, h in enumerate(group):
+        assert_turn(h, alone(config, params, prompt, sp, jax.random.fold_in(key, j)))
+    assert len({tuple(h.tokens) for h in group}) > 1
+
+    # A conversation kept open: a turn, a tool's output appended, the next turn.
+    greedy = SamplingParams(max_tokens=5, **GREEDY)
+    [first] = scheduler.run(scheduler.submit(prompt, greedy, key, keep_open=True))
+    assert first.slot is not None and eng.free_slots == 3
+    second = scheduler.resume(first, [20, 21, 22], sp, jax.random.key(4))
+    scheduler.run([second])
+    want = alone(config, params, prompt, greedy, key, [20, 21, 22], (sp, jax.random.key(4)))
+    assert_turn(second, want)
+    record = scheduler.close(second)
+    assert record.response == [*first.tokens, 20, 21, 22, *second.tokens]
+    assert record.sampled == [1] * 5 + [0] * 3 + [1] * 6 and eng.free_slots == 4
+    with pytest.raises(ValueError, match="keep_open"):
+        scheduler.resume(second, [1], sp, key)
+
+    # Abort: a running turn (its slot freed at once) and a queued one (never admitted).
+    scheduler = Scheduler(eng, chunk=2)
+    long = SamplingParams(max_tokens=40, **GREEDY)
+    running = [scheduler.submit(prompt, long, key)[0] for _ in range(4)]
+    [queued] = scheduler.submit(prompt, long, key)
+    scheduler.step()
+    assert len(running[0].tokens) == 2 and queued.slot is None
+    scheduler.abort(running[0])
+    scheduler.abort(queued)
+    assert running[0].finish_reason == queued.finish_reason == "abort"
+    assert eng.free_slots == 1 and running[0].slot is None
+    scheduler.step()
+    assert queued.slot is None and len(running[1].tokens) == 4
+    for h in running[1:]:
+        scheduler.abort(h)
+    assert not scheduler.busy and eng.free_slots == 4
+
+
+def test_bad_requests_are_named(tiny):
+    config, params = tiny
+    scheduler = Scheduler(engine(config, params))
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="copies=n"):
+        scheduler.submit([3, 4], SamplingParams(n=2), key)
+    with pytest.raises(ValueError, match="4 slots"):
+        scheduler.submit([3, 4], SamplingParams(), key, copies=5)
+    with pytest.raises(ValueError, match="flat, non-empty"):
+        scheduler.submit([], SamplingParams(), key)
+    with pytest.raises(ValueError, match="typed key"):
+        scheduler.submit([3, 4], SamplingParams(), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="chunk"):
+        Scheduler(scheduler.engine, chunk=0)
