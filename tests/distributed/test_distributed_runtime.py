@@ -17,8 +17,15 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _wait(proc, timeout: float) -> tuple[int, float]:
+    """The worker's exit code and seconds waited; a worker still running after `timeout`
+    fails the test with its log (what it was waiting for), not a bare TimeoutExpired."""
     start = time.monotonic()
-    rc = proc.wait(timeout=timeout)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"a worker still ran after {timeout} s; its log:\n{output(proc)}")
     return rc, time.monotonic() - start
 
 
