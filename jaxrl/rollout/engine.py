@@ -164,6 +164,7 @@ class RolloutEngine:
         self._key_impl = jax.random.key_impl(jax.random.key(0))
         self._keys: np.ndarray | None = None  # each slot's turn key (key data [S, ...])
         self._rows: RowSampling | None = None  # each slot's turn's sampling settings [S]
+        self._idle_row: RowSampling | None = None  # what a slot holds between turns
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -363,7 +364,8 @@ class RolloutEngine:
                 self._turns.clear()
             raise
 
-    def _check_ids(self, ids: np.ndarray, what: str) -> None:
+    def check_ids(self, ids: np.ndarray, what: str) -> None:
+        """Refuse token ids outside the vocabulary, naming `what` was given them."""
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bad.any():
             raise ValueError(
@@ -385,7 +387,7 @@ class RolloutEngine:
                 f"got {ids.dtype} {ids.shape} and {mask.shape}"
             )
         ids, mask = ids.astype(np.int32), (mask > 0).astype(np.int32)
-        self._check_ids(ids[mask > 0], "start()")
+        self.check_ids(ids[mask > 0], "start()")
         counts = mask.sum(axis=-1)
         if (counts == 0).any() or (mask[:, -1] == 0).any():
             row = int(np.flatnonzero((counts == 0) | (mask[:, -1] == 0))[0])
@@ -547,18 +549,23 @@ class RolloutEngine:
         if len(per_slot) != count:
             raise ValueError(f"decode(): {count} slots but {len(per_slot)} SamplingParams")
         for sp in per_slot:
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"decode(sampling=...) takes SamplingParams, got {type(sp)}")
-            if sp.n != 1:
-                raise ValueError(
-                    f"decode() samples one continuation per slot (n={sp.n}): start() the "
-                    "prompt n times for n samples"
-                )
-            if sp.stop and self.tokenizer is None:
-                raise ValueError(
-                    "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
-                )
+            self.check_sampling(sp)
         return per_slot
+
+    def check_sampling(self, sp: SamplingParams) -> None:
+        """Refuse settings a slot cannot decode: `n` > 1 (one continuation per slot), or
+        stop strings without the engine's tokenizer."""
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling settings are a SamplingParams, not {type(sp)}")
+        if sp.n != 1:
+            raise ValueError(
+                f"a slot samples one continuation (n={sp.n}): for n samples of a prompt, "
+                "start() it n times (or Scheduler.submit(copies=n))"
+            )
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(
+                "sampling.stop needs the engine's tokenizer (RolloutEngine(tokenizer=...))"
+            )
 
     def _move_pending(self, slot: int, n: int, last: int | None) -> None:
         """The slot's pending token moves `n` tokens (back, for n < 0) to `last`."""
@@ -605,7 +612,7 @@ class RolloutEngine:
                     f"append(): slot {s} was given {seq.dtype} {seq.shape}; give a flat list "
                     "of token ids per slot"
                 )
-            self._check_ids(seq, f"append() to slot {s}")
+            self.check_ids(seq, f"append() to slot {s}")
             if len(seq) > self.room(s):
                 raise ValueError(
                     f"append(): slot {s} has room for {self.room(s)} more tokens, "

@@ -144,7 +144,8 @@ class Scheduler:
                 f"submit(copies={copies}): more than the engine's {self.engine.slots} slots "
                 "(max_num_seqs) can ever hold at once"
             )
-        _check_sampling(sampling)
+        self.engine.check_sampling(sampling)
+        self.engine.check_ids(ids, "submit()")
         keys = _key_data(key, copies)
         handles = [self._handle(sampling, k, keep_open) for k in keys]
         self._queue.append(_NewGroup(ids.astype(np.int32), handles))
@@ -166,8 +167,10 @@ class Scheduler:
                 f"resume(): request {handle.id} is not the finished last turn of an open "
                 "conversation (submit it with keep_open=True and run it to its end first)"
             )
-        _check_sampling(sampling)
+        self.engine.check_sampling(sampling)
         ids = np.asarray(tokens, np.int64).reshape(-1)
+        # here, not in step's batched append, whose error ends every conversation in it
+        self.engine.check_ids(ids, f"resume() of request {handle.id}")
         new = self._handle(sampling, _key_data(key, 1)[0], keep_open)
         new.slot = handle.slot
         del self._open[handle.slot]
@@ -276,7 +279,7 @@ class Scheduler:
         slots = [h.slot for h in handles]
         keys = jax.random.wrap_key_data(np.stack([h._key for h in handles]))
         for h in handles:
-            if h.version is None and not h.tokens:
+            if not h.tokens:  # the weights its first token is sampled with
                 h.version = self.engine.version
         turn = self.engine.decode(slots, [h.sampling for h in handles], keys, max_steps=self.chunk)
         ended = []
@@ -306,16 +309,6 @@ class Scheduler:
     def _handle(self, sampling: SamplingParams, key: np.ndarray, keep_open: bool) -> Handle:
         self._count += 1
         return Handle(id=self._count - 1, sampling=sampling, keep_open=keep_open, _key=key)
-
-
-def _check_sampling(sampling: SamplingParams) -> None:
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"a request's sampling is a SamplingParams, not {type(sampling)}")
-    if sampling.n != 1:
-        raise ValueError(
-            f"a request samples one continuation (n={sampling.n}): submit(copies=n) for n "
-            "samples of one prompt"
-        )
 
 
 def _key_data(key: jax.Array, copies: int) -> np.ndarray:

@@ -135,5 +135,12 @@ def test_bad_requests_are_named(tiny):
         scheduler.submit([], SamplingParams(), key)
     with pytest.raises(ValueError, match="typed key"):
         scheduler.submit([3, 4], SamplingParams(), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.submit([3, 10**6], SamplingParams(), key)
+    [open_] = scheduler.run(
+        scheduler.submit([3, 4], SamplingParams(max_tokens=2), key, keep_open=True)
+    )
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.resume(open_, [-1], SamplingParams(), key)
     with pytest.raises(ValueError, match="chunk"):
         Scheduler(scheduler.engine, chunk=0)
