@@ -3,12 +3,16 @@
     loop = AgentLoop(engine, chat, runner, limits, response_length=256)
     trajectories = loop.run(requests, sampling, rng)    # one per request, in order
 
-Each request (a prompt's messages, its agent, its row's `tools_kwargs`) becomes a trajectory:
+Each request (a prompt's messages, its agent, its row's `tools_kwargs`) becomes a trajectory,
+a conversation kept open in a `Scheduler` (`jaxrl.rollout.scheduler`) over the engine:
 
-    start      its prompt (the chat template with the tools' schemas) into a free slot
+    start      its prompt (the chat template with the tools' schemas): `submit`
     decode     its turn, `decode_chunk` tokens at a time alongside every other decoding slot
-    turn over  end, or parse its tool calls (hermes) and submit them to the `ToolRunner`
-    tools done append the tool turn (the template's tokens, not sampled) and decode again
+               (`Scheduler.step`); a turn may take the response's tokens left
+    turn over  end (`close`), or parse its tool calls (hermes) and submit them to the
+               `ToolRunner`
+    tools done the tool turn (the template's tokens, not sampled) appended before the next
+               turn: `resume`
 
 The host loop never waits on a tool while any slot can decode: it decodes a chunk, collects
 the calls that finished meanwhile, appends their answers, admits new requests into freed
@@ -36,15 +40,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxrl.agent.chat import ChatTokens
 from jaxrl.agent.parser import parse_hermes
 from jaxrl.agent.runner import ToolResult, ToolRunner
 from jaxrl.config.checks import AGENT_LOOPS as AGENTS
-from jaxrl.data.templates import left_pad
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.sampling import SamplingParams, nested_keys
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.scheduler import Handle, Scheduler
 
 STALL_GRACE_S = 60.0  # past the tool timeout: the runner's event loop is stuck
 
@@ -156,12 +159,14 @@ class LoopStats:
 
 @dataclasses.dataclass
 class _Running:
-    """A trajectory in a slot: its request index, record, and outstanding tool calls."""
+    """A trajectory in a slot: its request index, record, the scheduler's handle of its
+    current (or last) turn, and its outstanding tool calls."""
 
     index: int
     request: AgentRequest
     record: Trajectory
     tools: list[dict[str, Any]] | None
+    handle: Handle
     calls: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)
 
 
@@ -205,30 +210,32 @@ class AgentLoop:
                     f"{', '.join(AGENTS)} (the row's agent_name column, or "
                     "actor_rollout_ref.rollout.agent.default_agent_loop)"
                 )
-        sampling = dataclasses.replace(sampling, n=1, max_tokens=self.response_length)
         self.stats = stats = LoopStats()
         start = time.perf_counter()
         queue = collections.deque(range(len(requests)))
-        running: dict[int, _Running] = {}
-        decoding: list[int] = []
+        running: dict[int, _Running] = {}  # by request index
         done: dict[int, Trajectory] = {}
+        scheduler = Scheduler(self.engine, chunk=self.limits.decode_chunk)
         # Without tools an empty runner answers every call ("unknown tool", or the parse error).
         self._active_runner = self.runner or ToolRunner({})
         try:
             while queue or running:
-                ready = [s for s in running if running[s].calls and
-                         all(f.done() for f in running[s].calls)]  # fmt: skip
+                ready = [i for i in running if running[i].calls and
+                         all(f.done() for f in running[i].calls)]  # fmt: skip
                 if ready:
-                    decoding += self._append_tool_turns(ready, running, done)
-                if queue and self.engine.free_slots:
-                    decoding += self._admit(queue, requests, running)
-                if decoding:
-                    decoding = self._decode(decoding, running, done, sampling, rng)
+                    self._append_tool_turns(scheduler, ready, running, done, sampling, rng)
+                if queue and scheduler.free_slots:
+                    self._admit(scheduler, queue, requests, running, sampling, rng)
+                if scheduler.busy:
+                    for handle in self._timed(scheduler.step):
+                        self._after_turn(scheduler, running, done, handle)
                 elif running:
                     self._wait_for_tools([f for r in running.values() for f in r.calls])
         finally:  # an engine error has ended the slots it touched already
-            if still_open := [s for s in running if self.engine.is_open(s)]:
-                self.engine.end(still_open)
+            for state in running.values():
+                if state.handle.slot is None or self.engine.is_open(state.handle.slot):
+                    scheduler.abort(state.handle)
+            stats.decode_calls = scheduler.decode_calls
             if self.runner is None:
                 self._active_runner.close()
         stats.seconds = time.perf_counter() - start
@@ -251,9 +258,19 @@ class AgentLoop:
                 "method that never awaits?); make it await, or make its methods plain functions"
             )
 
-    def _admit(self, queue: collections.deque, requests, running: dict[int, _Running]) -> list[int]:
-        """Start as many queued requests as there are free slots; returns their slots."""
-        take = [queue.popleft() for _ in range(min(len(queue), self.engine.free_slots))]
+    def _admit(
+        self,
+        scheduler: Scheduler,
+        queue: collections.deque,
+        requests: Sequence[AgentRequest],
+        running: dict[int, _Running],
+        sampling: SamplingParams,
+        rng: jax.Array,
+    ) -> None:
+        """Submit as many queued requests as there are free slots (the scheduler starts
+        them together, left-padded to the longest); request i's turn t samples with
+        `fold_in(fold_in(rng, i), t)`."""
+        take = [queue.popleft() for _ in range(min(len(queue), scheduler.free_slots))]
         tools = [self._tools_of(requests[i]) for i in take]
         prompts = []
         for i, schemas in zip(take, tools, strict=True):
@@ -265,19 +282,23 @@ class AgentLoop:
                     "shorten the tool descriptions"
                 )
             prompts.append(ids)
-        ids, mask = left_pad(prompts, max(len(p) for p in prompts), 0)
-        slots = self._timed(self.engine.start, ids, mask)
-        if (room := self.engine.room(int(slots[0]))) < self.response_length:
-            self.engine.end(slots)
+        width = max(len(p) for p in prompts)
+        if (room := self.engine.room_after_prompt(width)) < self.response_length:
             raise ValueError(
                 f"a conversation has room for {room} response tokens after its prompt (padded "
-                f"to {ids.shape[1]}), fewer than response_length={self.response_length}: raise "
+                f"to {width}), fewer than response_length={self.response_length}: raise "
                 f"actor_rollout_ref.rollout.max_model_len (now {self.engine.max_model_len})"
             )
-        for slot, i, schemas, prompt in zip(slots, take, tools, prompts, strict=True):
+        first = self._turn_sampling(sampling, 0)
+        for i, schemas, prompt in zip(take, tools, prompts, strict=True):
             record = Trajectory(prompt_ids=prompt, messages=[dict(m) for m in requests[i].messages])
-            running[int(slot)] = _Running(i, requests[i], record, schemas)
-        return [int(s) for s in slots]
+            key = jax.random.fold_in(rng, i)  # copy 0: fold_in(key, 0), the first turn's
+            [handle] = scheduler.submit(prompt, first, key, keep_open=True)
+            running[i] = _Running(i, requests[i], record, schemas, handle)
+
+    def _turn_sampling(self, sampling: SamplingParams, used: int) -> SamplingParams:
+        """A turn's settings: one sample, at most the response's tokens left after `used`."""
+        return dataclasses.replace(sampling, n=1, max_tokens=self.response_length - used)
 
     def _tools_of(self, request: AgentRequest) -> list[dict[str, Any]] | None:
         """The schemas a request's prompt shows (None: no tools)."""
@@ -286,47 +307,30 @@ class AgentLoop:
         names = self._schemas if request.tool_names is None else request.tool_names
         return [self._schemas[n] for n in names if n in self._schemas] or None
 
-    def _decode(
+    def _after_turn(
         self,
-        decoding: list[int],
+        scheduler: Scheduler,
         running: dict[int, _Running],
         done: dict[int, Trajectory],
-        sampling: SamplingParams,
-        rng: jax.Array,
-    ) -> list[int]:
-        """One chunk of every decoding slot; returns the slots still decoding."""
-        index = [running[s].index for s in decoding]
-        turn = [running[s].record.assistant_turns for s in decoding]
-        keys = nested_keys(rng, index, turn, self.engine.slots)
-        out = self._timed(
-            self.engine.decode, decoding, sampling, keys, max_steps=self.limits.decode_chunk
-        )
-        self.stats.decode_calls += 1
-        still = []
-        for slot, tokens, log_probs, reason in zip(
-            decoding, out.tokens, out.log_probs, out.finish_reasons, strict=True
-        ):
-            state = running[slot]
-            record = state.record
-            over_budget = len(record.response_ids) + len(tokens) >= self.response_length
-            if reason is None and not over_budget:
-                still.append(slot)
-                continue
-            record.add_turn(tokens.tolist(), log_probs.tolist())
-            finish = self._after_turn(state, tokens, reason, over_budget)
-            if finish:
-                self._finish(slot, running, done, finish)
-        return still
+        handle: Handle,
+    ) -> None:
+        """A turn is over (its tokens stop at the response's length): record it, then end
+        the trajectory or submit the turn's tool calls."""
+        index = next(i for i, r in running.items() if r.handle is handle)
+        state = running[index]
+        record = state.record
+        record.add_turn(handle.tokens, handle.log_probs)
+        finish = self._verdict(state, handle)
+        if finish:
+            self._finish(scheduler, running, done, index, finish)
 
-    def _after_turn(
-        self, state: _Running, tokens: np.ndarray, reason: str | None, over_budget: bool
-    ) -> str | None:
+    def _verdict(self, state: _Running, handle: Handle) -> str | None:
         """After a finished turn: submit its tool calls and return None, or return why the
         trajectory ends."""
         record, limits = state.record, self.limits
-        text = self.chat.text(tokens.tolist())
+        text = self.chat.text(handle.tokens)
         record.messages.append({"role": "assistant", "content": text})
-        if over_budget or reason != "stop":
+        if len(record.response_ids) >= self.response_length or handle.finish_reason != "stop":
             return "length"
         if limits.max_assistant_turns and record.assistant_turns >= limits.max_assistant_turns:
             return "turns"
@@ -349,13 +353,18 @@ class AgentLoop:
         return None
 
     def _append_tool_turns(
-        self, ready: list[int], running: dict[int, _Running], done: dict[int, Trajectory]
-    ) -> list[int]:
-        """Append the finished calls' answers to their slots; returns the slots that decode
-        on (the others end: no room)."""
-        appended, token_lists = [], []
-        for slot in ready:
-            state = running[slot]
+        self,
+        scheduler: Scheduler,
+        ready: list[int],
+        running: dict[int, _Running],
+        done: dict[int, Trajectory],
+        sampling: SamplingParams,
+        rng: jax.Array,
+    ) -> None:
+        """Resume the trajectories whose calls finished with their answers as the next turn's
+        appended tokens (the others end: no room)."""
+        for index in ready:
+            state = running[index]
             results: list[ToolResult] = [f.result() for f in state.calls]
             state.calls = []
             record = state.record
@@ -367,22 +376,25 @@ class AgentLoop:
                     record.tool_errors[r.error] += 1
             ids = self.chat.after_turn(record.messages, messages, state.tools)
             record.messages += messages
-            room = self.engine.room(slot)
+            room = self.engine.room(state.handle.slot)
             if len(record.response_ids) + len(ids) >= self.response_length or len(ids) > room:
-                self._finish(slot, running, done, "length")
+                self._finish(scheduler, running, done, index, "length")
                 continue
             record.add_tool_turn(ids)
-            appended.append(slot)
-            token_lists.append(ids)
-        if appended:
-            self._timed(self.engine.append, appended, token_lists)
-        return appended
+            turn = self._turn_sampling(sampling, len(record.response_ids))
+            key = jax.random.fold_in(jax.random.fold_in(rng, index), record.assistant_turns)
+            state.handle = scheduler.resume(state.handle, ids, turn, key)
 
     def _finish(
-        self, slot: int, running: dict[int, _Running], done: dict[int, Trajectory], why: str
+        self,
+        scheduler: Scheduler,
+        running: dict[int, _Running],
+        done: dict[int, Trajectory],
+        index: int,
+        why: str,
     ) -> None:
-        state = running.pop(slot)
-        self.engine.end([slot])
+        state = running.pop(index)
+        scheduler.close(state.handle)
         record = state.record
         record.finish = why
         n = self.response_length

@@ -322,6 +322,11 @@ class RolloutEngine:
         rounded up as `cache_geometry` needs (the cells past `max_model_len` stay unused)."""
         return cache_geometry(self.max_model_len, 0)
 
+    def room_after_prompt(self, columns: int) -> int:
+        """`room` of a conversation just started from prompts `columns` wide (left-padded
+        to their bucket, as `start` lays them out)."""
+        return self.max_model_len - max(bucket(columns), 2)
+
     def room(self, slot: int) -> int:
         """Tokens the conversation in `slot` can still take: each needs a cell, and the
         pending one keeps its own (so a slot's index stays below `max_model_len`)."""
@@ -400,7 +405,7 @@ class RolloutEngine:
                 f"max_prompt_length={self.max_prompt_length}"
             )
         width = max(bucket(ids.shape[1]), 2)
-        if width > self.max_model_len - 1:
+        if self.room_after_prompt(ids.shape[1]) < 1:
             raise ValueError(
                 f"prompts of {ids.shape[1]} tokens (padded to {width}) leave no room in a "
                 f"conversation of max_model_len={self.max_model_len} cells: raise max_model_len"
@@ -493,11 +498,13 @@ class RolloutEngine:
                 self._keys[slots[i]] = keys[i]
                 self._rows.set_row(slots[i], RowSampling.of([sp], self.config.eos_token_id))
         turns = {s: self._turns[s] for s in slots}
-        steps = bucket(max(t.sampling.max_tokens for t in turns.values()), 1)
+        # the program's token columns: one width per chunk size (a slot stops at its budget)
+        if max_steps is None:
+            steps = bucket(max(t.sampling.max_tokens for t in turns.values()), 1)
+        else:
+            steps = max_steps
         if any(t.sampling.stop for t in turns.values()):  # chunks, the text checked between
             steps = min(steps, self.stop_check_tokens)
-        if max_steps is not None:
-            steps = min(steps, max_steps)
         block = self._geometry()[1]
         program = _decode_program(self.config, self.layout, steps, block, self.backend)
         taken = 0

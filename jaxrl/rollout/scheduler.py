@@ -30,10 +30,10 @@ temperatures, top-k / top-p, max_tokens, end tokens and stop strings in one comp
     finish   a turn over: its handle is done; its conversation's slot is freed unless
              `keep_open` (then `resume` or `close` it)
 
-A turn samples its k-th token with `fold_in(key, k)` (a group's copy j with `fold_in(key, j)`
-as its key): the same tokens whichever requests decode alongside it, in whatever chunks. A
-handle's `version` is the engine's `version` (`load_weights(..., version=)`) when the turn
-sampled its first token.
+A submitted request's copy j takes `fold_in(key, j)` as its key (one copy too), a resumed
+turn `key` itself; a turn samples its k-th token with `fold_in(its key, k)`: the same tokens
+whichever requests decode alongside it, in whatever chunks. A handle's `version` is the
+engine's `version` (`load_weights(..., version=)`) when the turn sampled its first token.
 """
 
 from __future__ import annotations
@@ -84,10 +84,12 @@ class Handle:
 
 @dataclasses.dataclass
 class _NewGroup:
-    """A queued `submit`: one prompt for `len(handles)` copies."""
+    """A queued `submit`: one prompt for `len(handles)` copies, left-padded to at least
+    `width` columns when prefilled."""
 
     prompt: np.ndarray
     handles: list[Handle]
+    width: int = 0
 
 
 @dataclasses.dataclass
@@ -116,6 +118,7 @@ class Scheduler:
         self._running: dict[int, Handle] = {}  # slot -> the handle decoding in it
         self._open: dict[int, Handle] = {}  # slot -> the kept-open conversation's last handle
         self._count = 0
+        self.decode_calls = 0  # engine.decode calls made
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -127,10 +130,13 @@ class Scheduler:
         *,
         copies: int = 1,
         keep_open: bool = False,
+        pad_to: int = 0,
     ) -> list[Handle]:
         """Queue a new conversation's first turn, `copies` times (copy j samples with
         `fold_in(key, j)`); returns its handles. `keep_open`: the conversation stays in its
-        slot after the turn (for `resume` or `close`)."""
+        slot after the turn (for `resume` or `close`). `pad_to`: prefill the prompt
+        left-padded to at least this many columns (a client that must lay prompts out as
+        its batches were: the padding changes no token, but the cache cells they land in)."""
         ids = np.asarray(prompt)
         if ids.ndim != 1 or not ids.size or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(
@@ -148,7 +154,7 @@ class Scheduler:
         self.engine.check_ids(ids, "submit()")
         keys = _key_data(key, copies)
         handles = [self._handle(sampling, k, keep_open) for k in keys]
-        self._queue.append(_NewGroup(ids.astype(np.int32), handles))
+        self._queue.append(_NewGroup(ids.astype(np.int32), handles, pad_to))
         return handles
 
     def resume(
@@ -161,7 +167,8 @@ class Scheduler:
         keep_open: bool = True,
     ) -> Handle:
         """Queue the next turn of `handle`'s open conversation, after `tokens` (a tool's
-        output, the next user message; may be empty) are appended; returns its handle."""
+        output, the next user message; may be empty) are appended; returns its handle. The
+        turn samples with `key` itself."""
         if not handle.done or handle.slot is None or self._open.get(handle.slot) is not handle:
             raise ValueError(
                 f"resume(): request {handle.id} is not the finished last turn of an open "
@@ -171,7 +178,8 @@ class Scheduler:
         ids = np.asarray(tokens, np.int64).reshape(-1)
         # here, not in step's batched append, whose error ends every conversation in it
         self.engine.check_ids(ids, f"resume() of request {handle.id}")
-        new = self._handle(sampling, _key_data(key, 1)[0], keep_open)
+        _check_key(key)
+        new = self._handle(sampling, np.asarray(jax.random.key_data(key)), keep_open)
         new.slot = handle.slot
         del self._open[handle.slot]
         self._resumes.append(_Resume(new, ids))
@@ -204,6 +212,11 @@ class Scheduler:
             self._free(handle)
 
     # ---- progress ------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        """The engine's free slots less the copies of the queued requests."""
+        return self.engine.free_slots - sum(len(g.handles) for g in self._queue)
 
     @property
     def busy(self) -> bool:
@@ -244,7 +257,7 @@ class Scheduler:
         for group in taken:
             by_copies[len(group.handles)].append(group)
         for copies, groups in by_copies.items():
-            width = max(len(g.prompt) for g in groups)
+            width = max(max(len(g.prompt), g.width) for g in groups)
             ids = np.stack([np.pad(g.prompt, (width - len(g.prompt), 0)) for g in groups])
             mask = np.stack(
                 [np.pad(np.ones_like(g.prompt), (width - len(g.prompt), 0)) for g in groups]
@@ -282,6 +295,7 @@ class Scheduler:
             if not h.tokens:  # the weights its first token is sampled with
                 h.version = self.engine.version
         turn = self.engine.decode(slots, [h.sampling for h in handles], keys, max_steps=self.chunk)
+        self.decode_calls += 1
         ended = []
         for h, tokens, log_probs, reason in zip(
             handles, turn.tokens, turn.log_probs, turn.finish_reasons, strict=True
@@ -312,12 +326,18 @@ class Scheduler:
 
 
 def _key_data(key: jax.Array, copies: int) -> np.ndarray:
-    """Key data [copies, ...]: `key` itself for one copy, `fold_in(key, j)` for copy j of
-    several."""
+    """Key data [copies, ...]: `fold_in(key, j)` for copy j (one copy too: a request's
+    samples do not depend on how many were asked for with it)."""
+    _check_key(key)
+    return np.asarray(_copy_keys(key, np.arange(copies, dtype=np.uint32)))
+
+
+def _check_key(key: jax.Array) -> None:
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.ndim != 0:
         raise ValueError("a request's key is one typed key (jax.random.key), not raw uint32 data")
-    if copies > 1:
-        key = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(copies, dtype=np.uint32))
-    else:
-        key = key[None]
-    return np.asarray(jax.random.key_data(key))
+
+
+@jax.jit
+def _copy_keys(key: jax.Array, copies: jax.Array) -> jax.Array:
+    """Key data of `fold_in(key, j)` for each j in `copies` (one program per copy count)."""
+    return jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(key, copies))

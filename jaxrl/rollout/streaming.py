@@ -9,7 +9,7 @@ DAPO's dynamic sampling, as verl runs it, generates whole batches of prompts and
 afterwards: a batch's every group is decoded to its end, then the groups whose responses all
 score alike are dropped, and when fewer than `target` remain another whole batch follows
 (and the surplus of the last is thrown away). Here the groups flow through the
-`RolloutEngine`'s conversation slots instead:
+`RolloutEngine`'s conversation slots instead, as requests of a `Scheduler`:
 
     admit      a group's n copies of its prompt into free slots (prefilled once) while
                kept + running x keep_rate < target   (keep_rate: kept / finished so far, 1
@@ -27,7 +27,7 @@ finishes. The admission rule never starts more groups than the kept ones so far 
 needed; a run whose groups are all kept generates exactly `target` groups.
 
 Sampling is reproducible whatever the order in which groups finish: response j of the g-th
-group started in the call samples with `fold_in(fold_in(rng, g), j)` (`RolloutEngine.decode`),
+group started in the call samples with `fold_in(fold_in(rng, g), j)` (`Scheduler.submit`),
 and prompts are taken in order, batch after batch (`batches` yields left-padded
 [B, P] arrays; a batch is drawn when the previous one is used up, and the rest of the last
 one is not used).
@@ -43,7 +43,8 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.sampling import SamplingParams, nested_keys
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.scheduler import Handle, Scheduler
 
 
 @dataclasses.dataclass
@@ -105,15 +106,12 @@ class StreamResult:
 
 @dataclasses.dataclass
 class _Group:
-    """A running group: where its prompt came from and its responses so far."""
+    """A running group: where its prompt came from and its n requests."""
 
     batch: int
     row: int
     sequence: int
-    slots: list[int]
-    tokens: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    log_probs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    partial: dict[int, int] = dataclasses.field(default_factory=dict)  # unfinished: tokens so far
+    handles: list[Handle]
 
 
 class _Prompts:
@@ -146,8 +144,9 @@ def stream_groups(
     chunk: int = 16,
 ) -> StreamResult:
     """Stream groups of `sampling.n` responses through `engine`'s slots until `target` are
-    kept (module doc). Stops early, with fewer kept, when `max_groups` groups have been
-    started and judged (the caller decides whether that is an error).
+    kept (module doc), as requests of a `Scheduler` over it. Stops early, with fewer kept,
+    when `max_groups` groups have been started and judged (the caller decides whether that
+    is an error).
 
     Raises:
         ValueError: fewer slots than `sampling.n` (a group must fit at once), `target` < 1.
@@ -162,17 +161,18 @@ def stream_groups(
     if target < 1:
         raise ValueError(f"stream_groups(target={target}): must be >= 1")
     one = dataclasses.replace(sampling, n=1)
+    scheduler = Scheduler(engine, chunk=chunk)
     prompts, stats, kept = _Prompts(batches), StreamStats(), []
     running: dict[int, _Group] = {}  # by sequence
-    by_slot: dict[int, _Group] = {}
     try:
         while stats.kept < target:
-            _admit(engine, prompts, running, by_slot, stats, n, target, max_groups)
+            _admit(scheduler, prompts, running, stats, one, rng, n, target, max_groups)
             if not running:
                 break  # max_groups started and judged
-            _decode(engine, one, rng, running, by_slot, stats, chunk)
-            ended = sorted(s for s, g in running.items() if len(g.tokens) == n)
+            scheduler.step()
+            ended = [s for s, g in running.items() if all(h.done for h in g.handles)]
             rollouts = [_finished(running.pop(s), sampling.max_tokens) for s in ended]
+            stats.sampled_tokens += sum(int(r.response_mask.sum()) for r in rollouts)
             if not rollouts:
                 continue
             stats.finished += len(rollouts)
@@ -184,75 +184,47 @@ def stream_groups(
                     kept.append(rollout)
                     stats.kept += 1
                     stats.kept_tokens += int(rollout.response_mask.sum())
-    finally:  # the stop, or an error: free every slot still open
+    finally:  # the stop, or an error: the groups still running end now, their slots free
         stats.aborted = len(running)
-        stats.sampled_tokens += sum(sum(g.partial.values()) for g in running.values())
-        if open_slots := [s for s in by_slot if engine.is_open(s)]:
-            engine.end(open_slots)
+        for group in running.values():
+            for handle in group.handles:
+                stats.sampled_tokens += len(handle.tokens)
+                if handle.slot is None or engine.is_open(handle.slot):  # not ended by an error
+                    scheduler.abort(handle)
+        stats.decode_calls = scheduler.decode_calls
     stats.batches = prompts.drawn
     return StreamResult(kept, stats)
 
 
-def _admit(engine, prompts, running, by_slot, stats, n, target, max_groups) -> None:
-    """Start groups in free slots while the kept ones so far say more are needed, all of
-    them in one `engine.start` (prompts of different batches left-padded to one width), each
-    prompt prefilled once for its n slots."""
+def _admit(scheduler, prompts, running, stats, sampling, rng, n, target, max_groups) -> None:
+    """Submit groups while the free slots hold them and the kept ones so far say more are
+    needed; the scheduler starts them together (each prompt prefilled once for its n slots,
+    left-padded to its batch's width). Group g's response j samples with
+    `fold_in(fold_in(rng, g), j)`."""
     keep_rate = stats.kept / stats.finished if stats.finished else 1.0
     count = 0
     while (
-        engine.free_slots >= (count + 1) * n
+        scheduler.free_slots >= (count + 1) * n
         and (max_groups is None or stats.started + count < max_groups)
         and stats.kept + (len(running) + count) * keep_rate < target
     ):
         count += 1
-    if not count:
-        return
-    taken = [prompts.take() for _ in range(count)]
-    width = max(len(ids) for _, _, ids, _ in taken)
-    ids = np.stack([np.pad(t[2], (width - len(t[2]), 0)) for t in taken])
-    mask = np.stack([np.pad(t[3], (width - len(t[3]), 0)) for t in taken])
-    slots = engine.start(ids, mask, copies=n)
-    for k, (batch, row, _, _) in enumerate(taken):
-        group = _Group(batch, row, stats.started, [int(s) for s in slots[k * n : (k + 1) * n]])
-        running[group.sequence] = group
-        by_slot.update({s: group for s in group.slots})
+    for _ in range(count):
+        batch, row, ids, mask = prompts.take()
+        key = jax.random.fold_in(rng, stats.started)
+        handles = scheduler.submit(ids[mask > 0], sampling, key, copies=n, pad_to=len(ids))
+        running[stats.started] = _Group(batch, row, stats.started, handles)
         stats.started += 1
 
 
-def _decode(engine, sampling, rng, running, by_slot, stats, chunk) -> None:
-    """One chunk of every running response; an ended one leaves its slot (`engine.end`)."""
-    slots = [s for g in running.values() for s in g.slots if s not in g.tokens]
-    groups = [by_slot[s].sequence for s in slots]
-    members = [by_slot[s].slots.index(s) for s in slots]
-    keys = nested_keys(rng, groups, members, engine.slots)
-    turn = engine.decode(slots, sampling, keys, max_steps=chunk)
-    stats.decode_calls += 1
-    ended = []
-    for slot, tokens, log_probs, reason in zip(
-        slots, turn.tokens, turn.log_probs, turn.finish_reasons, strict=True
-    ):
-        group = by_slot[slot]
-        if reason is None:
-            group.partial[slot] = len(tokens)  # the turn's tokens so far
-            continue
-        group.partial.pop(slot, None)
-        stats.sampled_tokens += len(tokens)
-        group.tokens[slot], group.log_probs[slot] = tokens, log_probs
-        ended.append(slot)
-    if ended:
-        engine.end(ended)
-        for slot in ended:
-            del by_slot[slot]
-
-
 def _finished(group: _Group, width: int) -> GroupRollout:
-    """The group's responses, right-padded to `width`, in the order of its slots."""
-    n = len(group.slots)
+    """The group's responses, right-padded to `width`, in the order of its copies."""
+    n = len(group.handles)
     responses = np.zeros((n, width), np.int32)
     mask = np.zeros((n, width), np.int32)
     log_probs = np.zeros((n, width), np.float32)
-    for j, slot in enumerate(group.slots):
-        k = len(group.tokens[slot])
-        responses[j, :k], mask[j, :k] = group.tokens[slot], 1
-        log_probs[j, :k] = group.log_probs[slot]
+    for j, handle in enumerate(group.handles):
+        k = len(handle.tokens)
+        responses[j, :k], mask[j, :k] = handle.tokens, 1
+        log_probs[j, :k] = handle.log_probs
     return GroupRollout(group.batch, group.row, group.sequence, responses, mask, log_probs)

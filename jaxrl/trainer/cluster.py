@@ -350,16 +350,20 @@ class Cluster:
                 devices |= set(layout.mesh.devices.flat)
         return len(devices)
 
-    def sync_weights(self) -> None:
-        """The actor's current weights into the rollout (its layout and dtype); with LoRA,
-        after the first sync only the adapters move (the rollout keeps the base), unless the
-        actor's parameters are offloaded: then the rollout keeps no base on the devices
-        between steps (it could be the offloaded arrays themselves) and each sync copies the
-        whole model, as without LoRA."""
+    def sync_weights(self) -> bool:
+        """Publish the actor's weights to the rollout (its layout and dtype), once per
+        version (`Learner.version`): returns False, copying nothing, when the rollout holds
+        this version already. With LoRA, after the first sync only the adapters move (the
+        rollout keeps the base), unless the actor's parameters are offloaded: then the
+        rollout keeps no base on the devices between steps (it could be the offloaded arrays
+        themselves) and each sync copies the whole model, as without LoRA."""
+        actor, rollout = self.actor, self.rollout
+        if rollout.params is not None and rollout.version == actor.version:
+            return False
         with self.on_device("actor"):
-            actor = self.actor
             keep_base = actor.frozen is not None and not self.specs["actor"].param_offload
-            self.rollout.load_weights(actor.params, frozen_base=keep_base)
+            rollout.load_weights(actor.params, frozen_base=keep_base, version=actor.version)
+        return True
 
     def param_hashes(self) -> dict[str, jax.Array]:
         """`fingerprint.tree_hash` of each trainable role's parameters (on the devices, one
@@ -406,6 +410,9 @@ class Cluster:
             step = global_array(np.asarray(meta[f"{name}_steps"], learner.state.step.dtype),
                                 learner.state.step.sharding)  # fmt: skip
             learner.state = UpdateState(items[f"{name}_params"], items[f"{name}_opt"], step)
+            learner.version = int(meta[f"{name}_steps"])
+        if self.rollout is not None:  # its copy, if any, is of the weights before the restore
+            self.rollout.release()
 
 
 def _shares_ref(specs: Mapping[str, RoleSpec]) -> bool:

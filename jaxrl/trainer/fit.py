@@ -32,8 +32,9 @@ from jaxrl.rewards import RewardInputs, make_reward_manager
 from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.dynamic_sampling import DynamicSamplingError
+from jaxrl.trainer.experience import RewardFn
 from jaxrl.trainer.loggers import Tracking, read_metrics
-from jaxrl.trainer.ppo_trainer import PPOTrainer, RewardFn, ppo_training
+from jaxrl.trainer.ppo_trainer import PPOTrainer, ppo_training
 from jaxrl.trainer.protocol import Trainer
 from jaxrl.trainer.teachers import TeacherRouter
 

@@ -4,13 +4,18 @@
     gen = rollout.generate(prompts, sampling, rng)   # Generated: rows, log-probs, metrics
     rollout.stream(batches, sampling, rng, judge, target=16, max_groups=None)
                                                      # streamed dynamic sampling
+    with rollout.holding(): ...                      # several generations, one weight copy
     rollout.close()                                  # stop the tool runner
 
 Either way the rollout gets the actor's weights first and, colocated, frees them after (the
-step's passes need that memory). Batch generation is `RolloutEngine.generate` over all
-processes' prompts at once. The agent loop runs each of the prompts' n samples as a
-conversation (`jaxrl.agent`): its rows carry a `loss_mask` (0 on tool turns) and the rollout's
-log-probs on the host, and it reports the agent metrics and the conversations for the dumps.
+step's passes need that memory); `with rollout.holding():` keeps them over several
+generations (a step's generation batches, a validation's), published once per version.
+Batch generation is `RolloutEngine.generate` over all processes' prompts at once (the
+fixed-batch on-device loop). The agent loop runs each of the prompts' n samples as a
+conversation (`jaxrl.agent`), as requests of a `Scheduler` over the engine: its rows carry a
+`loss_mask` (0 on tool turns) and the rollout's log-probs on the host, and it reports the
+agent metrics and the conversations for the dumps; streamed dynamic sampling is a
+`Scheduler` client too (`jaxrl.rollout.streaming`).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class StepRollout:
         self.multi_turn = rollout.multi_turn
         self.runner: ToolRunner | None = None
         self._warned = False
+        self._depth = 0  # `holding` blocks open
         if cfg.algorithm.filter_groups.streaming and jax.process_count() > 1:
             raise ValueError(
                 "algorithm.filter_groups.streaming runs in one process for now (this run has "
@@ -133,19 +139,24 @@ class StepRollout:
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
         """The rows of `prompts` (this process's) repeated `sampling.n` times (see the module
         doc); every process calls this with its own prompts and the same rng."""
-        with self._weights():
+        with self.holding():
             if self.multi_turn.enable:
                 return self._agent(prompts, sampling, rng)
             return self._batch(prompts, sampling, rng)
 
     @contextlib.contextmanager
-    def _weights(self) -> Iterator[None]:
-        """The actor's weights in the rollout for the block (freed after it, colocated)."""
+    def holding(self) -> Iterator[None]:
+        """The actor's weights in the rollout for the block: published when the block
+        begins unless the rollout holds their version already, and, colocated, freed when
+        the outermost block ends (the passes after generation need that memory). A step's
+        or a validation's generations run in one block: one copy however many batches."""
         self.cluster.sync_weights()
+        self._depth += 1
         try:
             yield
         finally:
-            if self.cluster.rollout_colocated:
+            self._depth -= 1
+            if not self._depth and self.cluster.rollout_colocated:
                 self.cluster.rollout.release()
 
     def stream(
@@ -161,7 +172,7 @@ class StepRollout:
         """`jaxrl.rollout.streaming.stream_groups` on the rollout engine (streamed dynamic
         sampling), with the actor's weights; one process (refused at construction), batch
         generation only (the config checks refuse multi-turn)."""
-        with self._weights():
+        with self.holding():
             return stream_groups(
                 self.cluster.rollout, batches, sampling, rng, judge,
                 target=target, max_groups=max_groups,

@@ -113,6 +113,9 @@ class Learner:
     ):
         self.config, self.state, self.optimizer, self.layout = config, state, optimizer, layout
         self.grad_clip, self.frozen = grad_clip, frozen
+        # The weights' version: optimizer steps taken (host-side; a restore sets it). The
+        # rollout is published a version once (`Cluster.sync_weights`).
+        self.version = 0
 
         def accumulate(params, acc, mb, info, frozen):
             def loss(trained, mb, info):
@@ -182,6 +185,7 @@ class Learner:
                     )
                     micro.append(m)
                 self.state, applied = self._apply(self.state, acc)
+                self.version += 1
                 steps.append((micro, applied))
         return _average(to_host(steps))
 

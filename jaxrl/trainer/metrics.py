@@ -13,7 +13,7 @@
                               `JAXRL_PEAK_FLOPS` environment variable (CPUs: no default)
 
 The figures are computed from the step's global batch, which every process holds from the reward
-on (`ppo_trainer.gather_processes`); timings are each process's own.
+on (`experience.gather_processes`); timings are each process's own.
 """
 
 from __future__ import annotations

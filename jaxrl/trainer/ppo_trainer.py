@@ -2,13 +2,18 @@
 (`RayPPOTrainer.fit`'s body), validation, and the checkpointable state.
 
     step(prompts) :
-      sync_weights  actor -> rollout (jitted reshard); generate n responses per prompt; free
-      reward        scores on the last valid response token (host)
-      old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in reward,
-                    no optimal token baseline, which reads its sum_pi_squared, no decoupled
-                    rollout correction)
-      ref           reference log-probs (KL loss / KL in reward)
-      values        critic pass (GAE)
+      experience    `ExperienceProducer.produce` (`jaxrl.trainer.experience`): the actor's
+                    weights to the rollout (once per version), n responses per prompt,
+                    scores on the last valid response token (host), dynamic sampling,
+                    the process gather
+      passes        the plan's (`StepPlan`, `jaxrl.trainer.plan`), dispatched without
+                    waiting for each other:
+        old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in
+                      reward, no optimal token baseline, which reads its sum_pi_squared, no
+                      decoupled rollout correction)
+        ref           reference log-probs (KL loss / KL in reward)
+        teacher       distillation teachers' log-probs (or top-k)
+        values        critic pass (GAE)
       adv           KL in reward, decoupled rollout correction (IS weights, rejection), the
                     advantage estimator (jitted); PF-PPO resamples rows
       update_critic, update_actor (after `critic_warmup` steps)
@@ -26,11 +31,9 @@ holding the whole batch computes.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,6 @@ import numpy as np
 
 from jaxrl.config.checks import critic_enabled
 from jaxrl.core_algos import (
-    AdvantageEstimator,
     agg_loss,
     compute_rollout_correction_and_rejection_mask,
     get_kl_controller,
@@ -50,10 +52,9 @@ from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
 from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
-from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
+from jaxrl.sharding.processes import to_host
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import (
-    NEEDS_SUM_PI_SQUARED,
     compute_advantage,
     gdpo_components,
     kl_in_reward,
@@ -61,15 +62,7 @@ from jaxrl.trainer.advantage import (
 from jaxrl.trainer.batch import RLBatch, moved_to
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.compiles import compile_totals, compiles_since
-from jaxrl.trainer.dynamic_sampling import (
-    NO_MORE_PROMPTS,
-    DynamicSamplingError,
-    GroupJudge,
-    GroupPool,
-    metric_values,
-    stream_metrics,
-    too_many_batches_message,
-)
+from jaxrl.trainer.experience import Experience, ExperienceProducer, RewardFn, timer
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.generation import Generated, StepRollout
 from jaxrl.trainer.learner import compile_infer, infer
@@ -81,11 +74,12 @@ from jaxrl.trainer.metrics import (
     timing_metrics,
 )
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
+from jaxrl.trainer.plan import StepPlan
 from jaxrl.trainer.roles import log_prob_fn, statistics_fn, top_k_fn, values_fn
+from jaxrl.trainer.spans import Spans
 from jaxrl.trainer.teachers import ROUTE, TeacherRouter
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
-CRITIC_FIELDS = ("values", "returns")
 DEVICE_ONLY_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")
 # what the advantage estimators read of the batch
 ADVANTAGE_INPUTS = (
@@ -100,36 +94,6 @@ ADVANTAGE_INPUTS = (
     "sum_pi_squared",
     "rollout_is_weights",
 )
-
-# (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
-RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
-
-
-@dataclasses.dataclass
-class Scored:
-    """A step's generated and scored rows, before the batch is built.
-
-    Attributes:
-        rows: The global batch's host arrays (prompts, masks, responses, token_level_scores,
-            group_ids, and reward_baselines / rollout_log_probs when there are any).
-        device: Fields already on the devices (the rollout's log-probs, one process).
-        extra: The reward function's extra info ({name: per-row list}).
-        reward_metrics: The reward manager's metrics.
-        conversations: The agent loop's conversations per row (None: batch generation).
-    """
-
-    rows: dict[str, np.ndarray]
-    device: dict[str, jax.Array]
-    extra: dict[str, list]
-    reward_metrics: dict[str, float]
-    conversations: list[dict[str, Any]] | None
-
-
-@contextlib.contextmanager
-def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
 def _policy_cfg(cfg):
@@ -227,11 +191,10 @@ class PPOTrainer:
         actor_cfg, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         self.devices = cluster.num_devices
         self._actor_size = sum(x.size for x in jax.tree.leaves(cluster.actor.params))
+        self.sampling = SamplingParams.from_config(rollout_cfg)
+        self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
+        self.plan = plan = StepPlan.of(cfg, cluster, n=self.sampling.n)
         correction = cfg.algorithm.rollout_correction
-        self.bypass = bool(correction.bypass_mode)
-        self.decoupled_correction = not self.bypass and bool(
-            correction.rollout_is or correction.rollout_rs
-        )
         self._correction = jax.jit(
             functools.partial(
                 compute_rollout_correction_and_rejection_mask,
@@ -251,12 +214,11 @@ class PPOTrainer:
         )
         # the old-log-prob pass: log-probs, entropy and, for the optimal-token-baseline
         # estimators, sum_v pi_v^2 (then the pass runs on-policy too)
-        self.sum_pi_squared = cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
         old_names = ("log_probs", "entropy", "sum_pi_squared")
         self._log_prob = statistics_fn(
             cluster.actor.config,
             cluster.actor.layout,
-            old_names if self.sum_pi_squared else old_names[:2],
+            old_names if plan.sum_pi_squared else old_names[:2],
             chunk,
             temperature=self.temperature,
         )
@@ -270,14 +232,10 @@ class PPOTrainer:
         # Each teacher's pass, from its raw logits (vLLM's default `raw_logprobs`, which
         # verl's teacher server returns): the sampled tokens' log-probs, or its top-k. With
         # several teachers each scores the rows routed to it (`jaxrl.trainer.teachers`).
-        loss_cfg = cfg.distillation.distillation_loss
-        self.teacher_top_k = None
-        if cluster.teachers and loss_cfg.loss_mode == "forward_kl_topk":
-            self.teacher_top_k = loss_cfg.topk
         self._teacher_passes = {
             name: log_prob_fn(teacher.config, teacher.layout, temperature=1.0, chunk_size=chunk)
-            if self.teacher_top_k is None
-            else top_k_fn(teacher.config, teacher.layout, self.teacher_top_k, chunk)
+            if plan.teacher_top_k is None
+            else top_k_fn(teacher.config, teacher.layout, plan.teacher_top_k, chunk)
             for name, teacher in cluster.teachers.items()
         }
         self.router = TeacherRouter.from_config(cfg)
@@ -296,9 +254,11 @@ class PPOTrainer:
                 key, scores.sum(-1), pf.reweight_method, pf.weight_pow
             )
         )
-        self.sampling = SamplingParams.from_config(rollout_cfg)
-        self.val_sampling = SamplingParams.from_config(rollout_cfg, validation=True)
         self._rollout = StepRollout(cfg, cluster, tokenizer, tools)
+        self.producer = ExperienceProducer(
+            cfg, cluster, self._rollout, self.sampling, reward_fn,
+            router=self.router, prompt_source=prompt_source,
+        )  # fmt: skip
 
     @classmethod
     def create(
@@ -354,84 +314,49 @@ class PPOTrainer:
 
         The batch (`RLBatch`) lives on the trainer's devices from the reward on; the host
         reads back the responses for the reward, each update's metrics, and the finished
-        batch once, for the step's metrics. Each phase's timing waits for its results."""
+        batch once, for the step's metrics. The passes (`plan.passes`) are dispatched one after
+        another without waiting for each other (on separate device groups they run at once);
+        each phase's timing spans from its start to its results' readiness (`Spans`)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg = actor_rollout_ref.actor
-        actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
+        actor, critic = self.cluster.actor, self.cluster.critic
         on_device, layout = self.cluster.on_device, actor.layout
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         scalars: dict[str, jax.Array] = {}  # device metrics, read back with the batch
+        self.spans = spans = Spans()  # the device phases, none waited for on its own
         compiles = compile_totals()  # the whole step's, read-back and fingerprints included
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
         with timer("step", timing):
-            if cfg.algorithm.filter_groups.enable:
-                scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
-            else:
-                scored = self._scored_rows(prompts, rng, timing, metrics)
-            rows = dict(scored.rows)
-            routes = rows.pop(ROUTE, None)  # several teachers: each row's (host only)
-            batch = RLBatch.from_host(rows, layout, **scored.device)
-            metrics.update(scored.reward_metrics)
-            on_policy = self._on_policy(batch.rows)
-            micro = self._log_prob_micro()
-            if self.bypass:
-                batch = batch.replace(old_log_probs=batch.rollout_log_probs)
-            elif not on_policy or self.sum_pi_squared or self.decoupled_correction:
-                with timer("old_log_prob", timing), on_device("actor"):
-                    old, entropy, *pi2 = infer(
-                        self._log_prob, actor.params, batch, layout=layout, **micro
-                    )
-                    batch = batch.replace(old_log_probs=old, sum_pi_squared=pi2[0] if pi2 else None)
-                    batch = jax.block_until_ready(batch)
-                    scalars["actor/entropy"] = agg_loss(
-                        entropy,
-                        batch.loss_mask.astype(np.float32),
-                        actor_cfg.loss_agg_mode,
-                        loss_scale_factor=actor_cfg.loss_scale_factor,
-                    )
-            if ref is not None:
-                with timer("ref", timing), on_device("ref"):
-                    lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
-                    lp = moved_to(lp, layout)
-                    batch = batch.replace(ref_log_probs=jax.block_until_ready(lp))
-            if self._teacher_passes:
-                with timer("teacher", timing):
-                    batch = self._teacher_scores(batch, routes, micro)
+            experience = self.producer.produce(prompts, global_step, rng)
+            timing.update(experience.timing)
+            metrics.update(experience.metrics)
+            batch = _batch(experience, layout)
+            batch = self._passes(batch, experience.routes, spans, scalars)
+            start = time.perf_counter()
+            batch, beta = self._advantages(batch, experience.extra, scalars)
+            spans.track("adv", start, batch.advantages)
+            conversations = experience.conversations
+            if cfg.algorithm.use_pf_ppo:
+                drawn = self._pf_ppo(batch, global_step)
+                batch = batch.select(drawn)
+                conversations = conversations and [conversations[i] for i in drawn]
             if critic is not None:
-                with timer("values", timing), on_device("critic"):
-                    values = infer(
-                        self._values,
-                        critic.params,
-                        batch,
-                        layout=critic.layout,
-                        **self._values_micro(),
-                    )
-                    values = moved_to(values, layout)
-                    batch = batch.replace(values=jax.block_until_ready(values))
-            with timer("adv", timing):
-                batch, beta = self._advantages(batch, scored.extra, scalars)
-                conversations = scored.conversations
-                if cfg.algorithm.use_pf_ppo:
-                    drawn = self._pf_ppo(batch, global_step)
-                    batch = batch.select(drawn)
-                    conversations = conversations and [conversations[i] for i in drawn]
-            if critic is not None:
-                with timer("update_critic", timing), on_device("critic", optimizer=True):
-                    critic_metrics = critic.update(
-                        batch, **self._update_args(cfg.critic, global_step, CRITIC_FIELDS)
-                    )
-                    metrics.update(_prefixed(critic_metrics, "critic"))
+                start = time.perf_counter()
+                with on_device("critic", optimizer=True):
+                    args = self._update_args(cfg.critic, global_step, self.plan.critic_fields)
+                    metrics.update(_prefixed(critic.update(batch, **args), "critic"))
+                spans.track("update_critic", start, None, group=self.plan.groups["values"])
             if global_step >= cfg.trainer.critic_warmup:
-                with timer("update_actor", timing), on_device("actor", optimizer=True):
-                    fields = self._actor_fields(batch, on_policy)
-                    actor_metrics = actor.update(
-                        batch, **self._update_args(actor_cfg, global_step, fields)
-                    )
-                    metrics.update(_prefixed(actor_metrics, "actor"))
-                    if actor_cfg.use_kl_loss:
-                        metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
-                    metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
+                start = time.perf_counter()
+                with on_device("actor", optimizer=True):
+                    args = self._update_args(actor_cfg, global_step, self.plan.actor_fields)
+                    metrics.update(_prefixed(actor.update(batch, **args), "actor"))
+                spans.track("update_actor", start, None)
+                if actor_cfg.use_kl_loss:
+                    metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
+                metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
+        timing.update(spans.seconds())
         # the step's one batch read-back (not the teacher's top-k: K times a log-prob array,
         # and no metric or dump reads it)
         arrays = {k: v for k, v in batch.present().items() if k not in DEVICE_ONLY_FIELDS}
@@ -457,6 +382,48 @@ class PPOTrainer:
         metrics.update(compiles_since(compiles))
         return metrics
 
+    def _passes(
+        self, batch: RLBatch, routes: np.ndarray | None, spans: Spans, scalars: dict
+    ) -> RLBatch:
+        """The plan's passes over `batch` (old log-probs, reference, teachers, values), each
+        dispatched without waiting for those before; their results in the train layout."""
+        plan, cluster = self.plan, self.cluster
+        actor, ref, critic = cluster.actor, cluster.ref, cluster.critic
+        layout, micro = actor.layout, self._log_prob_micro()
+        if plan.bypass:
+            batch = batch.replace(old_log_probs=batch.rollout_log_probs)
+        if plan.runs("old_log_prob"):
+            start, actor_cfg = time.perf_counter(), self.cfg.actor_rollout_ref.actor
+            with cluster.on_device("actor"):
+                old, entropy, *pi2 = infer(self._log_prob, actor.params, batch, layout=layout,
+                                           **micro)  # fmt: skip
+            spans.track("old_log_prob", start, old, group=plan.groups["old_log_prob"])
+            batch = batch.replace(old_log_probs=old, sum_pi_squared=pi2[0] if pi2 else None)
+            scalars["actor/entropy"] = agg_loss(
+                entropy,
+                batch.loss_mask.astype(np.float32),
+                actor_cfg.loss_agg_mode,
+                loss_scale_factor=actor_cfg.loss_scale_factor,
+            )
+        if plan.runs("ref"):
+            start = time.perf_counter()
+            with cluster.on_device("ref"):
+                lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
+                lp = moved_to(lp, layout)
+            spans.track("ref", start, lp, group=plan.groups["ref"])
+            batch = batch.replace(ref_log_probs=lp)
+        if plan.runs("teacher"):
+            batch = self._teacher_scores(batch, routes, micro, spans)
+        if plan.runs("values"):
+            start = time.perf_counter()
+            with cluster.on_device("critic"):
+                values = infer(self._values, critic.params, batch, layout=critic.layout,
+                               **self._values_micro())  # fmt: skip
+                values = moved_to(values, layout)
+            spans.track("values", start, values, group=plan.groups["values"])
+            batch = batch.replace(values=values)
+        return batch
+
     def _advantages(
         self, batch: RLBatch, extra: dict[str, list], scalars: dict[str, jax.Array]
     ) -> tuple[RLBatch, float | None]:
@@ -476,12 +443,12 @@ class PPOTrainer:
         else:
             rewards = batch.token_level_scores
         batch = batch.replace(token_level_rewards=rewards)
-        if self.decoupled_correction:
+        if self.plan.correction:
             batch = self._rollout_correction(batch, scalars)
         inputs = {k: v for k, v in batch.present().items() if k in ADVANTAGE_INPUTS}
         components = gdpo_components(self.cfg.algorithm, extra)
         adv, ret = self._advantage(inputs, components)
-        return batch.replace(advantages=adv, returns=jax.block_until_ready(ret)), beta
+        return batch.replace(advantages=adv, returns=ret), beta
 
     def _rollout_correction(self, batch: RLBatch, scalars: dict[str, jax.Array]) -> RLBatch:
         """verl's decoupled rollout correction (`algorithm.rollout_correction` without
@@ -503,63 +470,13 @@ class PPOTrainer:
             loss_mask=mask.astype(batch.loss_mask.dtype), rollout_is_weights=weights
         )
 
-    def _scored_rows(
-        self,
-        prompts: PromptBatch,
-        rng: jax.Array,
-        timing: dict[str, float],
-        metrics: dict[str, float],
-        *,
-        on_host: bool = False,
-    ) -> Scored:
-        """Generate `rollout.n` responses per prompt and score them (and ReMax's greedy
-        baselines): the global batch's rows, on every process (`gather_processes`). The
-        rollout's log-probs stay on the devices (one process) unless `on_host`."""
-        n, layout = self.sampling.n, self.cluster.actor.layout
-        with timer("gen", timing):
-            generated = self.generate(prompts, self.sampling, rng)
-            rows, log_probs = generated.rows, generated.log_probs
-            metrics.update(generated.metrics)
-        repeated = generated.scored(prompts.repeat(n))
-        group_ids = repeated.group_ids
-        with timer("reward", timing):
-            scores, reward_metrics, extra = self.reward_fn(
-                repeated, rows["responses"], rows["response_mask"]
-            )
-            rows["token_level_scores"] = scores.astype(np.float32)
-        rows.update(self._host_fields(repeated))
-        if self.cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
-            with timer("gen_max", timing):
-                greedy = dataclasses.replace(
-                    self.sampling, do_sample=False, temperature=0.0, n=1, over_sample_rate=0.0
-                )  # every prompt's baseline: never aborted
-                base = self.generate(prompts, greedy, rng).rows
-                base_scores, _, _ = self.reward_fn(
-                    prompts, base["responses"], base["response_mask"]
-                )
-                rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
-        device: dict[str, jax.Array] = {}
-        conversations = generated.conversations
-        if jax.process_count() > 1:
-            with timer("gather", timing):
-                if log_probs is not None:
-                    rows["rollout_log_probs"] = log_probs
-                rows, group_ids, extra, reward_metrics = gather_processes(
-                    rows, group_ids, extra, reward_metrics
-                )
-        elif log_probs is not None and on_host:
-            rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
-        elif log_probs is not None:
-            device["rollout_log_probs"] = moved_to(log_probs, layout)
-        rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
-        return Scored(rows, device, extra, reward_metrics, conversations)
-
     def _teacher_scores(
-        self, batch: RLBatch, routes: np.ndarray | None, micro: dict[str, Any]
+        self, batch: RLBatch, routes: np.ndarray | None, micro: dict[str, Any], spans: Spans
     ) -> RLBatch:
         """The batch with the teachers' log-probs (or top-k) of its response tokens: each
         teacher's pass over the rows `routes` gives it (None: the one teacher, every row),
-        the results (zeros on the rows of other teachers) summed into the train layout."""
+        the results (zeros on the rows of other teachers) summed into the train layout. The
+        passes are the phase "teacher" of `spans`."""
         if self.router is not None and routes is None:  # every teacher would score every row
             raise ValueError(f"several distillation teachers, but the step's rows carry no {ROUTE}")
         total = None
@@ -567,82 +484,18 @@ class PPOTrainer:
             rows = None if routes is None else np.flatnonzero(routes == self.router.index(name))
             if rows is not None and not len(rows):
                 continue
+            start = time.perf_counter()
             with self.cluster.on_device(name):
                 out = infer(
                     self._teacher_passes[name], teacher.params, batch, layout=teacher.layout,
                     rows=rows, **micro,
                 )  # fmt: skip
-                out = jax.block_until_ready(moved_to(out, self.cluster.actor.layout))
+                out = moved_to(out, self.cluster.actor.layout)
+            spans.track("teacher", start, out, group=self.cluster.device_group(name))
             total = out if total is None else jax.tree.map(jnp.add, total, out)
-        if self.teacher_top_k is None:
+        if self.plan.teacher_top_k is None:
             return batch.replace(teacher_log_probs=total)
         return batch.replace(teacher_topk_log_probs=total[0], teacher_topk_ids=total[1])
-
-    def _host_fields(self, prompts: PromptBatch) -> dict[str, np.ndarray]:
-        """Per-row host arrays the step's rows carry besides the generation's and the
-        reward's: each row's teacher (several teachers)."""
-        return self.router.host_fields(prompts) if self.router is not None else {}
-
-    def _dynamic_sampling(
-        self,
-        prompts: PromptBatch,
-        global_step: int,
-        rng: jax.Array,
-        timing: dict[str, float],
-        metrics: dict[str, float],
-    ) -> Scored:
-        """DAPO's dynamic sampling (`jaxrl.trainer.dynamic_sampling`): generation batches
-        from `prompts` on (the next ones from `prompt_source`) until `train_batch_size`
-        groups whose `filter_groups.metric` varies (or singletons) exist; their first
-        `train_batch_size`. Batch k > 0 samples from `fold_in(key(seed + 3), step)` folded
-        with k (batch 0 from the step's key), so a resumed run generates the same."""
-        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
-        if fg.streaming:
-            return self._streamed_sampling(prompts, rng, timing, metrics)
-        extra_key = jax.random.fold_in(
-            jax.random.key(self.cfg.actor_rollout_ref.rollout.seed + 3), global_step
-        )
-        pool = GroupPool()
-        while True:
-            key = rng if pool.batches == 0 else jax.random.fold_in(extra_key, pool.batches)
-            scored = self._scored_rows(prompts, key, timing, metrics, on_host=True)
-            values = metric_values(fg.metric, scored.rows["token_level_scores"], scored.extra)
-            conversations = scored.conversations if jax.process_count() == 1 else None
-            pool.add(scored.rows, scored.extra, conversations, values)
-            if pool.full(target, fg.max_num_gen_batches):
-                break
-            if self.prompt_source is None:
-                raise ValueError(NO_MORE_PROMPTS)
-            prompts = next(self.prompt_source)
-        rows, extra, conversations = pool.take(target)
-        metrics.update(pool.metrics(target))
-        return Scored(rows, {}, extra, scored.reward_metrics, conversations)
-
-    def _streamed_sampling(
-        self,
-        prompts: PromptBatch,
-        rng: jax.Array,
-        timing: dict[str, float],
-        metrics: dict[str, float],
-    ) -> Scored:
-        """`filter_groups.streaming`: groups through the engine's slots, judged as they end,
-        until `train_batch_size` are kept (`jaxrl.trainer.dynamic_sampling`); the step's key
-        samples them. `max_num_gen_batches` bounds the groups started (x the generation
-        batch's prompts)."""
-        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
-        judge = GroupJudge(self.reward_fn, fg.metric, timing, self._host_fields)
-        limit = fg.max_num_gen_batches
-        start = time.perf_counter()
-        result = self._rollout.stream(
-            judge.batches(prompts, self.prompt_source), self.sampling, rng, judge,
-            target=target, max_groups=limit * len(prompts) if limit > 0 else None,
-        )  # fmt: skip
-        timing["gen"] = time.perf_counter() - start - timing.get("reward", 0.0)
-        if result.stats.kept < target:
-            raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
-        rows, extra = judge.take(target)
-        metrics.update(stream_metrics(result.stats, target))
-        return Scored(rows, {}, extra, judge.reward_metrics, None)
 
     def _pf_ppo(self, batch: RLBatch, global_step: int) -> np.ndarray:
         """PF-PPO (`algorithm.use_pf_ppo`): N rows of the batch drawn with replacement by
@@ -657,7 +510,8 @@ class PPOTrainer:
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         """One pass over the validation set: verl's `val-core/*`, `val-aux/*` metrics (and
         the generations dumped to `validation_data_dir`)."""
-        return validate(self, loader, global_step, self.cfg.trainer.validation_data_dir)
+        with self._rollout.holding():  # one weight copy for every batch
+            return validate(self, loader, global_step, self.cfg.trainer.validation_data_dir)
 
     # ----------------------------------------------------------------------- checkpoint state
 
@@ -686,18 +540,6 @@ class PPOTrainer:
         scores = batch["token_level_scores"].sum(-1)
         rows = generation_rows(self.tokenizer, batch, scores, step, conversations=conversations)
         write_jsonl(rows, Path(folder).expanduser() / f"{step}.jsonl")
-
-    def _on_policy(self, rows: int) -> bool:
-        """Whether the actor's old log-probs are the current policy's, so the step skips
-        their pass: one mini-batch of all `rows`, one epoch, no KL in the reward, and not
-        bypass mode (which trains against the rollout's log-probs)."""
-        actor_cfg = self.cfg.actor_rollout_ref.actor
-        return (
-            actor_cfg.ppo_mini_batch_size * self.sampling.n >= rows
-            and actor_cfg.ppo_epochs == 1
-            and not self.cfg.algorithm.use_kl_in_reward
-            and not self.bypass
-        )
 
     def _update_args(self, role, global_step: int, fields: tuple[str, ...]) -> dict[str, Any]:
         """`Learner.update`'s arguments for the actor or critic config `role` at a step."""
@@ -733,25 +575,20 @@ class PPOTrainer:
             programs["validate generate"] = rollout.compile(
                 actor.params, val_prompts, p, self.val_sampling
             )
-        on_policy = self._on_policy(prompts * n)
-        fields = ("advantages", "old_log_probs")
-        fields += ("ref_log_probs",) if ref is not None else ()
-        top_k = self.teacher_top_k  # None without a teacher
-        fields += ("teacher_log_probs",) if self._teacher_passes and top_k is None else ()
-        fields += CRITIC_FIELDS if critic is not None else ()
-        batch = worst_case_batch(prompts * n, p, r, fields)
-        if top_k is not None:
-            shape = (prompts * n, r, top_k)
+        plan = self.plan
+        batch = worst_case_batch(prompts * n, p, r, plan.batch_fields)
+        if plan.teacher_top_k is not None:
+            shape = (prompts * n, r, plan.teacher_top_k)
             batch = batch.replace(
                 teacher_topk_log_probs=jax.ShapeDtypeStruct(shape, np.float32),
                 teacher_topk_ids=jax.ShapeDtypeStruct(shape, np.int32),
             )
         micro = self._log_prob_micro()
-        if (not on_policy or self.sum_pi_squared or self.decoupled_correction) and not self.bypass:
+        if plan.runs("old_log_prob"):
             programs["actor log-probs"] = compile_infer(
                 self._log_prob, actor.params, batch, layout=actor.layout, **micro
             )
-        if ref is not None:
+        if plan.runs("ref"):
             programs["ref log-probs"] = compile_infer(
                 self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
             )
@@ -759,16 +596,15 @@ class PPOTrainer:
             programs[f"{name} log-probs"] = compile_infer(
                 self._teacher_passes[name], teacher.params, batch, layout=teacher.layout, **micro
             )
-        if critic is not None:
+        if plan.runs("values"):
             programs["critic values"] = compile_infer(
                 self._values, critic.params, batch, layout=critic.layout, **self._values_micro()
             )
-            args = self._update_args(cfg.critic, 1, CRITIC_FIELDS)
+            args = self._update_args(cfg.critic, 1, plan.critic_fields)
             update = critic.compile_update(batch, **args)
             programs.update({f"critic {k}": v for k, v in update.items()})
-        actor_fields = self._actor_fields(batch, on_policy)
         update = actor.compile_update(
-            batch, **self._update_args(actor_rollout_ref.actor, 1, actor_fields)
+            batch, **self._update_args(actor_rollout_ref.actor, 1, plan.actor_fields)
         )
         programs.update({f"actor {k}": v for k, v in update.items()})
         return programs
@@ -836,12 +672,6 @@ class PPOTrainer:
             phases={"weight sync": sync},
         )
 
-    def _actor_fields(self, batch: RLBatch, on_policy: bool) -> tuple[str, ...]:
-        optional = ("ref_log_probs", "teacher_log_probs", "teacher_topk_log_probs",
-                    "teacher_topk_ids", "rollout_is_weights")  # fmt: skip
-        fields = ("advantages", *(() if on_policy else ("old_log_probs",)))
-        return fields + tuple(name for name in optional if getattr(batch, name) is not None)
-
     def _values_micro(self) -> dict[str, Any]:
         c = self.cfg.critic
         return {
@@ -860,26 +690,12 @@ class PPOTrainer:
         }
 
 
-def gather_processes(
-    batch: dict[str, np.ndarray],
-    group_ids: np.ndarray,
-    extra: dict[str, list],
-    reward_metrics: dict[str, float],
-) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, list], dict[str, float]]:
-    """The step's rows of every process, concatenated in process order (process p holds slice
-    p of the global batch, so this is the global batch), on every process: the batch's
-    arrays, the group ids (positions in the global batch already), the scorer's extra info
-    (None for the rows of a process whose scorer did not return a key), and the reward
-    manager's metrics (summed: the built-in managers report counts, `reward/errors` and
-    `reward/timeouts`)."""
-    rows = gather_rows({**batch, "__group_ids": group_ids})
-    group_ids = rows.pop("__group_ids")
-    every = allgather_objects((len(batch["responses"]), extra, reward_metrics))
-    keys = sorted({k for _, e, _ in every for k in e})
-    extra = {k: [v for count, e, _ in every for v in e.get(k, [None] * count)] for k in keys}
-    names = sorted({k for _, _, m in every for k in m})
-    reward_metrics = {k: float(sum(m.get(k, 0.0) for _, _, m in every)) for k in names}
-    return rows, group_ids, extra, reward_metrics
+def _batch(experience: Experience, layout) -> RLBatch:
+    """The step's batch on the trainer's devices from its experience."""
+    rows, log_probs = dict(experience.rows), experience.rollout_log_probs
+    if log_probs is None or isinstance(log_probs, jax.Array):
+        return RLBatch.from_host(rows, layout, rollout_log_probs=log_probs)
+    return RLBatch.from_host({**rows, "rollout_log_probs": log_probs}, layout)
 
 
 def _prefixed(metrics: dict[str, float], role: str) -> dict[str, float]:

@@ -71,7 +71,7 @@ def test_requests_with_their_own_settings_share_the_engine(tiny):
         seen.append(len(handles[3].tokens))
     assert seen[:4] == [4, 8, 12, 13] and handles[3].finish_reason == "length"
     for h, p, sp, k in zip(handles, prompts, settings, keys, strict=True):
-        assert_turn(h, alone(config, params, p, sp, k))
+        assert_turn(h, alone(config, params, p, sp, jax.random.fold_in(k, 0)))  # copy 0
         assert len(h.tokens) == sp.max_tokens and h.done and h.version == 7
         assert h.slot is None and h.record.prompt == p and h.record.response == h.tokens
     assert eng.free_slots == 4

@@ -18,6 +18,7 @@ from jaxrl.compare import VOLATILE
 from jaxrl.config import load_config
 from jaxrl.data import load_tokenizer
 from jaxrl.plot import plot_run
+from jaxrl.rollout import RolloutEngine
 from jaxrl.sharding.processes import to_host
 from jaxrl.testing.reference import import_reference
 from jaxrl.trainer.fit import fit
@@ -320,22 +321,38 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
 
 @pytest.mark.entry
 @pytest.mark.parametrize("streaming", [False, True], ids=["batches", "streaming"])
-def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(assets, tmp_path, streaming):
+def test_dynamic_sampling_trains_on_disagreeing_groups_and_resumes(
+    assets, tmp_path, streaming, monkeypatch
+):
     """DAPO dynamic sampling (generation batches of 4 prompts for a step of 8), whole batches
     or streamed through the engine's slots: every trained group's two responses score
     differently, each step took at least two generation batches, and 3 steps straight equal
     1 step + checkpoint + resume to 3 (the extra batches come from the loader, whose saved
-    state covers them)."""
+    state covers them). The weights reach the rollout once per step, whatever the number
+    of generation batches, and once for a validation of 4 batches."""
     common = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-              "data.gen_batch_size=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
-              "trainer.save_freq=1", f"algorithm.filter_groups.streaming={streaming}"]  # fmt: skip
+              "data.gen_batch_size=4", "trainer.test_freq=3", "trainer.val_before_train=false",
+              "data.val_batch_size=2", "trainer.save_freq=1",
+              f"algorithm.filter_groups.streaming={streaming}"]  # fmt: skip
     mesh = ["mesh.fsdp=4", "mesh.dp=2", "mesh.tp=1"]
     dump = tmp_path / "dump"
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    loads, load_weights = [], RolloutEngine.load_weights
+
+    def counted(engine, *args, **kwargs):
+        loads.append(kwargs.get("version"))
+        return load_weights(engine, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutEngine, "load_weights", counted)
     fit(config(assets, straight, *common, "trainer.total_training_steps=3",
                f"trainer.rollout_data_dir={dump}", mesh=mesh))  # fmt: skip
+    # three steps, then the validation after the third (8 prompts: 4 batches), each a new
+    # version (optimizer steps taken: 2 mini-batches a step)
+    assert loads == [0, 2, 4, 6], loads
     fit(config(assets, stopped, *common, "trainer.total_training_steps=1", mesh=mesh))
     fit(config(assets, stopped, *common, "trainer.total_training_steps=3", mesh=mesh))
+    # step 1 and the validation after its last step; the resumed run goes on from the save
+    assert loads[4:] == [0, 2, 2, 4, 6], loads
     a, b = read_metrics(straight), read_metrics(stopped)
     for ra, rb in zip(a, b, strict=True):
         for key, value in ra.items():

@@ -1,0 +1,294 @@
+"""The experience producer: a step's scored rows, made apart from the step that trains on them.
+
+    producer = ExperienceProducer(cfg, cluster, rollout, sampling, reward_fn, router=...,
+                                  prompt_source=...)
+    experience = producer.produce(prompts, global_step, rng)
+    experience.rows              # host arrays of the global batch (every process holds them)
+    experience.rollout_log_probs # the rollout's log-probs: their one home (devices or host)
+    experience.timing            # gen, reward, gen_max, gather (seconds)
+    experience.metrics           # the agent loop's, dynamic sampling's, the reward manager's
+
+`produce`:
+
+    generate  `rollout.n` responses per prompt (`StepRollout`: batch generation, or the agent
+              loop) with the actor's weights, published once for all of the call's
+              generations (one `StepRollout.holding` block)
+    score     the reward function on the host; ReMax's greedy baselines
+    filter    DAPO's dynamic sampling (`algorithm.filter_groups`): further generation batches
+              from the train loader until enough groups' metric varies, or the groups
+              streamed through the engine's scheduler, judged as they end
+    gather    several processes: every process gets the rows of all of them, in the global
+              batch's order (`gather_processes`)
+
+The trainer's step consumes an `Experience` and only runs passes and updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.core_algos import AdvantageEstimator
+from jaxrl.data.batch import PromptBatch
+from jaxrl.rollout import SamplingParams
+from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
+from jaxrl.trainer.batch import moved_to
+from jaxrl.trainer.cluster import Cluster
+from jaxrl.trainer.dynamic_sampling import (
+    NO_MORE_PROMPTS,
+    DynamicSamplingError,
+    GroupJudge,
+    GroupPool,
+    metric_values,
+    stream_metrics,
+    too_many_batches_message,
+)
+from jaxrl.trainer.generation import StepRollout
+from jaxrl.trainer.teachers import ROUTE, TeacherRouter
+
+# (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
+RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
+
+
+@dataclasses.dataclass
+class Experience:
+    """What one step trains on: the global batch's generated and scored rows.
+
+    Attributes:
+        rows: Host arrays, the same on every process: `prompts`, `prompt_mask`,
+            `responses`, `response_mask`, `token_level_scores`, `group_ids`, and
+            `loss_mask` (the agent loop's) and `reward_baselines` (ReMax) when there are.
+        rollout_log_probs: The rollout's log-probs [N, R]: on the devices in the actor's
+            layout (one process, no filtering), on the host otherwise; None when the
+            rollout returned none.
+        extra: The reward function's extra info ({name: per-row list}).
+        routes: Each row's distillation teacher (several teachers), else None.
+        conversations: The agent loop's conversations per row (None: batch generation, or
+            several processes).
+        policy_version: The actor's weights version (`Learner.version`) that sampled it.
+        timing: Seconds of its phases (`gen`, `reward`, `gen_max`, `gather`).
+        metrics: The agent loop's, dynamic sampling's and the reward manager's metrics.
+    """
+
+    rows: dict[str, np.ndarray]
+    rollout_log_probs: Any
+    extra: dict[str, list]
+    routes: np.ndarray | None
+    conversations: list[dict[str, Any]] | None
+    policy_version: int
+    timing: dict[str, float]
+    metrics: dict[str, float]
+
+
+@contextlib.contextmanager
+def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
+    """Add the block's wall time to `timing[name]`."""
+    start = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+class ExperienceProducer:
+    """Makes the step's `Experience` (module doc).
+
+    Args:
+        cfg: The run's config.
+        cluster: Its roles (the actor's weights version, its layout).
+        rollout: The step's generation.
+        sampling: The training rollout's sampling settings.
+        reward_fn: Scores training responses.
+        router: Routes rows to distillation teachers (several teachers), else None.
+        prompt_source: Where dynamic sampling's further generation batches come from (the
+            train loader, so its saved state covers them); None: no more than one.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        cluster: Cluster,
+        rollout: StepRollout,
+        sampling: SamplingParams,
+        reward_fn: RewardFn,
+        *,
+        router: TeacherRouter | None = None,
+        prompt_source: Iterator[PromptBatch] | None = None,
+    ):
+        self.cfg, self.cluster, self.rollout, self.reward_fn = cfg, cluster, rollout, reward_fn
+        self.sampling, self.router, self.prompt_source = sampling, router, prompt_source
+
+    def produce(self, prompts: PromptBatch, global_step: int, rng: jax.Array) -> Experience:
+        """The step's experience from `prompts` (this process's rows) and the step's key."""
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        with self.rollout.holding():  # one weight copy for every generation batch
+            version = self.cluster.actor.version
+            if self.cfg.algorithm.filter_groups.enable:
+                scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
+            else:
+                scored = self._scored_rows(prompts, rng, timing, metrics)
+        rows = dict(scored.rows)
+        routes = rows.pop(ROUTE, None)
+        log_probs = rows.pop("rollout_log_probs", scored.device_log_probs)
+        metrics.update(scored.reward_metrics)
+        return Experience(
+            rows, log_probs, scored.extra, routes, scored.conversations, version, timing, metrics
+        )
+
+    # ---- the ways a step's rows are made -------------------------------------------------
+
+    def _scored_rows(
+        self,
+        prompts: PromptBatch,
+        rng: jax.Array,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+        *,
+        on_host: bool = False,
+    ) -> _Scored:
+        """Generate `rollout.n` responses per prompt and score them (and ReMax's greedy
+        baselines): the global batch's rows, on every process (`gather_processes`). The
+        rollout's log-probs stay on the devices (one process) unless `on_host`."""
+        n = self.sampling.n
+        with timer("gen", timing):
+            generated = self.rollout.generate(prompts, self.sampling, rng)
+            rows, log_probs = generated.rows, generated.log_probs
+            metrics.update(generated.metrics)
+        repeated = generated.scored(prompts.repeat(n))
+        group_ids = repeated.group_ids
+        with timer("reward", timing):
+            scores, reward_metrics, extra = self.reward_fn(
+                repeated, rows["responses"], rows["response_mask"]
+            )
+            rows["token_level_scores"] = scores.astype(np.float32)
+        rows.update(self._host_fields(repeated))
+        if self.cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
+            with timer("gen_max", timing):
+                greedy = dataclasses.replace(
+                    self.sampling, do_sample=False, temperature=0.0, n=1, over_sample_rate=0.0
+                )  # every prompt's baseline: never aborted
+                base = self.rollout.generate(prompts, greedy, rng).rows
+                base_scores, _, _ = self.reward_fn(
+                    prompts, base["responses"], base["response_mask"]
+                )
+                rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
+        on_devices = None
+        conversations = generated.conversations
+        if jax.process_count() > 1:
+            with timer("gather", timing):
+                if log_probs is not None:
+                    rows["rollout_log_probs"] = log_probs
+                rows, group_ids, extra, reward_metrics = gather_processes(
+                    rows, group_ids, extra, reward_metrics
+                )
+        elif log_probs is not None and on_host:
+            rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
+        elif log_probs is not None:
+            on_devices = moved_to(log_probs, self.cluster.actor.layout)
+        rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
+        return _Scored(rows, on_devices, extra, reward_metrics, conversations)
+
+    def _host_fields(self, prompts: PromptBatch) -> dict[str, np.ndarray]:
+        """Per-row host arrays the step's rows carry besides the generation's and the
+        reward's: each row's teacher (several teachers)."""
+        return self.router.host_fields(prompts) if self.router is not None else {}
+
+    def _dynamic_sampling(
+        self,
+        prompts: PromptBatch,
+        global_step: int,
+        rng: jax.Array,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+    ) -> _Scored:
+        """DAPO's dynamic sampling (`jaxrl.trainer.dynamic_sampling`): generation batches
+        from `prompts` on (the next ones from `prompt_source`) until `train_batch_size`
+        groups whose `filter_groups.metric` varies (or singletons) exist; their first
+        `train_batch_size`. Batch k > 0 samples from `fold_in(key(seed + 3), step)` folded
+        with k (batch 0 from the step's key), so a resumed run generates the same."""
+        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        if fg.streaming:
+            return self._streamed_sampling(prompts, rng, timing, metrics)
+        extra_key = jax.random.fold_in(
+            jax.random.key(self.cfg.actor_rollout_ref.rollout.seed + 3), global_step
+        )
+        pool = GroupPool()
+        while True:
+            key = rng if pool.batches == 0 else jax.random.fold_in(extra_key, pool.batches)
+            scored = self._scored_rows(prompts, key, timing, metrics, on_host=True)
+            values = metric_values(fg.metric, scored.rows["token_level_scores"], scored.extra)
+            conversations = scored.conversations if jax.process_count() == 1 else None
+            pool.add(scored.rows, scored.extra, conversations, values)
+            if pool.full(target, fg.max_num_gen_batches):
+                break
+            if self.prompt_source is None:
+                raise ValueError(NO_MORE_PROMPTS)
+            prompts = next(self.prompt_source)
+        rows, extra, conversations = pool.take(target)
+        metrics.update(pool.metrics(target))
+        return _Scored(rows, None, extra, scored.reward_metrics, conversations)
+
+    def _streamed_sampling(
+        self,
+        prompts: PromptBatch,
+        rng: jax.Array,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+    ) -> _Scored:
+        """`filter_groups.streaming`: groups through the engine's slots, judged as they end,
+        until `train_batch_size` are kept (`jaxrl.trainer.dynamic_sampling`); the step's key
+        samples them. `max_num_gen_batches` bounds the groups started (x the generation
+        batch's prompts)."""
+        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        judge = GroupJudge(self.reward_fn, fg.metric, timing, self._host_fields)
+        limit = fg.max_num_gen_batches
+        start = time.perf_counter()
+        result = self.rollout.stream(
+            judge.batches(prompts, self.prompt_source), self.sampling, rng, judge,
+            target=target, max_groups=limit * len(prompts) if limit > 0 else None,
+        )  # fmt: skip
+        timing["gen"] = time.perf_counter() - start - timing.get("reward", 0.0)
+        if result.stats.kept < target:
+            raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
+        rows, extra = judge.take(target)
+        metrics.update(stream_metrics(result.stats, target))
+        return _Scored(rows, None, extra, judge.reward_metrics, None)
+
+
+@dataclasses.dataclass
+class _Scored:
+    """Generated and scored rows on their way to an `Experience` (or to the dynamic
+    sampling pool): the rollout's log-probs in `rows` on the host, or `device_log_probs`."""
+
+    rows: dict[str, np.ndarray]
+    device_log_probs: Any
+    extra: dict[str, list]
+    reward_metrics: dict[str, float]
+    conversations: list[dict[str, Any]] | None
+
+
+def gather_processes(
+    batch: dict[str, np.ndarray],
+    group_ids: np.ndarray,
+    extra: dict[str, list],
+    reward_metrics: dict[str, float],
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, list], dict[str, float]]:
+    """The step's rows of every process, concatenated in process order (process p holds slice
+    p of the global batch, so this is the global batch), on every process: the batch's
+    arrays, the group ids (positions in the global batch already), the scorer's extra info
+    (None for the rows of a process whose scorer did not return a key), and the reward
+    manager's metrics (summed: the built-in managers report counts, `reward/errors` and
+    `reward/timeouts`)."""
+    rows = gather_rows({**batch, "__group_ids": group_ids})
+    group_ids = rows.pop("__group_ids")
+    every = allgather_objects((len(batch["responses"]), extra, reward_metrics))
+    keys = sorted({k for _, e, _ in every for k in e})
+    extra = {k: [v for count, e, _ in every for v in e.get(k, [None] * count)] for k in keys}
+    names = sorted({k for _, _, m in every for k in m})
+    reward_metrics = {k: float(sum(m.get(k, 0.0) for _, _, m in every)) for k in names}
+    return rows, group_ids, extra, reward_metrics

@@ -1,0 +1,131 @@
+"""The step plan: which passes a PPO step runs and which batch fields each update reads,
+decided once, from the config and the cluster, for `step`, `compile_step` and `memory_plan`.
+
+    plan = StepPlan.of(cfg, cluster, n=sampling.n)
+    plan.passes              # e.g. ("old_log_prob", "ref", "values"), in dispatch order
+    plan.actor_fields        # what the actor update reads beyond the rows' tokens
+    plan.batch_fields        # every float field of a step's batch (the worst-case batch's)
+
+Who needs what (each entry names the config that asks for it):
+
+    pass / field         run or read when
+    old_log_prob         the actor's old log-probs are not the current policy's (more than one
+      old_log_probs      mini-batch or epoch, KL in the reward), or an estimator reads
+                         sum_pi_squared (`NEEDS_SUM_PI_SQUARED`: the optimal token baselines),
+                         or decoupled rollout correction compares them with the rollout's; not
+                         in bypass mode (the rollout's log-probs are the old ones)
+    ref                  a reference model (`use_kl_loss`, `use_kl_in_reward`)
+      ref_log_probs      the actor reads them with `use_kl_loss`; KL in the reward reads them
+                         before the advantages
+    teacher              distillation teachers
+      teacher_log_probs  (or the top-k pair with `forward_kl_topk`) the actor's loss
+    values               a critic (GAE and the other critic estimators)
+      values, returns    the critic update
+    rollout_is_weights   decoupled rollout correction: the actor's loss
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.trainer.advantage import NEEDS_SUM_PI_SQUARED
+from jaxrl.trainer.cluster import Cluster
+
+CRITIC_FIELDS = ("values", "returns")
+TOP_K_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")  # [N, R, k], not [N, R]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """A step's passes and fields (module doc).
+
+    Attributes:
+        passes: The passes that run, in dispatch order (names are their `timing_s/*`).
+        groups: Each pass's device group (`Cluster.device_group` of its role).
+        on_policy: The actor's old log-probs are the current policy's (the update
+            computes them itself: `stop_gradient` of its own).
+        bypass: The rollout's log-probs are the old ones (bypass mode).
+        sum_pi_squared: The old-log-prob pass also returns sum_v pi_v^2.
+        correction: Decoupled rollout correction (IS weights, rejection) before the
+            advantages.
+        teacher_top_k: The teachers return their top-k (None: the sampled tokens' log-probs).
+        actor_fields: The actor update's fields beyond the rows' tokens.
+        critic_fields: The critic update's.
+    """
+
+    passes: tuple[str, ...]
+    groups: dict[str, str]
+    on_policy: bool
+    bypass: bool
+    sum_pi_squared: bool
+    correction: bool
+    teacher_top_k: int | None
+    actor_fields: tuple[str, ...]
+    critic_fields: tuple[str, ...]
+
+    @classmethod
+    def of(cls, cfg, cluster: Cluster, *, n: int) -> StepPlan:
+        """The plan of `cfg`'s steps over `cluster` (`n` responses per prompt)."""
+        actor_cfg, algorithm = cfg.actor_rollout_ref.actor, cfg.algorithm
+        correction_cfg = algorithm.rollout_correction
+        bypass = bool(correction_cfg.bypass_mode)
+        correction = not bypass and bool(correction_cfg.rollout_is or correction_cfg.rollout_rs)
+        sum_pi_squared = algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
+        on_policy = (
+            actor_cfg.ppo_mini_batch_size * n >= cfg.data.train_batch_size * n
+            and actor_cfg.ppo_epochs == 1
+            and not algorithm.use_kl_in_reward
+            and not bypass
+        )
+        loss_cfg = cfg.distillation.distillation_loss
+        top_k = None
+        if cluster.teachers and loss_cfg.loss_mode == "forward_kl_topk":
+            top_k = loss_cfg.topk
+        passes = []
+        if not bypass and (not on_policy or sum_pi_squared or correction):
+            passes.append("old_log_prob")
+        if cluster.ref is not None:
+            passes.append("ref")
+        if cluster.teachers:
+            passes.append("teacher")
+        if cluster.critic is not None:
+            passes.append("values")
+        roles = {"old_log_prob": "actor", "ref": "ref", "values": "critic"}
+        groups = {p: cluster.device_group(roles[p]) for p in passes if p in roles}
+        if cluster.teachers:
+            groups["teacher"] = cluster.device_group(next(iter(cluster.teachers)))
+        actor_fields = ["advantages"]
+        if not on_policy:
+            actor_fields.append("old_log_probs")
+        if actor_cfg.use_kl_loss:
+            actor_fields.append("ref_log_probs")
+        if cluster.teachers:
+            actor_fields += TOP_K_FIELDS if top_k is not None else ("teacher_log_probs",)
+        if correction:
+            actor_fields.append("rollout_is_weights")
+        return cls(
+            passes=tuple(passes),
+            groups=groups,
+            on_policy=on_policy,
+            bypass=bypass,
+            sum_pi_squared=sum_pi_squared,
+            correction=correction,
+            teacher_top_k=top_k,
+            actor_fields=tuple(actor_fields),
+            critic_fields=CRITIC_FIELDS if cluster.critic is not None else (),
+        )
+
+    def runs(self, name: str) -> bool:
+        """Whether pass `name` runs."""
+        return name in self.passes
+
+    @property
+    def batch_fields(self) -> tuple[str, ...]:
+        """The [N, R] float fields a step's batch carries for its passes and updates."""
+        fields = ["advantages", "old_log_probs"]
+        fields += ["ref_log_probs"] if self.runs("ref") else []
+        fields += ["sum_pi_squared"] if self.sum_pi_squared else []
+        fields += ["rollout_is_weights"] if self.correction else []
+        fields += ["teacher_log_probs"] if self.runs("teacher") and not self.teacher_top_k else []
+        fields += list(self.critic_fields)
+        return tuple(fields)
