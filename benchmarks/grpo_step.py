@@ -175,7 +175,7 @@ def compiled_figures(size: str, micro: int | None, lora: int) -> dict:
         "peak_bytes": plan.peak,
         "optimizer_state_bytes": nbytes(actor.state.opt_state),
         "trained_param_bytes": nbytes(actor.state.params),
-        "frozen_param_bytes": nbytes(actor.frozen),
+        "frozen_param_bytes": nbytes(actor.base),
         "sync_bytes_written_per_step": sync["bytes_written_per_device"],
         "largest_program": plan.largest,
     }

@@ -34,9 +34,9 @@ the turn after the token that completes a stop string (the slot continues from t
 pending token is that one; the cache cells written past it are never read, as the next token
 overwrites them before any query reaches them).
 
-`load_weights` is the jitted re-layout of `jaxrl.sharding.reshard`: the source may live on the
-same devices (colocated) or on others (the rollout on its own device group); either way one
-program moves and casts every leaf, no host copy.
+The weights are a `RolloutWeights` (`jaxrl.rollout.weights`: the jitted re-layout of the
+actor's, their version, a LoRA base kept between loads); the engine's conversations and
+generation read them.
 """
 
 from __future__ import annotations
@@ -51,18 +51,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.data.batch import bucket
-from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import param_shardings
 from jaxrl.rollout import conversation
 from jaxrl.rollout.backends import DecodeBackend, choose_backend
 from jaxrl.rollout.generation import GenerationOutput, cache_geometry, compile_generate, generate
 from jaxrl.rollout.sampling import RowSampling, SamplingParams
-from jaxrl.sharding.layouts import ROLLOUT_RULES, Layout, placed_abstract, rollout_mesh
-from jaxrl.sharding.reshard import free, reshard
+from jaxrl.rollout.weights import RolloutWeights
+from jaxrl.sharding.layouts import ROLLOUT_RULES, Layout, rollout_mesh
+from jaxrl.sharding.reshard import free
 
 log = logging.getLogger("jaxrl.rollout")
 
@@ -151,12 +150,7 @@ class RolloutEngine:
         self.shardings = param_shardings(config, layout)
         self.decode_backend = decode_backend
         self.backend = choose_backend(decode_backend, config, layout)
-        self.params: Any = None
-        self.version: int | None = None  # of the loaded weights (`load_weights`)
-        # LoRA (`load_weights(..., frozen_base=True)`): the base's rollout copy, kept across
-        # loads and releases, and which of its leaves are the source's own arrays (not freed)
-        self._base: Any = None
-        self._aliased: set[int] = set()
+        self.weights = RolloutWeights(config, self.shardings, per_layer=self.backend.name == "xla")
         self._cache: Any = None
         self._pending: dict[str, np.ndarray] = {}
         self._records: dict[int, Conversation] = {}
@@ -171,96 +165,39 @@ class RolloutEngine:
     def load_weights(
         self, params: Any, *, frozen_base: bool = False, version: int | None = None
     ) -> None:
-        """Copy `params` (any layout, any devices) into the rollout layout (cast to the
-        config's `param_dtype` if they differ), replacing (and freeing) the previous copy;
-        `version` (the policy's, e.g. its step) is what the scheduler's handles record.
-        Open conversations keep their caches (computed with the earlier weights). With the
-        `xla` decode backend the copy is held per layer (`models.cached.unstack_layers`), so
-        the decode step reads each weight where it is instead of slicing it from its stack.
+        """Copy `params` (any layout, any devices) into the rollout layout
+        (`RolloutWeights.load`), replacing the previous copy; `version` (the policy's) is what
+        the scheduler's handles record. Open conversations keep their caches (computed with
+        the earlier weights)."""
+        self.weights.load(params, frozen_base=frozen_base, version=version)
 
-        `frozen_base` (LoRA): everything but the adapters is the same at every call: the
-        first call copies it (a leaf already in the rollout's sharding and dtype is used as
-        it is, not copied), later calls move only the adapters, and the decode step applies
-        them (`transformer._block`)."""
-        self._free_weights()
-        self.version = version
-        if not frozen_base:
-            self._drop_base()
-            copy = reshard(params, self.shardings, dtype=self.config.param_dtype)
-            self.params = _split_layers(copy) if self._per_layer(params) else copy
-            return
-        base, adapters = lora.split(params)
-        base_shardings, adapter_shardings = lora.split(self.shardings)
-        if self._base is None:
-            self._base = self._copy_base(base, base_shardings)
-        adapters = reshard(adapters, adapter_shardings, dtype=self.config.param_dtype)
-        self.params = lora.merge(self._base, adapters)
+    @property
+    def params(self) -> Any:
+        """The loaded weights (None: none)."""
+        return self.weights.params
 
-    def _copy_base(self, base: Any, shardings: Any) -> Any:
-        leaves, treedef = jax.tree.flatten(base)
-        targets = treedef.flatten_up_to(shardings)
-        dtype = np.dtype(self.config.param_dtype)
-        kept = [
-            x.dtype == dtype and x.sharding.is_equivalent_to(s, x.ndim)
-            for x, s in zip(leaves, targets, strict=True)
-        ]
-        moved = reshard(
-            [x for x, k in zip(leaves, kept, strict=True) if not k],
-            [s for s, k in zip(targets, kept, strict=True) if not k],
-            dtype=dtype,
-        )
-        moved_iter = iter(moved)
-        out = [x if k else next(moved_iter) for x, k in zip(leaves, kept, strict=True)]
-        self._aliased = {id(x) for x, k in zip(out, kept, strict=True) if k}
-        return jax.tree.unflatten(treedef, out)
-
-    def _drop_base(self) -> None:
-        """Forget the kept LoRA base (freeing what was copied, not the source's arrays)."""
-        if self._base is not None:
-            free([x for x in jax.tree.leaves(self._base) if id(x) not in self._aliased])
-            self._base, self._aliased = None, set()
+    @property
+    def version(self) -> int | None:
+        """The loaded weights' version (`load_weights`)."""
+        return self.weights.version
 
     def release(self) -> None:
         """Free the weights' and the conversation cache's device memory (verl's sleep mode
         between rollouts); open conversations are ended. A LoRA base is kept (the next load
         moves only the adapters)."""
-        self._free_weights()
+        self.weights.release()
         if self._cache is not None:
             free(self._cache)
             self._cache = None
         self._records.clear()
         self._turns.clear()
 
-    def _free_weights(self) -> None:
-        """Free the weights, except a LoRA base (kept for the next load)."""
-        if self.params is not None:
-            free(self.params if self._base is None else lora.split(self.params)[1])
-            self.params = None
-
     def _weights(self) -> Any:
-        if self.params is None:
-            raise RuntimeError("the rollout has no weights: call load_weights (sync_weights) first")
-        return self.params
+        return self.weights.get()
 
     def copy_of(self, like: Any) -> Any:
-        """What `load_weights(like)` makes, as `jax.ShapeDtypeStruct`s in the rollout's
-        shardings (nothing allocated)."""
-        copy = placed_abstract(like, self.shardings, self.config.param_dtype)
-        if not self._per_layer(like):
-            return copy
-        n, stacked = self.config.num_layers, copy["layers"]
-        layer = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_layer(a.sharding)),
-            stacked,
-        )
-        return {**copy, "layers": (layer,) * n}
-
-    def _per_layer(self, params: Any) -> bool:
-        """Whether the rollout holds `params` per layer (`models.cached.unstack_layers`):
-        for the XLA decode step, which would copy every weight out of its stack at every
-        step; not for the CPU kernels (they cut their own panels from the stacks) nor for a
-        LoRA run (its base stays stacked so that it can be the actor's own arrays)."""
-        return self.backend.name == "xla" and not lora.has_adapters(params)
+        """What `load_weights(like)` makes, abstract (`RolloutWeights.copy_of`)."""
+        return self.weights.copy_of(like)
 
     # ---- batch generation ----------------------------------------------------------------
 
@@ -708,32 +645,6 @@ def _stop_string_end(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -
         if any(s in text for s in stop):
             return k
     return len(tokens)
-
-
-def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
-    """`models.cached.unstack_layers` of the rollout's own copy, on its devices, one stacked
-    leaf at a time, each stack freed once split (`params` is consumed): the load's peak is
-    one leaf above the stacked copy's."""
-    leaves, treedef = jax.tree.flatten(params.pop("layers"))
-    n, parts = leaves[0].shape[0], []
-    for k in range(len(leaves)):
-        stack, leaves[k] = leaves[k], None
-        parts.append(_split_program(n, stack.sharding)(stack))
-        del stack  # the last reference: its buffer goes now
-    layers = tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(n))
-    return {**params, "layers": layers}
-
-
-def _layer(sharding: NamedSharding) -> NamedSharding:
-    """A stacked leaf's sharding without its leading (layer) axis."""
-    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-
-
-@functools.lru_cache(maxsize=64)
-def _split_program(n: int, sharding: NamedSharding):
-    return jax.jit(
-        lambda stack: tuple(stack[i] for i in range(n)), out_shardings=(_layer(sharding),) * n
-    )
 
 
 _open_cache = jax.jit(conversation.open_cache, static_argnums=(0, 1, 2, 3))

@@ -122,7 +122,7 @@ class RLBatch:
         )
 
     @property
-    def rows(self) -> int:
+    def num_rows(self) -> int:
         return int(self.responses.shape[0])
 
     def fields(self, names: Iterable[str]) -> dict[str, jax.Array]:
@@ -192,7 +192,7 @@ def take(
     """The micro-batch's rows of every array, prompts cut to their last `prompt_len` columns
     and [N, R] arrays to their first `response_len`, rows -1 all zeros; split over the
     layout's batch axes. One jitted gather on the devices, no host copy."""
-    rows = np.asarray(mb.rows, np.int32)
+    rows = np.asarray(mb.row_ids, np.int32)
     return _take(arrays, _place(rows, layout), mb.prompt_len, mb.response_len, layout)
 
 
@@ -223,11 +223,11 @@ def take_abstract(
     out = {}
     for name, x in arrays.items():
         if name in PROMPT_FIELDS:
-            shape = (len(mb.rows), mb.prompt_len)
+            shape = (len(mb.row_ids), mb.prompt_len)
         elif x.ndim >= 2:
-            shape = (len(mb.rows), mb.response_len, *x.shape[2:])
+            shape = (len(mb.row_ids), mb.response_len, *x.shape[2:])
         else:
-            shape = (len(mb.rows), *x.shape[1:])
+            shape = (len(mb.row_ids), *x.shape[1:])
         logical = ("batch",) + (None,) * (len(shape) - 1)
         sharding = None if layout is None else layout.sharding(shape, logical)
         out[name] = jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
@@ -246,7 +246,7 @@ def scatter(
     if layout is not None:
         out = jax.device_put(out, layout.replicated())
     for part, mb in zip(parts, plans, strict=True):
-        idx = np.where(mb.rows >= 0, mb.rows, rows).astype(np.int32)  # row N: dropped
+        idx = np.where(mb.row_ids >= 0, mb.row_ids, rows).astype(np.int32)  # row N: dropped
         out = _scatter(out, part, _place(idx, layout))
     return out
 

@@ -90,7 +90,7 @@ class BaseOf:
 
     @property
     def params(self) -> Any:
-        return self._learner.frozen
+        return self._learner.base
 
     @property
     def layout(self) -> Layout | None:
@@ -283,8 +283,8 @@ class Cluster:
                 params=move(state.params) if params else state.params,
                 opt_state=move(state.opt_state) if opt else state.opt_state,
             )
-            if params and learner.frozen is not None:
-                learner.frozen = move(learner.frozen)
+            if params and learner.base is not None:
+                learner.base = move(learner.base)
         elif params:
             self.frozen[name].params = move(self.frozen[name].params)
 
@@ -297,8 +297,8 @@ class Cluster:
             out["step"] = state.step
             if not spec.param_offload:
                 out["params"] = state.params
-                if self.learners[name].frozen is not None:
-                    out["base"] = self.learners[name].frozen
+                if self.learners[name].base is not None:
+                    out["base"] = self.learners[name].base
             if not spec.optimizer_offload:
                 out["opt_state"] = state.opt_state
         elif name in self.frozen and not spec.param_offload:
@@ -361,7 +361,7 @@ class Cluster:
         if rollout.params is not None and rollout.version == actor.version:
             return False
         with self.on_device("actor"):
-            keep_base = actor.frozen is not None and not self.specs["actor"].param_offload
+            keep_base = actor.base is not None and not self.specs["actor"].param_offload
             rollout.load_weights(actor.params, frozen_base=keep_base, version=actor.version)
         return True
 
@@ -469,9 +469,9 @@ def _learner(
 ) -> Learner:
     """A `Learner` over `params`; with LoRA it trains the adapters (and the `keep` entries:
     a critic's fresh value head) and holds the rest frozen."""
-    frozen = None
+    base = None
     if config.lora is not None:
-        frozen, params = split(params, keep)
+        base, params = split(params, keep)
     state = init_state(params, training.optimizer, layout, shardings_of(params))
     return Learner(
         config,
@@ -480,7 +480,7 @@ def _learner(
         training.loss(config),
         layout=layout,
         grad_clip=training.grad_clip,
-        frozen=frozen,
+        base=base,
     )
 
 

@@ -43,17 +43,17 @@ def batch_shards(layout: Layout | None) -> int:
 
 def plan(
     batch: RLBatch,
-    rows: np.ndarray,
+    row_ids: np.ndarray,
     layout: Layout | None,
     micro_rows: int | None,
     token_budget: int | None,
     balance: bool = False,
 ) -> list[MicroBatch]:
-    """Micro-batches of `rows`; `micro_rows` / `token_budget` are per batch-shard device
+    """Micro-batches of rows `row_ids`; `micro_rows` / `token_budget` are per batch-shard device
     (verl's `*_per_gpu` keys); `balance` deals equal work to the shards."""
     prompt_lengths, response_lengths = batch.lengths()
     return plan_micro_batches(
-        rows,
+        row_ids,
         prompt_lengths,
         response_lengths,
         batch.prompts.shape[1],
@@ -74,17 +74,20 @@ def infer(
     micro_rows: int | None,
     token_budget: int | None,
     balance: bool = False,
-    rows: np.ndarray | None = None,
+    row_ids: np.ndarray | None = None,
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
-    over the batch's `rows` (None: all), as [N, R, ...] arrays (float32; int32 for integer
+    over the batch's rows `row_ids` (None: all), as [N, R, ...] arrays (float32; int32 for integer
     results) replicated in `layout` (zeros past each micro-batch's trimmed width and on the
     rows not asked for). A subset is padded with empty rows to a bucket size (at most N), so
     subsets of varying sizes share a handful of compiled programs."""
     n, r = batch.responses.shape
     arrays = moved_to(batch.fields(batch.forward_fields()), layout)
-    rows = np.arange(n) if rows is None else pad_to(np.asarray(rows), min(bucket(len(rows)), n))
-    plans = plan(batch, rows, layout, micro_rows, token_budget, balance)
+    if row_ids is None:
+        row_ids = np.arange(n)
+    else:
+        row_ids = pad_to(np.asarray(row_ids), min(bucket(len(row_ids)), n))
+    plans = plan(batch, row_ids, layout, micro_rows, token_budget, balance)
     results = [fn(params, take(arrays, mb, layout)) for mb in plans]
     single = not isinstance(results[0], tuple)
     parts = [[x] if single else list(x) for x in results]
@@ -96,8 +99,9 @@ class Learner:
     """Parameters and optimizer state of one role in the train layout, and its update.
 
     With LoRA, `state.params` holds only what is trained (the adapters, and a critic's fresh
-    value head) and `frozen` the base: the loss sees their union, gradients and optimizer
-    moments exist for the trained part alone, and the base is never copied or cast per step.
+    value head) and `base` the rest (frozen): the loss sees their union, gradients and
+    optimizer moments exist for the trained part alone, and the base is never copied or cast
+    per step.
     """
 
     def __init__(
@@ -109,17 +113,17 @@ class Learner:
         *,
         layout: Layout | None,
         grad_clip: float | None,
-        frozen: Any = None,
+        base: Any = None,
     ):
         self.config, self.state, self.optimizer, self.layout = config, state, optimizer, layout
-        self.grad_clip, self.frozen = grad_clip, frozen
+        self.grad_clip, self.base = grad_clip, base
         # The weights' version: optimizer steps taken (host-side; a restore sets it). The
         # rollout is published a version once (`Cluster.sync_weights`).
         self.version = 0
 
-        def accumulate(params, acc, mb, info, frozen):
+        def accumulate(params, acc, mb, info, base):
             def loss(trained, mb, info):
-                return loss_fn(trained if frozen is None else merge(frozen, trained), mb, info)
+                return loss_fn(trained if base is None else merge(base, trained), mb, info)
 
             with use_layout(layout):
                 (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, mb, info)
@@ -142,9 +146,9 @@ class Learner:
     @property
     def params(self) -> Any:
         """The whole model: the trained parameters (and, with LoRA, the frozen base)."""
-        if self.frozen is None:
+        if self.base is None:
             return self.state.params
-        return merge(self.frozen, self.state.params)
+        return merge(self.base, self.state.params)
 
     def update(
         self,
@@ -166,7 +170,7 @@ class Learner:
         values of the whole batch, for an algorithm that takes one mini-batch per step (the
         offline trainers' pair counts, KTO's KL estimate). Returns verl-style metrics
         averaged over the optimizer steps."""
-        n = batch.rows
+        n = batch.num_rows
         arrays = moved_to(batch.fields((*batch.forward_fields(), *fields)), self.layout)
         rng = np.random.RandomState(seed)
         # Device metrics of every micro-batch and optimizer step, read back once at the end:
@@ -175,18 +179,18 @@ class Learner:
         for _ in range(epochs):
             order = rng.permutation(n) if shuffle else np.arange(n)
             for start in range(0, n, mini_batch_rows):
-                rows = order[start : start + mini_batch_rows]
-                mb_info = {**_mini_batch_info(arrays["loss_mask"], rows), **(info or {})}
+                row_ids = order[start : start + mini_batch_rows]
+                mb_info = {**_mini_batch_info(arrays["loss_mask"], row_ids), **(info or {})}
                 acc = self._zeros(self.state.params)
-                micro = []
-                for mb in plan(batch, rows, self.layout, micro_rows, token_budget, balance):
+                micro_metrics = []
+                for mb in plan(batch, row_ids, self.layout, micro_rows, token_budget, balance):
                     acc, m = self._accumulate(
-                        self.state.params, acc, take(arrays, mb, self.layout), mb_info, self.frozen
+                        self.state.params, acc, take(arrays, mb, self.layout), mb_info, self.base
                     )
-                    micro.append(m)
+                    micro_metrics.append(m)
                 self.state, applied = self._apply(self.state, acc)
                 self.version += 1
-                steps.append((micro, applied))
+                steps.append((micro_metrics, applied))
         return _average(to_host(steps))
 
     def compile_update(
@@ -208,7 +212,7 @@ class Learner:
         memory analysis. The state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
         del epochs, shuffle, seed
         arrays = batch.fields((*batch.forward_fields(), *fields))
-        rows = np.arange(min(mini_batch_rows, batch.rows))
+        rows = np.arange(min(mini_batch_rows, batch.num_rows))
         plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)
         mb = take_abstract(arrays, _largest(plans), self.layout)
         grads = jax.eval_shape(self._zeros, self.state.params)
@@ -216,7 +220,7 @@ class Learner:
         info = jax.eval_shape(_mini_batch_info, arrays["loss_mask"], rows)
         return {
             "micro-batch": self._accumulate.lower(
-                self.state.params, grads, mb, info, self.frozen
+                self.state.params, grads, mb, info, self.base
             ).compile(),
             "optimizer": self._apply.lower(self.state, grads).compile(),
         }
@@ -242,14 +246,14 @@ def compile_infer(
     balance: bool = False,
 ) -> jax.stages.Compiled:
     """The program `infer` runs for `batch`'s largest micro-batch, compiled but not run."""
-    plans = plan(batch, np.arange(batch.rows), layout, micro_rows, token_budget, balance)
+    plans = plan(batch, np.arange(batch.num_rows), layout, micro_rows, token_budget, balance)
     mb = take_abstract(batch.fields(batch.forward_fields()), _largest(plans), layout)
     return fn.lower(params, mb).compile()
 
 
 def _largest(plans: list[MicroBatch]) -> MicroBatch:
     """The micro-batch of the most token slots (the one a program's memory is sized by)."""
-    return max(plans, key=lambda mb: len(mb.rows) * (mb.prompt_len + mb.response_len))
+    return max(plans, key=lambda mb: len(mb.row_ids) * (mb.prompt_len + mb.response_len))
 
 
 def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:
@@ -259,15 +263,17 @@ def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:
     metrics are the extremes over every micro-batch of the update (verl's MIN / MAX)."""
     history: dict[str, list[float]] = defaultdict(list)
     extremes: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in ("min", "max")}
-    for micro, applied in steps:
-        tokens = max(sum(float(m["tokens"]) for m in micro), 1.0)
-        for k in micro[0]["sum"]:
-            history[k].append(sum(float(m["sum"][k]) for m in micro))
-        for k in micro[0]["mean"]:
-            history[k].append(sum(float(m["mean"][k]) * float(m["tokens"]) for m in micro) / tokens)
+    for micro_metrics, applied in steps:
+        tokens = max(sum(float(m["tokens"]) for m in micro_metrics), 1.0)
+        for k in micro_metrics[0]["sum"]:
+            history[k].append(sum(float(m["sum"][k]) for m in micro_metrics))
+        for k in micro_metrics[0]["mean"]:
+            history[k].append(
+                sum(float(m["mean"][k]) * float(m["tokens"]) for m in micro_metrics) / tokens
+            )
         for kind, values in extremes.items():
-            for k in micro[0].get(kind, {}):
-                values[k] += [float(m[kind][k]) for m in micro]
+            for k in micro_metrics[0].get(kind, {}):
+                values[k] += [float(m[kind][k]) for m in micro_metrics]
         history["grad_norm"].append(float(applied["grad_norm"]))
     out = {k: float(np.mean(v)) for k, v in history.items()}
     for kind, pick in (("min", min), ("max", max)):

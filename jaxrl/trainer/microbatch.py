@@ -29,9 +29,10 @@ from jaxrl.data.dynamic import dynamic_micro_batches
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
-    """Rows of a batch (-1: an all-padding row) and the widths they are trimmed to."""
+    """Rows of a batch (`row_ids`, indices; -1: an all-padding row) and the widths they are
+    trimmed to."""
 
-    rows: np.ndarray
+    row_ids: np.ndarray
     prompt_len: int
     response_len: int
 

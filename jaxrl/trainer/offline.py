@@ -141,7 +141,7 @@ class OfflineTrainer:
         arrays = {k: v for k, v in host.items() if k != "row_ids"}
         return RLBatch.from_host(arrays, self.layout), host
 
-    def micro(self) -> dict[str, Any]:
+    def batching(self) -> dict[str, Any]:
         """`Learner.update`'s micro-batch arguments (rows per device: examples x sequences)."""
         data = self.cfg.data
         budget = data.max_token_len_per_gpu if getattr(data, "use_dynamic_bsz", False) else None
@@ -153,8 +153,8 @@ class OfflineTrainer:
         lr = float(self.schedule(int(to_host(learner.state.step))))
         with self.cluster.on_device("actor", optimizer=True):
             metrics = learner.update(
-                rl, mini_batch_rows=rl.rows, epochs=1, shuffle=False, seed=0, fields=fields,
-                info=info, **self.micro(),
+                rl, mini_batch_rows=rl.num_rows, epochs=1, shuffle=False, seed=0, fields=fields,
+                info=info, **self.batching(),
             )  # fmt: skip
         metrics["lr"] = lr
         return {self.metric_names.get(k, k): v for k, v in metrics.items()}
@@ -168,7 +168,7 @@ class OfflineTrainer:
     def log_probs(self, params: Any, rl: RLBatch, config) -> jax.Array:
         """Per-token log-probs [N, R] of `rl`'s completions under `params`."""
         fn = _log_prob_fn(config, self.layout, self.cfg.model.logits_chunk_size)
-        return infer(fn, params, rl, layout=self.layout, **self.micro())
+        return infer(fn, params, rl, layout=self.layout, **self.batching())
 
 
 @functools.cache
@@ -235,7 +235,7 @@ class SFTTrainer(OfflineTrainer):
                 if trained == 0:  # filler only on every process: nothing to score (or pack)
                     continue
                 rl, host = self.device_batch(batch)
-                lp, top1 = infer(fn, learner.params, rl, layout=self.layout, **self.micro())
+                lp, top1 = infer(fn, learner.params, rl, layout=self.layout, **self.batching())
                 mask = host["loss_mask"].astype(np.float64)
                 lp, top1 = np.asarray(to_host(lp), np.float64), np.asarray(to_host(top1))
                 n = mask.sum()
@@ -344,7 +344,7 @@ class PreferenceTrainer(OfflineTrainer):
     def reference_sums(self, rl: RLBatch, row_ids: np.ndarray, split: str = "train") -> jax.Array:
         """The reference's sequence log-probs [N] of the batch's rows (of dataset `split`)."""
         if self.reference_free:
-            return _replicated(jnp.zeros((rl.rows,), jnp.float32), self.layout)
+            return _replicated(jnp.zeros((rl.num_rows,), jnp.float32), self.layout)
         if split in self.ref_tables:
             k = self.rows_per_example
             values = self.ref_tables[split][row_ids, np.arange(len(row_ids)) % k]
@@ -459,7 +459,7 @@ class PreferenceTrainer(OfflineTrainer):
             rl, host = self.device_batch(batch)
             ref = self.reference_sums(rl, host["row_ids"], split="val")
             with self.cluster.on_device("actor"):
-                stats = infer(fn, actor.params, rl, layout=self.layout, **self.micro())
+                stats = infer(fn, actor.params, rl, layout=self.layout, **self.batching())
             rows = {name: _row_sums(x, rl.loss_mask) for name, x in
                     zip(losses.PREFERENCE_STATISTICS, stats, strict=True)}  # fmt: skip
             rows["tokens"] = jnp.sum(rl.loss_mask, axis=-1).astype(jnp.float32)

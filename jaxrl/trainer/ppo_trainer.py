@@ -366,7 +366,7 @@ class PPOTrainer:
             metrics["actor/entropy"] = metrics["actor/entropy_loss"]  # on-policy: no old pass
         if self.kl_ctrl is not None:
             current_kl = float(scalars["current_kl"])
-            self.kl_ctrl.update(current_kl=current_kl, n_steps=batch.rows)
+            self.kl_ctrl.update(current_kl=current_kl, n_steps=batch.num_rows)
             metrics["actor/reward_kl_penalty"] = current_kl
             metrics["actor/reward_kl_penalty_coeff"] = float(beta)
         metrics.update(data_metrics(host, use_critic=critic is not None))
@@ -389,14 +389,14 @@ class PPOTrainer:
         dispatched without waiting for those before; their results in the train layout."""
         plan, cluster = self.plan, self.cluster
         actor, ref, critic = cluster.actor, cluster.ref, cluster.critic
-        layout, micro = actor.layout, self._log_prob_micro()
+        layout, batching = actor.layout, self._log_prob_batching()
         if plan.bypass:
             batch = batch.replace(old_log_probs=batch.rollout_log_probs)
         if plan.runs("old_log_prob"):
             start, actor_cfg = time.perf_counter(), self.cfg.actor_rollout_ref.actor
             with cluster.on_device("actor"):
                 old, entropy, *pi2 = infer(self._log_prob, actor.params, batch, layout=layout,
-                                           **micro)  # fmt: skip
+                                           **batching)  # fmt: skip
             spans.track("old_log_prob", start, old, group=plan.groups["old_log_prob"])
             batch = batch.replace(old_log_probs=old, sum_pi_squared=pi2[0] if pi2 else None)
             scalars["actor/entropy"] = agg_loss(
@@ -408,17 +408,17 @@ class PPOTrainer:
         if plan.runs("ref"):
             start = time.perf_counter()
             with cluster.on_device("ref"):
-                lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro)
+                lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **batching)
                 lp = moved_to(lp, layout)
             spans.track("ref", start, lp, group=plan.groups["ref"])
             batch = batch.replace(ref_log_probs=lp)
         if plan.runs("teacher"):
-            batch = self._teacher_scores(batch, routes, micro, spans)
+            batch = self._teacher_scores(batch, routes, batching, spans)
         if plan.runs("values"):
             start = time.perf_counter()
             with cluster.on_device("critic"):
                 values = infer(self._values, critic.params, batch, layout=critic.layout,
-                               **self._values_micro())  # fmt: skip
+                               **self._values_batching())  # fmt: skip
                 values = moved_to(values, layout)
             spans.track("values", start, values, group=plan.groups["values"])
             batch = batch.replace(values=values)
@@ -471,7 +471,7 @@ class PPOTrainer:
         )
 
     def _teacher_scores(
-        self, batch: RLBatch, routes: np.ndarray | None, micro: dict[str, Any], spans: Spans
+        self, batch: RLBatch, routes: np.ndarray | None, batching: dict[str, Any], spans: Spans
     ) -> RLBatch:
         """The batch with the teachers' log-probs (or top-k) of its response tokens: each
         teacher's pass over the rows `routes` gives it (None: the one teacher, every row),
@@ -488,7 +488,7 @@ class PPOTrainer:
             with self.cluster.on_device(name):
                 out = infer(
                     self._teacher_passes[name], teacher.params, batch, layout=teacher.layout,
-                    rows=rows, **micro,
+                    row_ids=rows, **batching,
                 )  # fmt: skip
                 out = moved_to(out, self.cluster.actor.layout)
             spans.track("teacher", start, out, group=self.cluster.device_group(name))
@@ -583,22 +583,22 @@ class PPOTrainer:
                 teacher_topk_log_probs=jax.ShapeDtypeStruct(shape, np.float32),
                 teacher_topk_ids=jax.ShapeDtypeStruct(shape, np.int32),
             )
-        micro = self._log_prob_micro()
+        batching = self._log_prob_batching()
         if plan.runs("old_log_prob"):
             programs["actor log-probs"] = compile_infer(
-                self._log_prob, actor.params, batch, layout=actor.layout, **micro
+                self._log_prob, actor.params, batch, layout=actor.layout, **batching
             )
         if plan.runs("ref"):
             programs["ref log-probs"] = compile_infer(
-                self._ref_log_prob, ref.params, batch, layout=ref.layout, **micro
+                self._ref_log_prob, ref.params, batch, layout=ref.layout, **batching
             )
         for name, teacher in self.cluster.teachers.items():
             programs[f"{name} log-probs"] = compile_infer(
-                self._teacher_passes[name], teacher.params, batch, layout=teacher.layout, **micro
+                self._teacher_passes[name], teacher.params, batch, layout=teacher.layout, **batching
             )
         if plan.runs("values"):
             programs["critic values"] = compile_infer(
-                self._values, critic.params, batch, layout=critic.layout, **self._values_micro()
+                self._values, critic.params, batch, layout=critic.layout, **self._values_batching()
             )
             args = self._update_args(cfg.critic, 1, plan.critic_fields)
             update = critic.compile_update(batch, **args)
@@ -628,8 +628,8 @@ class PPOTrainer:
             if name in cluster.learners:
                 state = cluster.learners[name].state
                 whole = {"params": state.params, "opt_state": state.opt_state}
-                if cluster.learners[name].frozen is not None:
-                    whole["base"] = cluster.learners[name].frozen
+                if cluster.learners[name].base is not None:
+                    whole["base"] = cluster.learners[name].base
                 for program in ("micro-batch", "optimizer"):
                     groups[f"{name} {program}"] = groups[name]
                 arguments[f"{name} micro-batch"] = model
@@ -648,7 +648,7 @@ class PPOTrainer:
             groups["ref log-probs"] = groups["actor"]
         copy = cluster.rollout.copy_of(cluster.actor.params)
         sync = [] if "params" in resident["actor"] else [cluster.actor.params]
-        keeps_base = cluster.actor.frozen is not None and not cluster.specs["actor"].param_offload
+        keeps_base = cluster.actor.base is not None and not cluster.specs["actor"].param_offload
         if keeps_base and cluster.rollout_colocated:
             # LoRA: the base copy stays between steps, the adapters are made for each sync
             base_copy, adapters_copy = split(copy)
@@ -672,7 +672,7 @@ class PPOTrainer:
             phases={"weight sync": sync},
         )
 
-    def _values_micro(self) -> dict[str, Any]:
+    def _values_batching(self) -> dict[str, Any]:
         c = self.cfg.critic
         return {
             "micro_rows": c.forward_micro_batch_size_per_gpu,
@@ -680,7 +680,7 @@ class PPOTrainer:
             "balance": self.cfg.trainer.balance_batch,
         }
 
-    def _log_prob_micro(self) -> dict[str, Any]:
+    def _log_prob_batching(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
         budget = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None
         return {

@@ -12,7 +12,7 @@ row, whatever its field says (verl's single-teacher path).
 
 The trainer carries each row's route beside its other host arrays (`ROUTE` in the step's
 rows) through generation, over-sampling, dynamic sampling and the gather of processes, and
-runs each teacher's pass over its rows only (`jaxrl.trainer.learner.infer(rows=...)`).
+runs each teacher's pass over its rows only (`jaxrl.trainer.learner.infer(row_ids=...)`).
 """
 
 from __future__ import annotations

@@ -88,19 +88,19 @@ def test_micro_batch_plans():
     p_len = np.array([3, 1, 6, 2, 5, 4, 1, 2])
     r_len = np.array([7, 0, 2, 7, 1, 3, 2, 5])
     fixed = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, micro_rows=3, shards=2)
-    assert [len(mb.rows) for mb in fixed] == [6, 2]
-    assert sorted(r for mb in fixed for r in mb.rows if r >= 0) == list(range(8))
+    assert [len(mb.row_ids) for mb in fixed] == [6, 2]
+    assert sorted(r for mb in fixed for r in mb.row_ids if r >= 0) == list(range(8))
     assert all(mb.prompt_len <= 6 and mb.response_len <= 7 for mb in fixed)
     balanced = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, shards=2, balance=True)
     (only,) = balanced
-    work = [(p_len + r_len)[half].sum() for half in np.split(only.rows, 2)]
-    assert sorted(only.rows) == list(range(8)) and abs(work[0] - work[1]) <= 1, work
+    work = [(p_len + r_len)[half].sum() for half in np.split(only.row_ids, 2)]
+    assert sorted(only.row_ids) == list(range(8)) and abs(work[0] - work[1]) <= 1, work
     budget = plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, token_budget=12, shards=2)
     for mb in budget:
-        assert len(mb.rows) % 2 == 0
-        for shard in np.split(mb.rows, 2):
+        assert len(mb.row_ids) % 2 == 0
+        for shard in np.split(mb.row_ids, 2):
             shard = shard[shard >= 0]
             assert (p_len[shard] + r_len[shard]).sum() <= 12
-    assert sorted(r for mb in budget for r in mb.rows if r >= 0) == list(range(8))
+    assert sorted(r for mb in budget for r in mb.row_ids if r >= 0) == list(range(8))
     with pytest.raises(ValueError, match="max_token_len"):
         plan_micro_batches(np.arange(8), p_len, r_len, 6, 7, token_budget=8, shards=2)

@@ -70,21 +70,21 @@ def test_lora_cluster(assets, tmp_path):
     cluster = run.trainer.cluster
     actor, ref, critic = cluster.actor, cluster.ref, cluster.critic
     # the critic trains its adapters and its fresh value head, its base frozen
-    assert set(critic.state.params) == {"layers", "score"} and "score" not in critic.frozen
+    assert set(critic.state.params) == {"layers", "score"} and "score" not in critic.base
     critic_before = jax.tree.map(np.asarray, critic.state.params)
     assert actor.config.lora.targets == ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
-    assert set(actor.state.params) == {"layers"} and not lora.has_adapters(actor.frozen)
+    assert set(actor.state.params) == {"layers"} and not lora.has_adapters(actor.base)
     # the reference is the actor's base: the same arrays, and the same function as the
     # checkpoint loaded on its own
     assert all(
         a is b
-        for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(actor.frozen), strict=True)
+        for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(actor.base), strict=True)
     )
-    embed_shape = actor.frozen["embed"]["tokens_vd"].shape
+    embed_shape = actor.base["embed"]["tokens_vd"].shape
     live = [x for x in jax.live_arrays() if x.shape == embed_shape]
     # two models on the devices: the actor's base (= the reference) and the critic's
     assert len(live) == 2, "the reference holds no copy of its own"
-    assert any(x is critic.frozen["embed"]["tokens_vd"] for x in live)
+    assert any(x is critic.base["embed"]["tokens_vd"] for x in live)
     config_, separate = M.from_pretrained(assets / "model")
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]])
     # the same model's forward on the same devices (the base as a shared reference): its
@@ -96,13 +96,13 @@ def test_lora_cluster(assets, tmp_path):
     opt_bytes = _bytes(actor.state.opt_state)
     adapters_bytes = _bytes(actor.state.params)
     assert 2 * adapters_bytes <= opt_bytes < 2 * adapters_bytes + 1024
-    assert opt_bytes < _bytes(actor.frozen) / 4
-    base_before = jax.tree.map(np.asarray, actor.frozen)
+    assert opt_bytes < _bytes(actor.base) / 4
+    base_before = jax.tree.map(np.asarray, actor.base)
     adapters_before = jax.tree.map(np.asarray, actor.state.params)
     cluster.sync_weights()
-    rollout_base = jax.tree.leaves(cluster.rollout._base)
+    rollout_base = jax.tree.leaves(cluster.rollout.weights.base)
     run.trainer.step(next(iter(run.train_loader)), 1)
-    jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.asarray, actor.frozen))
+    jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.asarray, actor.base))
     changed = jax.tree.map(
         lambda a, b: not np.array_equal(a, np.asarray(b)), adapters_before, actor.state.params
     )
@@ -113,7 +113,8 @@ def test_lora_cluster(assets, tmp_path):
     assert all(jax.tree.leaves(changed)), "the critic's adapters and head trained"
     cluster.sync_weights()
     assert all(
-        a is b for a, b in zip(rollout_base, jax.tree.leaves(cluster.rollout._base), strict=True)
+        a is b
+        for a, b in zip(rollout_base, jax.tree.leaves(cluster.rollout.weights.base), strict=True)
     )
 
 

@@ -238,7 +238,7 @@ def test_sft_step_equals_verl_loss_and_torch_adamw(tiny, tmp_path, packed):
     dataset = run.train_loader.dataset
     dataset.examples = [Example((s,), None, ("test", 0)) for s in rows]
     rl, _ = run.trainer.device_batch(dataset.batch(np.arange(4)))
-    assert rl.rows == (2 if packed else 4) and (rl.prompt_segment_ids is not None) == packed
+    assert rl.num_rows == (2 if packed else 4) and (rl.prompt_segment_ids is not None) == packed
     metrics = run.trainer.step(dataset.batch(np.arange(4)), 1)
     np.testing.assert_allclose(metrics["train/loss"], float(want_loss.detach()), rtol=1e-5)
     assert_updates_close(_torch_params(tiny), run.trainer.cluster.actor.params,
@@ -267,7 +267,7 @@ def test_packed_validation_equals_padded(tiny, tmp_path, monkeypatch):
                    "data.train_batch_size=4", flag)  # fmt: skip
         run = build_sft_run(cfg, ONE)
         rl, _ = run.trainer.device_batch(next(iter(run.val_loader)))
-        assert rl.rows == (2 if packed else 4)  # two sequences a packed row
+        assert rl.num_rows == (2 if packed else 4)  # two sequences a packed row
         got[packed] = run.trainer.validate(run.val_loader, 0)
     assert 0 < got[False]["val/exact_match"] < 1
     for key, value in got[False].items():
@@ -553,7 +553,7 @@ def test_precomputed_reference_equals_per_batch_and_lora(tiny, tmp_path):
     cluster = lora.trainer.cluster
     assert cluster.shared_ref and "ref" not in cluster.frozen
     base = _torch_params(tiny)
-    _assert_trees_equal(cluster.actor.frozen, base)  # the base did not move
+    _assert_trees_equal(cluster.actor.base, base)  # the base did not move
     assert lora_rows[-1]["eval_rewards/margins"] > 0  # the adapters learned the preference
 
 
@@ -574,7 +574,7 @@ def test_lora_trains_only_the_adapters(tiny, tmp_path, kind):
                *extra)  # fmt: skip
     run = _run(cfg)
     rows = read_metrics(tmp_path / "run")
-    _assert_trees_equal(run.trainer.cluster.actor.frozen, _torch_params(tiny))
+    _assert_trees_equal(run.trainer.cluster.actor.base, _torch_params(tiny))
     if kind == "sft":
         assert rows[-1]["val/loss"] < 0.8 * rows[0]["val/loss"]
     else:
