@@ -4,6 +4,7 @@ actor's 4, or the rollout on 2 beside training on 6, computing the colocated run
 every step."""
 
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -160,10 +161,11 @@ def test_memory_plan_of_placed_roles_is_per_device_group(assets, tmp_path):
 
 def test_passes_on_separate_device_groups_run_at_once(assets, tmp_path):
     """The reference and the critic on 2 devices each: the step dispatches the values pass
-    without waiting for the reference pass, which here carries ~0.2 s of extra device work,
-    so their spans (dispatch or the group's previous phase -> results ready) intersect; a
-    step that waited after each pass would start the values pass after the reference's
-    end. The plan names the passes and their groups."""
+    without waiting for the reference pass, whose results here wait on a host callback that
+    sleeps 1 s (device time that burns no CPU, so the 2-core host is free to dispatch), so
+    their spans (dispatch or the group's previous phase -> results ready) intersect; a step
+    that waited after each pass would start the values pass after the reference's end. The
+    plan names the passes and their groups."""
     cfg = config(
         assets, tmp_path, "mesh.placement.ref.devices=2", "mesh.placement.critic.devices=2"
     )
@@ -173,16 +175,21 @@ def test_passes_on_separate_device_groups_run_at_once(assets, tmp_path):
     assert trainer.plan.groups == {"old_log_prob": "train", "ref": "ref", "values": "critic"}
     ref_pass = trainer._ref_log_prob
 
-    @jax.jit
-    def busy(log_probs):  # the result waits on 1000 128x128 matmuls
-        m = jax.lax.fori_loop(0, 1000, lambda i, m: jnp.tanh(m @ m), jnp.eye(128) * 0.5)
-        return log_probs + 0.0 * m[0, 0]
+    def sleep(value):
+        time.sleep(1.0)
+        return value
 
-    trainer._ref_log_prob = lambda params, mb: busy(ref_pass(params, mb))
+    @jax.jit
+    def slowed(log_probs):  # ready 1 s after the pass's own work
+        pause = jax.pure_callback(sleep, jax.ShapeDtypeStruct((), jnp.float32), log_probs[0, 0])
+        return log_probs + 0.0 * pause
+
+    trainer._ref_log_prob = lambda params, mb: slowed(ref_pass(params, mb))
     metrics = trainer.step(next(iter(run.train_loader)), 1)
     spans = trainer.spans.intervals()
     (ref_start, ref_end), (values_start, values_end) = spans["ref"], spans["values"]
     assert values_start < ref_end and ref_start < values_end, spans
+    assert ref_end - ref_start >= 1.0, spans
     assert metrics["timing_s/ref"] == pytest.approx(ref_end - ref_start)
     assert {"old_log_prob", "adv", "update_critic", "update_actor"} <= set(spans)
 
