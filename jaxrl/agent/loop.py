@@ -216,6 +216,7 @@ class AgentLoop:
         running: dict[int, _Running] = {}  # by request index
         done: dict[int, Trajectory] = {}
         scheduler = Scheduler(self.engine, chunk=self.limits.decode_chunk)
+        self._by_request: dict[int, int] = {}  # a scheduler request's trajectory
         # Without tools an empty runner answers every call ("unknown tool", or the parse error).
         self._active_runner = self.runner or ToolRunner({})
         try:
@@ -295,6 +296,7 @@ class AgentLoop:
             key = jax.random.fold_in(rng, i)  # copy 0: fold_in(key, 0), the first turn's
             [handle] = scheduler.submit(prompt, first, key, keep_open=True)
             running[i] = _Running(i, requests[i], record, schemas, handle)
+            self._by_request[handle.id] = i
 
     def _turn_sampling(self, sampling: SamplingParams, used: int) -> SamplingParams:
         """A turn's settings: one sample, at most the response's tokens left after `used`."""
@@ -316,7 +318,7 @@ class AgentLoop:
     ) -> None:
         """A turn is over (its tokens stop at the response's length): record it, then end
         the trajectory or submit the turn's tool calls."""
-        index = next(i for i, r in running.items() if r.handle is handle)
+        index = self._by_request[handle.id]
         state = running[index]
         record = state.record
         record.add_turn(handle.tokens, handle.log_probs)
@@ -384,6 +386,7 @@ class AgentLoop:
             turn = self._turn_sampling(sampling, len(record.response_ids))
             key = jax.random.fold_in(jax.random.fold_in(rng, index), record.assistant_turns)
             state.handle = scheduler.resume(state.handle, ids, turn, key)
+            self._by_request[state.handle.id] = index
 
     def _finish(
         self,

@@ -297,17 +297,3 @@ def sample_rows(
 def is_end_row(tokens: Int[Array, " s"], end_ids: Int[Array, "s e"]) -> Bool[Array, " s"]:
     """Whether each row's token is one of the row's end tokens (`RowSampling.end_ids`)."""
     return jnp.any(tokens[:, None] == end_ids, axis=-1)
-
-
-def nested_keys(rng: jax.Array, outer: list[int], inner: list[int], size: int) -> jax.Array:
-    """Keys [len(outer)]: `fold_in(fold_in(rng, outer[k]), inner[k])` (a request's turn, a
-    group's member), computed at a fixed `size` >= len(outer) so that one program serves
-    every call."""
-    a, b = np.zeros(size, np.uint32), np.zeros(size, np.uint32)
-    a[: len(outer)], b[: len(inner)] = outer, inner
-    return _nested_keys(rng, a, b)[: len(outer)]
-
-
-@jax.jit
-def _nested_keys(rng: jax.Array, outer: jax.Array, inner: jax.Array) -> jax.Array:
-    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(rng, i), j))(outer, inner)
