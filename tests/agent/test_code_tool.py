@@ -62,6 +62,19 @@ def test_exception_traceback_is_returned():
     assert "sandbox.py" not in result.stderr  # the sandbox's own frames are hidden
 
 
+def test_exception_is_named_when_later_writes_follow_its_traceback():
+    # A fork bomb's processes all fail at once and their tracebacks interleave: stderr can
+    # end in another process's first line or in a line the kill cut (CI saw this).
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: sys.stderr.write('Traceback (most recent call last):\\n  Fi'))\n"
+        "raise BlockingIOError(11, 'Resource temporarily unavailable')"
+    )
+    result = run_python(code, **LIMITS)
+    assert result.stderr.endswith("Traceback (most recent call last):\n  Fi"), result
+    assert result.exception == "BlockingIOError" and result.killed_reason == "processes"
+
+
 def test_output_over_the_limit_is_truncated_and_marked():
     code = "print('a' * 100_000)\nprint('END')"
     result = run_python(code, **{**LIMITS, "max_output_bytes": 1000})

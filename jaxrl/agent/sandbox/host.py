@@ -430,10 +430,18 @@ def _result(
 
 
 def _exception(stderr: str) -> str | None:
-    """The uncaught exception's type: the last line of the traceback, when it names one."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    match = _EXCEPTION_LINE.match(lines[-1]) if lines else None
-    return match.group(1).rpartition(".")[2] if match else None
+    """The uncaught exception's type: the last line of stderr that names one.
+
+    That is the traceback's last line when one process wrote it. When several did (a fork
+    bomb's children all fail at the process limit), their writes interleave and the stream
+    may end in another process's "Traceback ..." line or a line cut by the kill, so the last
+    line naming an exception is taken, not the last line.
+    """
+    for line in reversed(stderr.splitlines()):
+        match = _EXCEPTION_LINE.match(line)
+        if match:
+            return match.group(1).rpartition(".")[2]
+    return None
 
 
 def _reason(
