@@ -3,13 +3,13 @@
     python benchmarks/scheduler.py [--size S] [--chunks 16,64] [--n 1]
 
 The W1 workload (16 prompts x 64 random tokens, exactly 128 sampled tokens each, temperature
-1, EOS ignored) on workload model `--size`, float32: once as `RolloutEngine.generate` (the
-fixed-batch loop: prefill and every decode step in one program, the host waits once), and
-once per `--chunks` entry as 16 `Scheduler.submit` requests (copies=`--n`) run to their end
-(`Scheduler.run`): admission, `chunk` decode steps per program call, the host reading each
-chunk's tokens back. One warm-up each, then the median of 3. The figure is tokens/s and its
-ratio to the fixed-batch path: whether batch generation's fast path is still worth keeping
-beside the scheduler.
+1, EOS ignored) on workload model `--size`, float32, as one `Scheduler.generate` batch
+request: once on its fixed-batch path (`fast=True`: the engine's loop, prefill and every
+decode step in one program, the host waits once), and once per `--chunks` entry on the
+slots (`fast=False`: its 16 prompts submitted as requests, copies=`--n`, run to their end:
+admission, `chunk` decode steps per program call, the host reading each chunk's tokens
+back). One warm-up each, then the median of 3. The figure is tokens/s and its ratio to the
+fixed-batch path: whether batch generation's fast path is still worth keeping.
 """
 
 from __future__ import annotations
@@ -41,21 +41,19 @@ def main() -> None:
     rng = np.random.RandomState(0)
     ids = rng.randint(3, config.vocab_size, (PROMPTS, PROMPT)).astype(np.int32)
     mask = np.ones_like(ids)
-    batch_sp = SamplingParams(n=args.n, temperature=1.0, max_tokens=NEW, ignore_eos=True)
-    request_sp = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=NEW, ignore_eos=True)
     key = jax.random.key(0)
 
+    def generate(chunk, fast):
+        out = Scheduler(engine, chunk=chunk).generate(ids, mask, sampling, key, fast=fast)
+        assert int(np.asarray(out.response_mask).sum()) == rows * NEW
+        jax.block_until_ready(out.log_probs)
+
     def fixed_batch():
-        jax.block_until_ready(engine.generate(ids, mask, batch_sp, key))
+        generate(None, True)
 
     def scheduled(chunk):
-        scheduler = Scheduler(engine, chunk=chunk)
-        handles = []
-        for i, prompt in enumerate(ids):
-            sub = jax.random.fold_in(key, i)
-            handles += scheduler.submit(prompt, request_sp, sub, copies=args.n)
-        scheduler.run(handles)
-        assert all(len(h.tokens) == NEW for h in handles)
+        generate(chunk, False)
 
     tokens = rows * NEW
     base = median_seconds(fixed_batch)

@@ -49,16 +49,16 @@ def trajectory_rows(
     `responses` [N, R], `response_mask` (every response token: attended to), `loss_mask`
     (the sampled ones: trained on) and `rollout_log_probs` (0 on tokens not sampled)."""
     n = len(trajectories)
-    prompts, prompt_mask = left_pad([t.prompt_ids for t in trajectories], prompt_length, pad_id)
+    prompts, prompt_mask = left_pad([t.prompt for t in trajectories], prompt_length, pad_id)
     responses = np.full((n, response_length), pad_id, np.int32)
     response_mask = np.zeros((n, response_length), np.int32)
     loss_mask = np.zeros((n, response_length), np.int32)
     log_probs = np.zeros((n, response_length), np.float32)
     for i, t in enumerate(trajectories):
-        k = len(t.response_ids)
-        responses[i, :k] = t.response_ids
+        k = len(t.response)
+        responses[i, :k] = t.response
         response_mask[i, :k] = 1
-        loss_mask[i, :k] = t.loss_mask
+        loss_mask[i, :k] = t.sampled
         log_probs[i, :k] = t.log_probs
     return {
         "prompts": prompts,
@@ -78,8 +78,8 @@ def agent_metrics(trajectories: Sequence[Trajectory], stats: LoopStats) -> dict[
     turns = np.asarray([t.num_turns for t in trajectories], np.float64)
     seconds = np.asarray([t.tool_seconds for t in trajectories], np.float64)
     calls = np.asarray([t.tool_calls for t in trajectories], np.float64)
-    sampled = np.asarray([sum(t.loss_mask) for t in trajectories], np.float64)
-    appended = np.asarray([len(t.loss_mask) - sum(t.loss_mask) for t in trajectories], np.float64)
+    sampled = np.asarray([sum(t.sampled) for t in trajectories], np.float64)
+    appended = np.asarray([len(t.sampled) - sum(t.sampled) for t in trajectories], np.float64)
     errors = collections.Counter()
     for t in trajectories:
         errors.update(t.tool_errors)

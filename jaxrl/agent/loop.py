@@ -48,6 +48,7 @@ from jaxrl.config.checks import AGENT_LOOPS as AGENTS
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.scheduler import Handle, Scheduler
+from jaxrl.rollout.slots import Conversation
 
 STALL_GRACE_S = 60.0  # past the tool timeout: the runner's event loop is stuck
 
@@ -88,14 +89,12 @@ class AgentRequest:
 
 
 @dataclasses.dataclass
-class Trajectory:
-    """A finished trajectory.
+class Trajectory(Conversation):
+    """A finished trajectory: its sequence (the rollout's host record, `Conversation`:
+    `prompt`, `response` cut to `response_length`, `log_probs`, `sampled` = the loss mask:
+    1 on the policy's tokens, 0 on appended tool-turn tokens) and the agent's account of it.
 
     Attributes:
-        prompt_ids: The prompt's tokens.
-        response_ids: Every token after the prompt (at most `response_length`).
-        loss_mask: 1 on the tokens the policy sampled, 0 on appended (tool turn) tokens.
-        log_probs: The rollout's log-prob of each sampled token, 0.0 elsewhere.
         messages: The final message list (the assistant's turns as written).
         assistant_turns: Turns the policy took.
         user_turns: Tool turns appended.
@@ -107,10 +106,6 @@ class Trajectory:
             length or the slot's room), or "turns" (a turn limit).
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int] = dataclasses.field(default_factory=list)
-    loss_mask: list[int] = dataclasses.field(default_factory=list)
-    log_probs: list[float] = dataclasses.field(default_factory=list)
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
@@ -122,15 +117,15 @@ class Trajectory:
 
     def add_turn(self, tokens: Sequence[int], log_probs: Sequence[float]) -> None:
         """The policy's sampled turn (trained on)."""
-        self.response_ids += list(tokens)
-        self.loss_mask += [1] * len(tokens)
+        self.response += list(tokens)
+        self.sampled += [1] * len(tokens)
         self.log_probs += list(log_probs)
         self.assistant_turns += 1
 
     def add_tool_turn(self, ids: Sequence[int]) -> None:
         """A tool turn's template tokens (attended to, not trained on)."""
-        self.response_ids += list(ids)
-        self.loss_mask += [0] * len(ids)
+        self.response += list(ids)
+        self.sampled += [0] * len(ids)
         self.log_probs += [0.0] * len(ids)
         self.user_turns += 1
 
@@ -292,7 +287,7 @@ class AgentLoop:
             )
         first = self._turn_sampling(sampling, 0)
         for i, schemas, prompt in zip(take, tools, prompts, strict=True):
-            record = Trajectory(prompt_ids=prompt, messages=[dict(m) for m in requests[i].messages])
+            record = Trajectory(prompt=prompt, messages=[dict(m) for m in requests[i].messages])
             key = jax.random.fold_in(rng, i)  # copy 0: fold_in(key, 0), the first turn's
             [handle] = scheduler.submit(prompt, first, key, keep_open=True)
             running[i] = _Running(i, requests[i], record, schemas, handle)
@@ -332,7 +327,7 @@ class AgentLoop:
         record, limits = state.record, self.limits
         text = self.chat.text(handle.tokens)
         record.messages.append({"role": "assistant", "content": text})
-        if len(record.response_ids) >= self.response_length or handle.finish_reason != "stop":
+        if len(record.response) >= self.response_length or handle.finish_reason != "stop":
             return "length"
         if limits.max_assistant_turns and record.assistant_turns >= limits.max_assistant_turns:
             return "turns"
@@ -379,11 +374,11 @@ class AgentLoop:
             ids = self.chat.after_turn(record.messages, messages, state.tools)
             record.messages += messages
             room = self.engine.room(state.handle.slot)
-            if len(record.response_ids) + len(ids) >= self.response_length or len(ids) > room:
+            if len(record.response) + len(ids) >= self.response_length or len(ids) > room:
                 self._finish(scheduler, running, done, index, "length")
                 continue
             record.add_tool_turn(ids)
-            turn = self._turn_sampling(sampling, len(record.response_ids))
+            turn = self._turn_sampling(sampling, len(record.response))
             key = jax.random.fold_in(jax.random.fold_in(rng, index), record.assistant_turns)
             state.handle = scheduler.resume(state.handle, ids, turn, key)
             self._by_request[state.handle.id] = index
@@ -401,7 +396,7 @@ class AgentLoop:
         record = state.record
         record.finish = why
         n = self.response_length
-        record.response_ids, record.loss_mask = record.response_ids[:n], record.loss_mask[:n]
+        record.response, record.sampled = record.response[:n], record.sampled[:n]
         record.log_probs = record.log_probs[:n]
         done[state.index] = record
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl.core_algos.common import dense_group_ids, group_sum
-from jaxrl.core_algos.registry import AdvantageEstimator, register_adv_est
+from jaxrl.core_algos.registry import AdvantageEstimator, EstimatorInputs, register_adv_est
 
 
 def _reward_to_go(token_level_rewards: Float[Array, "b r"], mask: Float[Array, "b r"]):
@@ -71,7 +71,7 @@ def _zero_tail(
     return unique_longest[:, None] & (jnp.arange(width)[None, :] >= runner_up[:, None])
 
 
-@register_adv_est(AdvantageEstimator.OPTIMAL_TOKEN_BASELINE)
+@register_adv_est(AdvantageEstimator.OPTIMAL_TOKEN_BASELINE, EstimatorInputs(sum_pi_squared=True))
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: Float[Array, "b r"],
     response_mask: Float[Array, "b r"],
@@ -122,7 +122,9 @@ def compute_optimal_token_baseline_advantage(
     return jax.lax.stop_gradient((advantages, returns))
 
 
-@register_adv_est(AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE)
+@register_adv_est(
+    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE, EstimatorInputs(sum_pi_squared=True)
+)
 def compute_multi_turn_optimal_token_baseline_advantage(
     token_level_rewards: Float[Array, "b r"],
     response_mask: Float[Array, "b r"],

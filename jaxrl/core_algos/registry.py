@@ -1,7 +1,13 @@
-"""Name -> function registries of advantage estimators and policy losses, with verl's names."""
+"""Name -> function registries of advantage estimators and policy losses, with verl's names.
+
+An estimator registers what it reads beyond the rewards, the mask and the group ids
+(`EstimatorInputs`): the trainer's step plan runs the passes that make those inputs and the
+advantage call passes them; an estimator registered without a declaration reads none.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from enum import Enum, StrEnum
 from typing import Any
@@ -34,7 +40,29 @@ class AdvantageEstimator(StrEnum):
     GDPO = "gdpo"
 
 
+@dataclasses.dataclass(frozen=True)
+class EstimatorInputs:
+    """What an advantage estimator reads beyond `token_level_rewards`, `response_mask` and
+    `index` (the group ids).
+
+    Attributes:
+        values: A critic's values [N, R] (the critic's pass).
+        reward_baselines: The reward of a greedy response to the same prompt [N] (a second,
+            greedy generation: ReMax).
+        sum_pi_squared: The actor's sum_v pi_v^2 [N, R] with its old log-probs (the
+            old-log-prob pass returns it: the optimal token baselines).
+        reward_components: The scorer's per-row reward components and the prompt/response
+            masks (gdpo).
+    """
+
+    values: bool = False
+    reward_baselines: bool = False
+    sum_pi_squared: bool = False
+    reward_components: bool = False
+
+
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., Any]] = {}
+ESTIMATOR_INPUTS: dict[str, EstimatorInputs] = {}
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
 
 
@@ -42,15 +70,18 @@ def _name(name_or_enum: str | Enum) -> str:
     return name_or_enum.value if isinstance(name_or_enum, Enum) else name_or_enum
 
 
-def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable:
-    """Decorator registering an advantage estimator under a name (a second, different
-    function under the same name is an error)."""
+def register_adv_est(
+    name_or_enum: str | AdvantageEstimator, inputs: EstimatorInputs = EstimatorInputs()
+) -> Callable:
+    """Decorator registering an advantage estimator under a name, with the inputs it reads
+    (a second, different function under the same name is an error)."""
 
     def decorator(fn: Callable) -> Callable:
         name = _name(name_or_enum)
         if ADV_ESTIMATOR_REGISTRY.get(name, fn) is not fn:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADV_ESTIMATOR_REGISTRY[name] = fn
+        ESTIMATOR_INPUTS[name] = inputs
         return fn
 
     return decorator
@@ -64,6 +95,12 @@ def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable:
             f"unknown advantage estimator {name!r}; registered: {sorted(ADV_ESTIMATOR_REGISTRY)}"
         )
     return ADV_ESTIMATOR_REGISTRY[name]
+
+
+def estimator_inputs(name_or_enum: str | AdvantageEstimator) -> EstimatorInputs:
+    """The inputs the estimator registered under a name reads (`EstimatorInputs`)."""
+    get_adv_estimator_fn(name_or_enum)  # an unknown name: the registry's error
+    return ESTIMATOR_INPUTS[_name(name_or_enum)]
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:

@@ -7,7 +7,7 @@ object that holds the rollout's weights and its multi-turn conversations.
     scheduler = jaxrl.rollout.Scheduler(engine)     # requests, each with its own settings
 """
 
-from jaxrl.rollout.engine import Conversation, RolloutEngine, Turn
+from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.generation import (
     GenerationOutput,
     compile_generate,
@@ -22,10 +22,13 @@ from jaxrl.rollout.sampling import (
     sample,
     sample_rows,
 )
-from jaxrl.rollout.scheduler import Handle, Scheduler
+from jaxrl.rollout.scheduler import BatchOutput, Handle, Scheduler
+from jaxrl.rollout.slots import Conversation, ConversationSlots, Turn
 
 __all__ = [
+    "BatchOutput",
     "Conversation",
+    "ConversationSlots",
     "GenerationOutput",
     "Handle",
     "RolloutEngine",

@@ -14,6 +14,9 @@
     h2 = scheduler.resume(h, tool_output_ids, sampling, key2)   # its next turn, after them
     record = scheduler.close(h2)       # prompt, response, log-probs, sampled mask; slot free
 
+    out = scheduler.generate(input_ids, attention_mask, sampling, key)   # a batch request
+    out.responses, out.response_mask, out.log_probs, out.version, out.fixed_batch
+
 A request is one turn: the first of a new conversation (`submit`) or the next of an open one
 (`resume`: the given tokens, a tool's output or the next user message, are appended first).
 Requests carry their own sampling settings: the engine decodes slots with different
@@ -30,6 +33,14 @@ temperatures, top-k / top-p, max_tokens, end tokens and stop strings in one comp
     finish   a turn over: its handle is done; its conversation's slot is freed unless
              `keep_open` (then `resume` or `close` it)
 
+A batch (`generate`: every prompt `sampling.n` times, rows in the order prompt i, copy j)
+takes the fixed-batch path when no request is queued, running or open: the engine's
+`generate`, prefill and decode in one on-device program over all processes (the fast path:
+1.1x the slots' tokens/s on W1, `benchmarks/scheduler.py`). Otherwise (or `fast=False`) its
+prompts are requests like any other: prompt i submitted with `copies=n` and
+`fold_in(key, i)`, run to their end beside the others. The two paths sample the same
+distributions, not the same tokens (each its own key layout).
+
 A submitted request's copy j takes `fold_in(key, j)` as its key (one copy too), a resumed
 turn `key` itself; a turn samples its k-th token with `fold_in(its key, k)`: the same tokens
 whichever requests decode alongside it, in whatever chunks. A handle's `version` is the
@@ -41,12 +52,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl.rollout.engine import Conversation, RolloutEngine
+from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.slots import Conversation
+
+Array = Any  # a device array (the fixed-batch path) or numpy (the slots')
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +95,27 @@ class Handle:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class BatchOutput:
+    """A batch request's rows (prompt i's copy j at row i * n + j), right-padded to
+    `max_tokens` columns with the model's pad id.
+
+    Attributes:
+        responses: Token ids [B*n, R].
+        response_mask: 1 on response tokens (an end token included), 0 after.
+        log_probs: The tokens' log-probs under the processed distribution (0 on padding).
+        version: The engine's weights version it was sampled with.
+        fixed_batch: Which path ran: the engine's fixed-batch loop (device arrays, every
+            process's rows), or requests on the slots (numpy, this process's).
+    """
+
+    responses: Array
+    response_mask: Array
+    log_probs: Array
+    version: int | None
+    fixed_batch: bool
 
 
 @dataclasses.dataclass
@@ -211,6 +247,47 @@ class Scheduler:
             self._running.pop(handle.slot, None)
             self._free(handle)
 
+    def generate(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        sampling: SamplingParams,
+        key: jax.Array,
+        *,
+        fast: bool | None = None,
+    ) -> BatchOutput:
+        """A batch request: the left-padded prompts [B, P], each `sampling.n` times (module
+        doc); blocks until every row is over. `fast`: None takes the fixed-batch path when
+        the scheduler is idle; True insists on it (an error while requests hold slots);
+        False runs the rows as requests on the slots."""
+        idle = not self.busy and not self._open
+        if fast and not idle:
+            raise ValueError(
+                "generate(fast=True): the fixed-batch path needs the whole engine, and "
+                f"requests hold {self.engine.slots - self.engine.free_slots} of its slots; "
+                "run them to their end first, or pass fast=None"
+            )
+        version = self.engine.version
+        if fast or (fast is None and idle):
+            out = self.engine.generate(input_ids, attention_mask, sampling, key)
+            return BatchOutput(out.responses, out.response_mask, out.log_probs, version, True)
+        if jax.process_count() > 1:
+            raise ValueError(
+                "generate(fast=False): the slots are this process's; a multi-process batch "
+                "takes the fixed-batch path (an idle scheduler, fast=None)"
+            )
+        one = dataclasses.replace(sampling, n=1)
+        width = input_ids.shape[1]
+        handles = []
+        for i, (ids, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
+            prompt = np.asarray(ids)[np.asarray(mask) > 0]
+            handles += self.submit(
+                prompt, one, jax.random.fold_in(key, i), copies=sampling.n, pad_to=width
+            )
+        self.run(handles)
+        pad_id = self.engine.config.pad_token_id
+        return _padded(handles, sampling.max_tokens, pad_id or 0, version)
+
     # ---- progress ------------------------------------------------------------------------
 
     @property
@@ -323,6 +400,17 @@ class Scheduler:
     def _handle(self, sampling: SamplingParams, key: np.ndarray, keep_open: bool) -> Handle:
         self._count += 1
         return Handle(id=self._count - 1, sampling=sampling, keep_open=keep_open, _key=key)
+
+
+def _padded(handles: list[Handle], width: int, pad_id: int, version: int | None) -> BatchOutput:
+    """The handles' turns as right-padded rows [len(handles), width]."""
+    responses = np.full((len(handles), width), pad_id, np.int32)
+    log_probs = np.zeros((len(handles), width), np.float32)
+    mask = np.zeros((len(handles), width), np.int32)
+    for row, h in enumerate(handles):
+        n = len(h.tokens)
+        responses[row, :n], log_probs[row, :n], mask[row, :n] = h.tokens, h.log_probs, 1
+    return BatchOutput(responses, mask, log_probs, version, False)
 
 
 def _key_data(key: jax.Array, copies: int) -> np.ndarray:

@@ -10,10 +10,12 @@ KL in reward (`algorithm.use_kl_in_reward`), with beta the controller's coeffici
 The controller's update needs `current_kl` on the host: the trainer reads it back with the
 step's metrics and updates the controller then (it is used from the next step on, as in verl).
 
-Advantages go through the `core_algos` registry with the arguments verl passes each estimator,
+Advantages go through the `core_algos` registry with the arguments verl passes each
+estimator (beyond rewards, mask and group ids, the inputs it registered: `EstimatorInputs`),
 over the step's global batch (every process holds it), so group statistics and batch-wide
-whitening see every sample whichever process generated it. `mask` is the loss mask: the tokens
-trained on (verl's `response_mask`, which multi-turn rollouts also cut to the policy's tokens).
+whitening see every sample whichever process generated it. `mask` is the loss mask: the
+tokens trained on (verl's `response_mask`, which multi-turn rollouts also cut to the
+policy's tokens).
 """
 
 from __future__ import annotations
@@ -27,16 +29,10 @@ from jaxtyping import Array, Float
 
 from jaxrl.core_algos import (
     AdvantageEstimator,
+    estimator_inputs,
     get_adv_estimator_fn,
     kl_penalty,
     masked_mean,
-)
-
-# The estimators that read the actor's sum_v pi_v^2 and old log-probs (verl:
-# `actor.calculate_sum_pi_squared`).
-NEEDS_SUM_PI_SQUARED = (
-    AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
-    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
 )
 
 
@@ -67,13 +63,15 @@ def compute_advantage(
 
     Args:
         batch: token_level_rewards, loss_mask, group_ids (int [N], the prompt group of every
-            response: verl's `uid`) and per estimator values (gae), reward_baselines (remax),
-            prompt_mask / response_mask (gdpo), old_log_probs / sum_pi_squared /
-            rollout_is_weights (the optimal-token-baseline estimators).
-        extra: The scorer's per-row reward components as float arrays [N] (gdpo).
+            response: verl's `uid`) and the inputs the estimator registered
+            (`EstimatorInputs`): values; reward_baselines; old_log_probs, sum_pi_squared and
+            rollout_is_weights (when there are); prompt_mask and response_mask.
+        extra: The scorer's per-row reward components as float arrays [N] (an estimator
+            reading `reward_components`).
         algorithm: The `algorithm` config (gamma, lam, norm_adv_by_std_in_grpo, ...).
     """
     name = algorithm.adv_estimator
+    inputs = estimator_inputs(name)
     rewards = batch["token_level_rewards"].astype(jnp.float32)
     mask = batch["loss_mask"].astype(jnp.float32)
     fn = get_adv_estimator_fn(name)
@@ -99,13 +97,13 @@ def compute_advantage(
             "config": algorithm,
             "index": batch["group_ids"],
         }
-        if batch.get("reward_baselines") is not None:
+        if inputs.reward_baselines:
             kwargs["reward_baselines"] = batch["reward_baselines"]
-        if name == AdvantageEstimator.GDPO:
+        if inputs.reward_components:
             kwargs["non_tensor_batch"] = dict(extra)
             attention = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
             kwargs["batch"] = {"attention_mask": attention}
-        if name in NEEDS_SUM_PI_SQUARED:  # the old-log-prob pass's sum_pi_squared
+        if inputs.sum_pi_squared:  # the old-log-prob pass's
             kwargs["old_log_probs"] = batch["old_log_probs"]
             kwargs["sum_pi_squared"] = batch["sum_pi_squared"]
             kwargs["rollout_is_weights"] = batch.get("rollout_is_weights")
@@ -115,8 +113,9 @@ def compute_advantage(
 
 def gdpo_components(algorithm: Any, extra: Mapping[str, list]) -> dict[str, jax.Array]:
     """The scorer's reward components gdpo normalises (`gdpo_reward_keys`, default: all it
-    returned), as float32 arrays; other estimators take none."""
-    if algorithm.adv_estimator != AdvantageEstimator.GDPO:
+    returned), as float32 arrays; estimators that do not read `reward_components` take
+    none."""
+    if not estimator_inputs(algorithm.adv_estimator).reward_components:
         return {}
     keys = list(getattr(algorithm, "gdpo_reward_keys", None) or extra)
     missing = [k for k in keys if k not in extra]

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxrl.config import Config
 from jaxrl.data.batch import bucket
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.lora import split
@@ -97,7 +98,9 @@ class BaseOf:
         return self._learner.layout
 
 
-def cluster_layouts(cfg, specs: Mapping[str, RoleSpec], devices=None) -> dict[str, Layout | None]:
+def cluster_layouts(
+    cfg: Config, specs: Mapping[str, RoleSpec], devices=None
+) -> dict[str, Layout | None]:
     """Each role's layout: its own group's when placed (`mesh.placement`), else colocated:
     the train layout (actor, ref, critic), the rollout layout over the trainer's devices, and
     for the reward model None (each process scores its rows on its first local device)."""
@@ -156,7 +159,7 @@ class Cluster:
     @classmethod
     def load(
         cls,
-        cfg,
+        cfg: Config,
         training: Mapping[str, Training],
         *,
         tokenizer: Any = None,

@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.core_algos import AdvantageEstimator
+from jaxrl.config import Config
+from jaxrl.core_algos import estimator_inputs
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
@@ -110,7 +111,7 @@ class ExperienceProducer:
 
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         cluster: Cluster,
         rollout: StepRollout,
         sampling: SamplingParams,
@@ -167,7 +168,7 @@ class ExperienceProducer:
             )
             rows["token_level_scores"] = scores.astype(np.float32)
         rows.update(self._host_fields(repeated))
-        if self.cfg.algorithm.adv_estimator == AdvantageEstimator.REMAX:
+        if estimator_inputs(self.cfg.algorithm.adv_estimator).reward_baselines:
             with timer("gen_max", timing):
                 greedy = dataclasses.replace(
                     self.sampling, do_sample=False, temperature=0.0, n=1, over_sample_rate=0.0

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from jaxrl.agent import load_tools
 from jaxrl.agent.tools.base import schema_dict
+from jaxrl.config import Config
 from jaxrl.data import DataError, PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
@@ -111,7 +112,7 @@ def reward_fn_from(manager: Any, reward_model: Any = None) -> RewardFn:
     return fn
 
 
-def total_steps(cfg, loader: PromptIterator) -> int:
+def total_steps(cfg: Config, loader: PromptIterator) -> int:
     if cfg.trainer.total_training_steps is not None:
         return int(cfg.trainer.total_training_steps)
     return loader.batches_per_epoch * cfg.trainer.total_epochs
@@ -128,7 +129,7 @@ def resume_path_problem(path: Path) -> str | None:
     return None
 
 
-def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
+def _resume_source(cfg: Config, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
     """(checkpoints, step) to resume from: `resume_from_path`, or the newest intact step of
     the run (`restorable_step` sets broken and unfinished ones aside), or None."""
     mode = cfg.trainer.resume_mode
@@ -143,7 +144,7 @@ def _resume_source(cfg, ckpts: Checkpoints) -> tuple[Checkpoints, int] | None:
     return None if step is None else (ckpts, step)
 
 
-def fresh_start_problem(cfg, directory: Path) -> str | None:
+def fresh_start_problem(cfg: Config, directory: Path) -> str | None:
     """Why a fresh run (`resume_mode=disable`) must not start in `directory`: it would write
     over (or be confused by) another run's checkpoints. None when it may."""
     steps = step_numbers(directory)
@@ -178,7 +179,7 @@ class Run:
     trainer: Trainer
 
 
-def build_run(cfg, devices=None, *, abstract: bool = False) -> Run:
+def build_run(cfg: Config, devices=None, *, abstract: bool = False) -> Run:
     """Load the tokenizer and data, build the reward managers and the trainer (`abstract`:
     one that only compiles, no weights loaded, no reward model; see `PPOTrainer`)."""
     model = cfg.actor_rollout_ref.model
@@ -232,7 +233,7 @@ def timed_validation(trainer: Trainer, loader: PromptIterator, step: int) -> dic
     return {**val, "timing_s/testing": time.perf_counter() - began}
 
 
-def fit(cfg, devices=None) -> dict[str, float]:
+def fit(cfg: Config, devices=None) -> dict[str, float]:
     """Run `cfg` to its last step; returns the last step's metrics. The trainer's `close()`
     (if it has one: the tool runner's threads of a multi-turn run) runs at the end."""
     run = build_run(cfg, devices)
@@ -243,7 +244,7 @@ def fit(cfg, devices=None) -> dict[str, float]:
             close()
 
 
-def train_run(cfg, run: Run) -> dict[str, float]:
+def train_run(cfg: Config, run: Run) -> dict[str, float]:
     """Train `run` (its trainer through the `Trainer` protocol only) to its last step, with
     `cfg.trainer`'s validation, checkpoints, logs and resume; returns the last step's
     metrics."""

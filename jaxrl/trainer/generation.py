@@ -10,12 +10,12 @@
 Either way the rollout gets the actor's weights first and, colocated, frees them after (the
 step's passes need that memory); `with rollout.holding():` keeps them over several
 generations (a step's generation batches, a validation's), published once per version.
-Batch generation is `RolloutEngine.generate` over all processes' prompts at once (the
-fixed-batch on-device loop). The agent loop runs each of the prompts' n samples as a
-conversation (`jaxrl.agent`), as requests of a `Scheduler` over the engine: its rows carry a
-`loss_mask` (0 on tool turns) and the rollout's log-probs on the host, and it reports the
-agent metrics and the conversations for the dumps; streamed dynamic sampling is a
-`Scheduler` client too (`jaxrl.rollout.streaming`).
+Batch generation is a `Scheduler` batch request over all processes' prompts at once (its
+fixed-batch path: the engine's on-device loop). The agent loop runs each of the prompts' n
+samples as a conversation (`jaxrl.agent`), as requests of a `Scheduler` over the engine: its
+rows carry a `loss_mask` (0 on tool turns) and the rollout's log-probs on the host, and it
+reports the agent metrics and the conversations for the dumps; streamed dynamic sampling is
+a `Scheduler` client too (`jaxrl.rollout.streaming`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from jaxrl.agent import (
     load_tools,
     trajectory_rows,
 )
+from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch, object_array
-from jaxrl.rollout import SamplingParams
+from jaxrl.rollout import SamplingParams, Scheduler
 from jaxrl.rollout.streaming import GroupRollout, StreamResult, stream_groups
 from jaxrl.sharding.processes import to_host
 from jaxrl.trainer.cluster import Cluster
@@ -95,7 +96,11 @@ class StepRollout:
     """
 
     def __init__(
-        self, cfg, cluster: Cluster, tokenizer: Any = None, tools: dict[str, Any] | None = None
+        self,
+        cfg: Config,
+        cluster: Cluster,
+        tokenizer: Any = None,
+        tools: dict[str, Any] | None = None,
     ):
         self.cfg, self.cluster = cfg, cluster
         rollout = cfg.actor_rollout_ref.rollout
@@ -186,9 +191,9 @@ class StepRollout:
                 "rows name agent_name=tool_agent but actor_rollout_ref.rollout.multi_turn."
                 "enable is false: they are generated in one turn, without tools"
             )
-        out = self.cluster.rollout.generate(
+        out = Scheduler(self.cluster.rollout).generate(
             prompts.input_ids, prompts.attention_mask, sampling, rng
-        )
+        )  # idle: the fixed-batch path, over every process's prompts
         responses, response_mask = to_host((out.responses, out.response_mask))
         log_probs = out.log_probs
         if jax.process_count() > 1:

@@ -3,6 +3,8 @@ micro-batches, and per-token inference passes (old log-probs, values).
 
     learner = Learner(model_config, state, optimizer, loss_fn, layout=train, grad_clip=1.0)
     metrics = learner.update(batch, mini_batch_rows=..., epochs=..., micro_rows=...)
+    pending = learner.dispatch_update(batch, ...)   # returns before the devices finish
+    metrics = pending.read()                         # (`update` is these two)
     old_lp  = infer(log_prob_fn, learner.params, batch, layout=train, micro_rows=...)
 
 `batch` is the step's `RLBatch` on the devices; micro-batches are gathered from it on the
@@ -14,6 +16,7 @@ their norm is non-finite.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +98,23 @@ def infer(
     return outs[0] if single else tuple(outs)
 
 
+@dataclasses.dataclass
+class UpdateMetrics:
+    """A dispatched update's metrics, on the devices until `read` (or read back with other
+    arrays: `to_host(m.steps)`, then `average`).
+
+    Attributes:
+        steps: Per optimizer step, its micro-batches' metrics and the step's own (applied,
+            gradient norm).
+    """
+
+    steps: list[tuple[list[dict], dict]]
+
+    def read(self) -> dict[str, float]:
+        """Wait for the update; its metrics averaged over the optimizer steps (`average`)."""
+        return average(to_host(self.steps))
+
+
 class Learner:
     """Parameters and optimizer state of one role in the train layout, and its update.
 
@@ -150,7 +170,12 @@ class Learner:
             return self.state.params
         return merge(self.base, self.state.params)
 
-    def update(
+    def update(self, batch: RLBatch, **kwargs: Any) -> dict[str, float]:
+        """`dispatch_update(batch, ...)`, waited for: its verl-style metrics, averaged over
+        the optimizer steps."""
+        return self.dispatch_update(batch, **kwargs).read()
+
+    def dispatch_update(
         self,
         batch: RLBatch,
         *,
@@ -163,13 +188,14 @@ class Learner:
         fields: tuple[str, ...],
         balance: bool = False,
         info: dict[str, Any] | None = None,
-    ) -> dict[str, float]:
+    ) -> UpdateMetrics:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_rows`, one optimizer
         step each; `micro_rows` / `token_budget` are per batch-shard device (verl's
         `*_per_gpu`). `info` adds entries (arrays) to every micro-batch loss's `info`: global
         values of the whole batch, for an algorithm that takes one mini-batch per step (the
-        offline trainers' pair counts, KTO's KL estimate). Returns verl-style metrics
-        averaged over the optimizer steps."""
+        offline trainers' pair counts, KTO's KL estimate). Returns once every program is
+        dispatched, before the devices finish: the metrics stay on the devices until read
+        (`UpdateMetrics`), so an update on another device group can run meanwhile."""
         n = batch.num_rows
         arrays = moved_to(batch.fields((*batch.forward_fields(), *fields)), self.layout)
         rng = np.random.RandomState(seed)
@@ -191,7 +217,7 @@ class Learner:
                 self.state, applied = self._apply(self.state, acc)
                 self.version += 1
                 steps.append((micro_metrics, applied))
-        return _average(to_host(steps))
+        return UpdateMetrics(steps)
 
     def compile_update(
         self,
@@ -256,7 +282,7 @@ def _largest(plans: list[MicroBatch]) -> MicroBatch:
     return max(plans, key=lambda mb: len(mb.row_ids) * (mb.prompt_len + mb.response_len))
 
 
-def _average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:
+def average(steps: list[tuple[list[dict], dict]]) -> dict[str, float]:
     """verl-style update metrics: per optimizer step, loss terms summed over micro-batches
     (each is normalised by the mini-batch's global counts) and ratios token-weighted; then
     the mean over steps, and the count of skipped (non-finite) steps. A loss's `min` / `max`

@@ -39,6 +39,18 @@ from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
 from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
 
+# The batch fields each loss term reads beyond the tokens and `loss_mask` (the step plan
+# gives an update the fields of the terms its config turns on: `StepPlan.actor_fields`).
+ACTOR_TERM_FIELDS = MappingProxyType({
+    "policy": ("advantages",),
+    "off_policy": ("old_log_probs",),  # else the old policy is the current one
+    "kl_loss": ("ref_log_probs",),  # use_kl_loss
+    "distillation": ("teacher_log_probs",),  # the estimator on the sampled tokens
+    "distillation_top_k": ("teacher_topk_log_probs", "teacher_topk_ids"),  # forward_kl_topk
+    "rollout_correction": ("rollout_is_weights",),  # decoupled rollout correction
+})  # fmt: skip
+CRITIC_FIELDS = ("values", "returns")  # `critic_loss`'s
+
 
 class ConfigView:
     """A frozen config seen with some attributes replaced (what verl does by mutating its

@@ -6,33 +6,36 @@ decided once, from the config and the cluster, for `step`, `compile_step` and `m
     plan.actor_fields        # what the actor update reads beyond the rows' tokens
     plan.batch_fields        # every float field of a step's batch (the worst-case batch's)
 
-Who needs what (each entry names the config that asks for it):
+Who needs what (each entry names the config, or the estimator's registered
+`EstimatorInputs`, that asks for it):
 
     pass / field         run or read when
     old_log_prob         the actor's old log-probs are not the current policy's (more than one
-      old_log_probs      mini-batch or epoch, KL in the reward), or an estimator reads
-                         sum_pi_squared (`NEEDS_SUM_PI_SQUARED`: the optimal token baselines),
-                         or decoupled rollout correction compares them with the rollout's; not
-                         in bypass mode (the rollout's log-probs are the old ones)
+      old_log_probs      mini-batch or epoch, KL in the reward), or the estimator reads
+                         `sum_pi_squared` (the optimal token baselines), or decoupled rollout
+                         correction compares them with the rollout's; not in bypass mode (the
+                         rollout's log-probs are the old ones)
     ref                  a reference model (`use_kl_loss`, `use_kl_in_reward`)
       ref_log_probs      the actor reads them with `use_kl_loss`; KL in the reward reads them
                          before the advantages
     teacher              distillation teachers
       teacher_log_probs  (or the top-k pair with `forward_kl_topk`) the actor's loss
-    values               a critic (GAE and the other critic estimators)
+    values               a critic (`critic.enable`; unset, an estimator reading `values`: gae)
       values, returns    the critic update
     rollout_is_weights   decoupled rollout correction: the actor's loss
+
+The fields an update reads are its loss terms' (`losses.ACTOR_TERM_FIELDS`, `CRITIC_FIELDS`):
+the plan turns the terms on from the config, the losses module says what each reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.trainer.advantage import NEEDS_SUM_PI_SQUARED
+from jaxrl.config import Config
+from jaxrl.core_algos import estimator_inputs
 from jaxrl.trainer.cluster import Cluster
-
-CRITIC_FIELDS = ("values", "returns")
-TOP_K_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")  # [N, R, k], not [N, R]
+from jaxrl.trainer.losses import ACTOR_TERM_FIELDS, CRITIC_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +67,13 @@ class StepPlan:
     critic_fields: tuple[str, ...]
 
     @classmethod
-    def of(cls, cfg, cluster: Cluster, *, n: int) -> StepPlan:
+    def of(cls, cfg: Config, cluster: Cluster, *, n: int) -> StepPlan:
         """The plan of `cfg`'s steps over `cluster` (`n` responses per prompt)."""
         actor_cfg, algorithm = cfg.actor_rollout_ref.actor, cfg.algorithm
         correction_cfg = algorithm.rollout_correction
         bypass = bool(correction_cfg.bypass_mode)
         correction = not bypass and bool(correction_cfg.rollout_is or correction_cfg.rollout_rs)
-        sum_pi_squared = algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
+        sum_pi_squared = estimator_inputs(algorithm.adv_estimator).sum_pi_squared
         on_policy = (
             actor_cfg.ppo_mini_batch_size * n >= cfg.data.train_batch_size * n
             and actor_cfg.ppo_epochs == 1
@@ -94,15 +97,15 @@ class StepPlan:
         groups = {p: cluster.device_group(roles[p]) for p in passes if p in roles}
         if cluster.teachers:
             groups["teacher"] = cluster.device_group(next(iter(cluster.teachers)))
-        actor_fields = ["advantages"]
-        if not on_policy:
-            actor_fields.append("old_log_probs")
-        if actor_cfg.use_kl_loss:
-            actor_fields.append("ref_log_probs")
-        if cluster.teachers:
-            actor_fields += TOP_K_FIELDS if top_k is not None else ("teacher_log_probs",)
-        if correction:
-            actor_fields.append("rollout_is_weights")
+        terms = {
+            "policy": True,
+            "off_policy": not on_policy,
+            "kl_loss": actor_cfg.use_kl_loss,
+            "distillation": bool(cluster.teachers) and top_k is None,
+            "distillation_top_k": bool(cluster.teachers) and top_k is not None,
+            "rollout_correction": correction,
+        }
+        actor_fields = [f for term, on in terms.items() if on for f in ACTOR_TERM_FIELDS[term]]
         return cls(
             passes=tuple(passes),
             groups=groups,

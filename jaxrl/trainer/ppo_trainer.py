@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.config import Config
 from jaxrl.config.checks import critic_enabled
 from jaxrl.core_algos import (
     agg_loss,
@@ -65,7 +66,7 @@ from jaxrl.trainer.compiles import compile_totals, compiles_since
 from jaxrl.trainer.experience import Experience, ExperienceProducer, RewardFn, timer
 from jaxrl.trainer.fingerprint import step_fingerprints
 from jaxrl.trainer.generation import Generated, StepRollout
-from jaxrl.trainer.learner import compile_infer, infer
+from jaxrl.trainer.learner import UpdateMetrics, average, compile_infer, infer
 from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
 from jaxrl.trainer.metrics import (
     data_metrics,
@@ -96,7 +97,7 @@ ADVANTAGE_INPUTS = (
 )
 
 
-def _policy_cfg(cfg):
+def _policy_cfg(cfg: Config):
     """The actor's config as the policy loss reads it (bypass mode swaps the loss)."""
     actor_cfg = cfg.actor_rollout_ref.actor
     if not cfg.algorithm.rollout_correction.bypass_mode:
@@ -105,12 +106,12 @@ def _policy_cfg(cfg):
     return losses.ConfigView(actor_cfg, policy_loss=loss)
 
 
-def _temperature(cfg) -> float:
+def _temperature(cfg: Config) -> float:
     rollout = cfg.actor_rollout_ref.rollout
     return rollout.temperature if rollout.do_sample else 1.0
 
 
-def ppo_training(cfg, total_steps: int) -> dict[str, Training]:
+def ppo_training(cfg: Config, total_steps: int) -> dict[str, Training]:
     """What PPO trains: the actor with the policy loss and, with a critic, the critic with
     the value loss; each optimizer's schedule counts its updates per step (mini-batches x
     epochs) over `total_steps` steps."""
@@ -169,7 +170,7 @@ class PPOTrainer:
 
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         cluster: Cluster,
         reward_fn: RewardFn,
         *,
@@ -263,7 +264,7 @@ class PPOTrainer:
     @classmethod
     def create(
         cls,
-        cfg,
+        cfg: Config,
         reward_fn: RewardFn,
         *,
         total_steps: int,
@@ -320,10 +321,9 @@ class PPOTrainer:
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg = actor_rollout_ref.actor
         actor, critic = self.cluster.actor, self.cluster.critic
-        on_device, layout = self.cluster.on_device, actor.layout
+        layout = actor.layout
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        scalars: dict[str, jax.Array] = {}  # device metrics, read back with the batch
         self.spans = spans = Spans()  # the device phases, none waited for on its own
         compiles = compile_totals()  # the whole step's, read-back and fingerprints included
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
@@ -332,35 +332,29 @@ class PPOTrainer:
             timing.update(experience.timing)
             metrics.update(experience.metrics)
             batch = _batch(experience, layout)
-            batch = self._passes(batch, experience.routes, spans, scalars)
+            batch, pass_scalars = self._passes(batch, experience.routes, spans)
             start = time.perf_counter()
-            batch, beta = self._advantages(batch, experience.extra, scalars)
+            batch, beta, adv_scalars = self._advantages(batch, experience.extra)
             spans.track("adv", start, batch.advantages)
+            scalars = {**pass_scalars, **adv_scalars}  # device metrics, read with the batch
             conversations = experience.conversations
             if cfg.algorithm.use_pf_ppo:
                 drawn = self._pf_ppo(batch, global_step)
                 batch = batch.select(drawn)
                 conversations = conversations and [conversations[i] for i in drawn]
-            if critic is not None:
-                start = time.perf_counter()
-                with on_device("critic", optimizer=True):
-                    args = self._update_args(cfg.critic, global_step, self.plan.critic_fields)
-                    metrics.update(_prefixed(critic.update(batch, **args), "critic"))
-                spans.track("update_critic", start, None, group=self.plan.groups["values"])
-            if global_step >= cfg.trainer.critic_warmup:
-                start = time.perf_counter()
-                with on_device("actor", optimizer=True):
-                    args = self._update_args(actor_cfg, global_step, self.plan.actor_fields)
-                    metrics.update(_prefixed(actor.update(batch, **args), "actor"))
-                spans.track("update_actor", start, None)
-                if actor_cfg.use_kl_loss:
-                    metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
-                metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
-        timing.update(spans.seconds())
+            updates = self._updates(batch, global_step, spans)
+            timing.update(spans.seconds())  # waits for the devices: the step includes them
         # the step's one batch read-back (not the teacher's top-k: K times a log-prob array,
-        # and no metric or dump reads it)
+        # and no metric or dump reads it), with the updates' metrics
         arrays = {k: v for k, v in batch.present().items() if k not in DEVICE_ONLY_FIELDS}
-        host, scalars = to_host((arrays, scalars))
+        steps = {role: pending.steps for role, pending in updates.items()}
+        host, scalars, steps = to_host((arrays, scalars, steps))
+        for role, role_steps in steps.items():
+            metrics.update(_prefixed(average(role_steps), role))
+        if "actor" in updates:
+            if actor_cfg.use_kl_loss:
+                metrics["actor/kl_coef"] = actor_cfg.kl_loss_coef
+            metrics["actor/lr"] = float(self._actor_lr(global_step - 1))
         metrics.update({k: float(v) for k, v in scalars.items() if k != "current_kl"})
         if "actor/entropy" not in metrics and "actor/entropy_loss" in metrics:
             metrics["actor/entropy"] = metrics["actor/entropy_loss"]  # on-policy: no old pass
@@ -382,14 +376,38 @@ class PPOTrainer:
         metrics.update(compiles_since(compiles))
         return metrics
 
+    def _updates(self, batch: RLBatch, global_step: int, spans: Spans) -> dict[str, UpdateMetrics]:
+        """The critic's update, then (past `critic_warmup`) the actor's, each dispatched
+        without waiting for the other (on separate device groups they run at once); their
+        metrics stay on the devices, by role."""
+        cfg, cluster, plan = self.cfg, self.cluster, self.plan
+        updates: dict[str, UpdateMetrics] = {}
+        if cluster.critic is not None:
+            start = time.perf_counter()
+            with cluster.on_device("critic", optimizer=True):
+                args = self._update_args(cfg.critic, global_step, plan.critic_fields)
+                updates["critic"] = cluster.critic.dispatch_update(batch, **args)
+            spans.track(
+                "update_critic", start, updates["critic"].steps, group=plan.groups["values"]
+            )
+        if global_step >= cfg.trainer.critic_warmup:
+            start, actor_cfg = time.perf_counter(), cfg.actor_rollout_ref.actor
+            with cluster.on_device("actor", optimizer=True):
+                args = self._update_args(actor_cfg, global_step, plan.actor_fields)
+                updates["actor"] = cluster.actor.dispatch_update(batch, **args)
+            spans.track("update_actor", start, updates["actor"].steps)
+        return updates
+
     def _passes(
-        self, batch: RLBatch, routes: np.ndarray | None, spans: Spans, scalars: dict
-    ) -> RLBatch:
+        self, batch: RLBatch, routes: np.ndarray | None, spans: Spans
+    ) -> tuple[RLBatch, dict[str, jax.Array]]:
         """The plan's passes over `batch` (old log-probs, reference, teachers, values), each
-        dispatched without waiting for those before; their results in the train layout."""
+        dispatched without waiting for those before; their results in the train layout, and
+        their device metrics (the old policy's entropy)."""
         plan, cluster = self.plan, self.cluster
         actor, ref, critic = cluster.actor, cluster.ref, cluster.critic
         layout, batching = actor.layout, self._log_prob_batching()
+        scalars: dict[str, jax.Array] = {}
         if plan.bypass:
             batch = batch.replace(old_log_probs=batch.rollout_log_probs)
         if plan.runs("old_log_prob"):
@@ -422,15 +440,15 @@ class PPOTrainer:
                 values = moved_to(values, layout)
             spans.track("values", start, values, group=plan.groups["values"])
             batch = batch.replace(values=values)
-        return batch
+        return batch, scalars
 
     def _advantages(
-        self, batch: RLBatch, extra: dict[str, list], scalars: dict[str, jax.Array]
-    ) -> tuple[RLBatch, float | None]:
-        """KL in the reward (its current KL into `scalars`), then the advantage estimator,
-        jitted on the devices; returns the batch with rewards, advantages and returns, and
-        the KL coefficient used (None without KL in the reward)."""
-        beta = None
+        self, batch: RLBatch, extra: dict[str, list]
+    ) -> tuple[RLBatch, float | None, dict[str, jax.Array]]:
+        """KL in the reward, then the advantage estimator, jitted on the devices; returns the
+        batch with rewards, advantages and returns, the KL coefficient used (None without KL
+        in the reward), and the device metrics (`current_kl`, `rollout_corr/*`)."""
+        beta, scalars = None, {}
         if self.kl_ctrl is not None:
             beta = float(self.kl_ctrl.value)
             rewards, scalars["current_kl"] = self._kl_in_reward(
@@ -444,19 +462,20 @@ class PPOTrainer:
             rewards = batch.token_level_scores
         batch = batch.replace(token_level_rewards=rewards)
         if self.plan.correction:
-            batch = self._rollout_correction(batch, scalars)
+            batch, corr_metrics = self._rollout_correction(batch)
+            scalars.update(corr_metrics)
         inputs = {k: v for k, v in batch.present().items() if k in ADVANTAGE_INPUTS}
         components = gdpo_components(self.cfg.algorithm, extra)
         adv, ret = self._advantage(inputs, components)
-        return batch.replace(advantages=adv, returns=ret), beta
+        return batch.replace(advantages=adv, returns=ret), beta, scalars
 
-    def _rollout_correction(self, batch: RLBatch, scalars: dict[str, jax.Array]) -> RLBatch:
+    def _rollout_correction(self, batch: RLBatch) -> tuple[RLBatch, dict[str, jax.Array]]:
         """verl's decoupled rollout correction (`algorithm.rollout_correction` without
         `bypass_mode`): importance weights and rejection from the recomputed old log-probs
         against the rollout's (`compute_rollout_correction_and_rejection_mask`); the
         rejection mask replaces the loss mask (advantages and losses skip rejected tokens)
-        and the actor's loss multiplies its per-token terms by the weights. Its
-        `rollout_corr/*` metrics go to `scalars`."""
+        and the actor's loss multiplies its per-token terms by the weights. Returns the
+        batch and the `rollout_corr/*` metrics (on the devices)."""
         if batch.rollout_log_probs is None:
             raise ValueError(
                 "algorithm.rollout_correction needs the rollout's log-probs, and this "
@@ -465,10 +484,10 @@ class PPOTrainer:
         weights, mask, corr_metrics = self._correction(
             batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask.astype(jnp.float32)
         )
-        scalars.update(corr_metrics)
-        return batch.replace(
+        batch = batch.replace(
             loss_mask=mask.astype(batch.loss_mask.dtype), rollout_is_weights=weights
         )
+        return batch, corr_metrics
 
     def _teacher_scores(
         self, batch: RLBatch, routes: np.ndarray | None, batching: dict[str, Any], spans: Spans

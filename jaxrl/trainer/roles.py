@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from transformers import AutoTokenizer
 
+from jaxrl.config import Config
 from jaxrl.config.checks import (
     critic_enabled,
     lora_enabled,
@@ -140,7 +141,7 @@ def _without_ring(attention_impl: str) -> str:
     return "auto" if attention_impl == "ring" else attention_impl
 
 
-def role_specs(cfg) -> dict[str, RoleSpec]:
+def role_specs(cfg: Config) -> dict[str, RoleSpec]:
     """The roles `cfg` uses, in verl's order: actor and rollout always, ref with a KL loss or
     KL in the reward, critic by `critic_enabled`, teacher with `distillation.enabled`, reward
     with `reward_model.enable`."""
@@ -217,7 +218,7 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
     return specs
 
 
-def teacher_specs(cfg) -> dict[str, RoleSpec]:
+def teacher_specs(cfg: Config) -> dict[str, RoleSpec]:
     """The distillation teachers by role name (`teacher_roles`: `teacher`, or `teacher:<key>`
     for each of several), frozen, each in its `inference.dtype` (verl's default: the
     rollout's dtype)."""

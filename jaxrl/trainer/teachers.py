@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.config import Config
 from jaxrl.config.checks import teacher_roles
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.rows import DataError, Row
@@ -45,7 +46,7 @@ class TeacherRouter:
     keys: tuple[Any, ...]
 
     @classmethod
-    def from_config(cls, cfg) -> TeacherRouter | None:
+    def from_config(cls, cfg: Config) -> TeacherRouter | None:
         """The router of a run with several teachers, else None (one teacher scores all)."""
         roles = teacher_roles(cfg) if cfg.distillation.enabled else {}
         if len(roles) < 2:

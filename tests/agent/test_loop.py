@@ -72,8 +72,8 @@ def test_trajectories_are_the_template_over_their_messages(engine, tokenizer):
         assert t.user_turns == (2 if tool_agent else 0) and t.finish == ("turns" if tool_agent
                                                                           else "stop")  # fmt: skip
         whole = chat.conversation(t.messages, schemas if tool_agent else None)
-        assert t.prompt_ids + t.response_ids == whole
-        mask = np.asarray(t.loss_mask)
+        assert t.prompt + t.response == whole
+        mask = np.asarray(t.sampled)
         assert mask.sum() == call_turn * t.assistant_turns
         starts = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)
         assert len(starts) == t.assistant_turns  # each turn one run of sampled tokens
@@ -93,11 +93,11 @@ def test_length_and_turn_limits(engine, tokenizer):
     with ToolRunner({"calculator": Calculator({})}) as runner:
         short = make_loop(engine, tokenizer, runner, response_length=16, max_assistant_turns=None)
         (t,) = short.run([request()], SAMPLED, jax.random.key(1))
-        assert t.finish == "length" and len(t.response_ids) == 16
-        assert t.loss_mask == [1] * 6 + [0] * 8 + [1] * 2
+        assert t.finish == "length" and len(t.response) == 16
+        assert t.sampled == [1] * 6 + [0] * 8 + [1] * 2
         tight = make_loop(engine, tokenizer, runner, response_length=19, max_assistant_turns=None)
         (t,) = tight.run([request()], SAMPLED, jax.random.key(1))
-        assert t.finish == "length" and t.user_turns == 1 and len(t.response_ids) == 19
+        assert t.finish == "length" and t.user_turns == 1 and len(t.response) == 19
         users = make_loop(engine, tokenizer, runner, max_assistant_turns=None, max_user_turns=1)
         (t,) = users.run([request()], SAMPLED, jax.random.key(1))
         assert (t.finish, t.assistant_turns, t.user_turns) == ("turns", 2, 1)
@@ -235,10 +235,10 @@ def test_sampling_does_not_depend_on_the_tools_timing(tokenizer):
             loop = make_loop(eng, tokenizer, runner, response_length=40, decode_chunk=3)
             out = loop.run(requests, SAMPLED, jax.random.key(4))
         runs.append(out)
-    assert len({len(t.response_ids) for t in runs[0]}) > 1  # the runs are not all alike
+    assert len({len(t.response) for t in runs[0]}) > 1  # the runs are not all alike
     assert sum(t.tool_calls for t in runs[0]) >= 2
     for a, b in zip(*runs, strict=True):
-        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+        assert a.response == b.response and a.sampled == b.sampled
         # the same programs on the same rows; only other slots' contents differ, which a row's
         # values do not depend on (measured exact); 1e-6, a few ulps, should XLA batch otherwise
         np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-6)

@@ -27,8 +27,8 @@ from jaxrl.trainer.batch import RLBatch
 
 
 def test_a_hand_built_two_turn_trajectory_becomes_rows():
-    t = Trajectory(prompt_ids=[5, 6, 7], response_ids=[10, 11, 1, 20, 21, 22, 12, 1],
-                   loss_mask=[1, 1, 1, 0, 0, 0, 1, 1],
+    t = Trajectory(prompt=[5, 6, 7], response=[10, 11, 1, 20, 21, 22, 12, 1],
+                   sampled=[1, 1, 1, 0, 0, 0, 1, 1],
                    log_probs=[-0.1, -0.2, -0.3, 0, 0, 0, -0.4, -0.5])  # fmt: skip
     rows = trajectory_rows([t], prompt_length=4, response_length=10, pad_id=0)
     np.testing.assert_array_equal(rows["prompts"], [[0, 5, 6, 7]])

@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 
 import jaxrl.core_algos.advantages as A
-from jaxrl.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator, get_adv_estimator_fn
+from jaxrl.core_algos import (
+    ADV_ESTIMATOR_REGISTRY,
+    AdvantageEstimator,
+    EstimatorInputs,
+    estimator_inputs,
+    get_adv_estimator_fn,
+    registry,
+)
 from jaxrl.testing.verl_compare import assert_close, to_torch, verl_core_algos
 
 ID_TABLE = np.array(
@@ -517,3 +524,32 @@ def test_no_gradient_flows_through_advantages():
 
     # exact: stop_gradient makes the gradient zeros, not small values
     np.testing.assert_array_equal(jax.grad(total)(inputs["values"]), np.zeros_like(p.values))
+
+
+# The parameter through which an estimator reads each declared input.
+INPUT_PARAMETERS = {
+    "values": "values",
+    "reward_baselines": "reward_baselines",
+    "sum_pi_squared": "sum_pi_squared",
+    "reward_components": "non_tensor_batch",
+}
+
+
+@pytest.mark.parametrize("name", [e.value for e in AdvantageEstimator])
+def test_declared_inputs_are_the_estimators_parameters(name):
+    """The inputs an estimator registered (which passes the step plan runs for it) are the
+    ones its signature reads, no more and no fewer."""
+    parameters = inspect.signature(get_adv_estimator_fn(name)).parameters
+    declared = dataclasses.asdict(estimator_inputs(name))
+    assert declared == {k: p in parameters for k, p in INPUT_PARAMETERS.items()}
+
+
+def test_an_estimator_registered_without_inputs_reads_none():
+    fn = registry.register_adv_est("test_mine")(lambda token_level_rewards, response_mask: 0)
+    try:
+        assert get_adv_estimator_fn("test_mine") is fn
+        assert estimator_inputs("test_mine") == EstimatorInputs()
+    finally:
+        del registry.ADV_ESTIMATOR_REGISTRY["test_mine"], registry.ESTIMATOR_INPUTS["test_mine"]
+    with pytest.raises(ValueError, match="unknown advantage estimator 'test_mine'"):
+        estimator_inputs("test_mine")

@@ -1,7 +1,7 @@
 """The request scheduler over the engine's slots: requests with their own sampling settings
 share one engine (more of them than slots) and each gets the turn it gets decoded alone;
 tokens stream chunk by chunk; groups of copies, kept-open conversations with appended tokens,
-abort, weights versions, and bad calls."""
+abort, weights versions, batch requests on either path, and bad calls."""
 
 import jax
 import numpy as np
@@ -121,6 +121,46 @@ def test_groups_conversations_and_abort(tiny):
     for h in running[1:]:
         scheduler.abort(h)
     assert not scheduler.busy and eng.free_slots == 4
+
+
+def test_a_batch_takes_the_fixed_batch_path_when_idle_and_the_slots_otherwise(tiny):
+    """Batch generation is a request too: idle, the engine's fixed-batch loop (exactly its
+    rows); beside a running request, each prompt's copies as requests on the slots (each row
+    the turn decoded alone with the documented key), right-padded like the fixed batch."""
+    config, params = tiny
+    ids = np.asarray([[0, 0, 5, 9, 13], [7, 8, 2, 40, 41]], np.int32)
+    mask = np.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], np.int32)
+    sp = SamplingParams(n=2, max_tokens=6, temperature=1.0)
+    key = jax.random.key(5)
+    eng = engine(config, params, version=3, max_num_seqs=8)
+    scheduler = Scheduler(eng, chunk=4)
+
+    out = scheduler.generate(ids, mask, sp, key)
+    want = eng.generate(ids, mask, sp, key)
+    assert out.fixed_batch and out.version == 3
+    for got, ref in ((out.responses, want.responses), (out.response_mask, want.response_mask)):
+        np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(out.log_probs, want.log_probs)
+
+    [other] = scheduler.submit([3, 4, 5], SamplingParams(max_tokens=30, **GREEDY), key)
+    scheduler.step()
+    with pytest.raises(ValueError, match="fast=True"):
+        scheduler.generate(ids, mask, sp, key, fast=True)
+    out = scheduler.generate(ids, mask, sp, key)
+    assert not out.fixed_batch and out.version == 3 and out.responses.shape == (4, 6)
+    one = SamplingParams(max_tokens=6, temperature=1.0)
+    for row in range(4):
+        i, j = divmod(row, 2)
+        prompt = ids[i][mask[i] > 0].tolist()
+        tokens, log_probs = alone(
+            config, params, prompt, one, jax.random.fold_in(jax.random.fold_in(key, i), j)
+        )
+        n = len(tokens)
+        np.testing.assert_array_equal(out.responses[row, :n], tokens)
+        np.testing.assert_allclose(out.log_probs[row, :n], log_probs, atol=LOG_PROB_ATOL)
+        assert out.response_mask[row].tolist() == [1] * n + [0] * (6 - n)
+        assert (out.log_probs[row, n:] == 0).all()
+    assert not other.done and eng.free_slots == 7  # the other request still runs
 
 
 def test_bad_requests_are_named(tiny):

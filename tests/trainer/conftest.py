@@ -23,8 +23,8 @@ def step_batches(monkeypatch):
     captured = []
     advantages = PPOTrainer._advantages
 
-    def spy(self, batch, extra, scalars):
-        out = advantages(self, batch, extra, scalars)
+    def spy(self, batch, extra):
+        out = advantages(self, batch, extra)
         captured.append(to_host(out[0].present()))
         return out
 

@@ -286,8 +286,8 @@ def test_optimal_token_baseline_through_the_trainer(assets, tmp_path, monkeypatc
     captured = []
     advantages = PPOTrainer._advantages
 
-    def spy(self, batch, extra, scalars):
-        out = advantages(self, batch, extra, scalars)
+    def spy(self, batch, extra):
+        out = advantages(self, batch, extra)
         captured.append((self.temperature, to_host(out[0].present())))
         return out
 
@@ -387,9 +387,9 @@ def test_decoupled_rollout_correction_equals_verls(assets, tmp_path, monkeypatch
     captured = []
     correction = PPOTrainer._rollout_correction
 
-    def spy(self, batch, scalars):
-        out = correction(self, batch, scalars)
-        captured.append((to_host(batch.present()), to_host(out.present())))
+    def spy(self, batch):
+        out = correction(self, batch)
+        captured.append((to_host(batch.present()), to_host(out[0].present())))
         return out
 
     monkeypatch.setattr(PPOTrainer, "_rollout_correction", spy)

@@ -19,8 +19,8 @@ def test_over_sampled_step_drops_the_slowest_rows(assets, tmp_path, monkeypatch)
     captured = []
     advantages = PPOTrainer._advantages
 
-    def spy(self, batch, extra, scalars):
-        out = advantages(self, batch, extra, scalars)
+    def spy(self, batch, extra):
+        out = advantages(self, batch, extra)
         captured.append((self.sampling, self.val_sampling, to_host(out[0].present())))
         return out
 

@@ -165,7 +165,9 @@ def test_passes_on_separate_device_groups_run_at_once(assets, tmp_path):
     sleeps 1 s (device time that burns no CPU, so the 2-core host is free to dispatch), so
     their spans (dispatch or the group's previous phase -> results ready) intersect; a step
     that waited after each pass would start the values pass after the reference's end. The
-    plan names the passes and their groups."""
+    same for the updates: the critic's first optimizer step's metrics wait 1 s, and the
+    actor's update (on the train devices) runs meanwhile. The plan names the passes and
+    their groups."""
     cfg = config(
         assets, tmp_path, "mesh.placement.ref.devices=2", "mesh.placement.critic.devices=2"
     )
@@ -173,25 +175,42 @@ def test_passes_on_separate_device_groups_run_at_once(assets, tmp_path):
     trainer = run.trainer
     assert trainer.plan.passes == ("old_log_prob", "ref", "values")
     assert trainer.plan.groups == {"old_log_prob": "train", "ref": "ref", "values": "critic"}
-    ref_pass = trainer._ref_log_prob
+    ref_pass, critic = trainer._ref_log_prob, trainer.cluster.critic
+    critic_apply = critic._apply
 
-    def sleep(value):
-        time.sleep(1.0)
-        return value
+    def slowed_by(times: int):
+        """x, ready 1 s after the program that made it, in the first `times` calls."""
+        slept = []
 
-    @jax.jit
-    def slowed(log_probs):  # ready 1 s after the pass's own work
-        pause = jax.pure_callback(sleep, jax.ShapeDtypeStruct((), jnp.float32), log_probs[0, 0])
-        return log_probs + 0.0 * pause
+        def sleep(value):
+            if len(slept) < times:
+                slept.append(value)
+                time.sleep(1.0)
+            return value
 
-    trainer._ref_log_prob = lambda params, mb: slowed(ref_pass(params, mb))
+        def slowed(x):
+            shape = jax.ShapeDtypeStruct((), jnp.float32)
+            return x + 0.0 * jax.pure_callback(sleep, shape, x.ravel()[0])
+
+        return jax.jit(slowed)
+
+    slow_ref, slow_critic = slowed_by(10**6), slowed_by(1)  # every ref call; one critic step
+    trainer._ref_log_prob = lambda params, mb: slow_ref(ref_pass(params, mb))
+
+    def slowed_apply(state, grads):
+        state, applied = critic_apply(state, grads)
+        return state, {**applied, "grad_norm": slow_critic(applied["grad_norm"])}
+
+    critic._apply = slowed_apply
     metrics = trainer.step(next(iter(run.train_loader)), 1)
     spans = trainer.spans.intervals()
-    (ref_start, ref_end), (values_start, values_end) = spans["ref"], spans["values"]
-    assert values_start < ref_end and ref_start < values_end, spans
-    assert ref_end - ref_start >= 1.0, spans
-    assert metrics["timing_s/ref"] == pytest.approx(ref_end - ref_start)
-    assert {"old_log_prob", "adv", "update_critic", "update_actor"} <= set(spans)
+    for first, second in (("ref", "values"), ("update_critic", "update_actor")):
+        (a_start, a_end), (b_start, b_end) = spans[first], spans[second]
+        assert b_start < a_end and a_start < b_end, (first, second, spans)
+        assert a_end - a_start >= 1.0, spans
+        assert metrics[f"timing_s/{first}"] == pytest.approx(a_end - a_start)
+    assert {"old_log_prob", "adv"} <= set(spans)
+    assert np.isfinite(metrics["critic/grad_norm"]) and np.isfinite(metrics["actor/grad_norm"])
 
 
 IGNORED = ("timing", "perf/", "fingerprint/")  # parameter hashes: the last bits differ
