@@ -703,7 +703,8 @@ class FilterGroupsConfig:
     Attributes:
         enable: Train only on prompt groups whose responses' `metric` varies, generating
             batches of `data.gen_batch_size` prompts until `data.train_batch_size` such groups
-            exist.
+            exist. Varies: a float64 std > 0 (verl's recipe takes it in float32, where a tied
+            group of some non-dyadic scores, e.g. six of 0.6, has std 6e-8 and is kept).
         metric: `seq_reward` (or `reward`: the summed token scores), `seq_final_reward` (the
             summed token rewards), or a key of the reward function's extra info (`acc`,
             `score`, ...).

@@ -44,7 +44,7 @@ from jaxrl.models.cached import KVCache, init_cache, prefill
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.transformer import lm_logits, positions_from_mask
 from jaxrl.rollout.backends import DecodeBackend, choose_backend
-from jaxrl.rollout.sampling import SamplingParams, sample
+from jaxrl.rollout.sampling import SamplingParams, sample, typed_key
 from jaxrl.sharding.layouts import Layout, use_layout
 from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
 
@@ -368,7 +368,8 @@ def generate(
         input_ids: Left-padded prompt ids [B, P].
         attention_mask: 1 on prompt tokens, 0 on padding [B, P].
         sampling_params: What to generate.
-        rng: A fresh PRNG key per call (the caller's responsibility: never reuse one);
+        rng: A fresh PRNG key per call (the caller's responsibility: never reuse one):
+            `jax.random.key(s)` or the legacy `jax.random.PRNGKey(s)` (the same samples);
             None derives it from `sampling_params.seed`.
         layout: The rollout layout (mesh dp x tp) to generate on; None: one device.
         max_prompt_length: Refuse prompts longer than this (the configured maximum).
@@ -431,6 +432,7 @@ def generate(
         raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: one per row)")
     if rng is None:
         rng = jax.random.key(0 if sp.seed is None else sp.seed)
+    rng = typed_key(rng, "generate(rng=...)")
     plan = _Plan(
         layout, max_num_seqs, prefix_sharing, choose_backend(decode_backend, config, layout)
     )

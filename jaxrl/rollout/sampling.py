@@ -124,6 +124,24 @@ _NEG_INF = -jnp.inf
 END_ID_WIDTH = 8  # end tokens a row holds in `RowSampling.end_ids` (-1 pads)
 
 
+def typed_key(key: jax.Array, what: str) -> jax.Array:
+    """`key` as typed PRNG keys. Typed keys (`jax.random.key`) pass as they are; legacy raw
+    keys (`jax.random.PRNGKey`: uint32 data [..., 2] for the default threefry) are wrapped,
+    keeping their data, so `PRNGKey(s)` samples what `key(s)` samples. Anything else is
+    refused, naming `what` received it."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return key
+    data_shape = jax.random.key_data(jax.random.key(0)).shape  # the default impl's
+    shape = tuple(getattr(key, "shape", ()))
+    if dtype == np.uint32 and shape[len(shape) - len(data_shape) :] == data_shape:
+        return jax.random.wrap_key_data(key)
+    raise ValueError(
+        f"{what}: expected a PRNG key, jax.random.key(seed) (or the legacy "
+        f"jax.random.PRNGKey(seed)); got {dtype} with shape {shape}"
+    )
+
+
 @flax.struct.dataclass
 class RowSampling:
     """Each row's sampling settings as arrays: data of the program, not part of it.

@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from jaxrl.rollout.engine import RolloutEngine
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.sampling import SamplingParams, typed_key
 from jaxrl.rollout.slots import Conversation
 
 Array = Any  # a device array (the fixed-batch path) or numpy (the slots')
@@ -214,7 +214,7 @@ class Scheduler:
         ids = np.asarray(tokens, np.int64).reshape(-1)
         # here, not in step's batched append, whose error ends every conversation in it
         self.engine.check_ids(ids, f"resume() of request {handle.id}")
-        _check_key(key)
+        key = _one_key(key, f"resume() of request {handle.id}")
         new = self._handle(sampling, np.asarray(jax.random.key_data(key)), keep_open)
         new.slot = handle.slot
         del self._open[handle.slot]
@@ -260,6 +260,7 @@ class Scheduler:
         doc); blocks until every row is over. `fast`: None takes the fixed-batch path when
         the scheduler is idle; True insists on it (an error while requests hold slots);
         False runs the rows as requests on the slots."""
+        key = _one_key(key, "generate()")
         idle = not self.busy and not self._open
         if fast and not idle:
             raise ValueError(
@@ -416,13 +417,16 @@ def _padded(handles: list[Handle], width: int, pad_id: int, version: int | None)
 def _key_data(key: jax.Array, copies: int) -> np.ndarray:
     """Key data [copies, ...]: `fold_in(key, j)` for copy j (one copy too: a request's
     samples do not depend on how many were asked for with it)."""
-    _check_key(key)
+    key = _one_key(key, "submit()")
     return np.asarray(_copy_keys(key, np.arange(copies, dtype=np.uint32)))
 
 
-def _check_key(key: jax.Array) -> None:
-    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.ndim != 0:
-        raise ValueError("a request's key is one typed key (jax.random.key), not raw uint32 data")
+def _one_key(key: jax.Array, what: str) -> jax.Array:
+    """A request's key: one key, typed or legacy (`typed_key`)."""
+    key = typed_key(key, what)
+    if key.ndim != 0:
+        raise ValueError(f"{what}: a request takes one key, not {key.shape} of them")
+    return key
 
 
 @jax.jit

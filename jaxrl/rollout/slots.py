@@ -53,7 +53,7 @@ from jaxrl.models.config import DecoderConfig
 from jaxrl.rollout import conversation
 from jaxrl.rollout.backends import DecodeBackend
 from jaxrl.rollout.generation import cache_geometry
-from jaxrl.rollout.sampling import RowSampling, SamplingParams
+from jaxrl.rollout.sampling import RowSampling, SamplingParams, typed_key
 from jaxrl.rollout.weights import RolloutWeights
 from jaxrl.sharding.layouts import Layout
 from jaxrl.sharding.reshard import free
@@ -302,8 +302,9 @@ class ConversationSlots:
         the settings are data of the one compiled decode program, so slots with different
         temperatures, top-k / top-p, max_tokens, end tokens or stop strings decode together.
 
-        `rng`: one typed key (slot `slots[i]`'s turn samples with `fold_in(rng, i)`) or a key
-        per slot [len(slots)]; None: each slot's `sampling.seed`'s (folded with i too). A
+        `rng`: one key (slot `slots[i]`'s turn samples with `fold_in(rng, i)`) or a key per
+        slot [len(slots)], typed or legacy (`sampling.typed_key`); None: each slot's
+        `sampling.seed`'s (folded with i too). A
         turn's k-th token is drawn with `fold_in(turn key, k)`: the same tokens whichever
         slots decode alongside it.
 
@@ -523,8 +524,7 @@ def _turn_keys(rng: jax.Array | None, seeds: list[int | None], count: int, impl:
         return np.asarray(jax.random.key_data(jnp.stack(keys)))
     if rng is None:
         rng = jax.random.key(seeds[0] or 0)  # as generate()
-    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        raise ValueError("decode(rng=...) takes typed keys (jax.random.key), not raw uint32 keys")
+    rng = typed_key(rng, "decode(rng=...)")
     if jax.random.key_impl(rng) != impl:
         raise ValueError(
             f"decode(rng=...): keys of {jax.random.key_impl(rng)}; the engine uses {impl}"

@@ -8,6 +8,11 @@ only the groups kept by verl's DAPO recipe rule survive:
 
     keep group g  iff  std_i(v_i) > 0  or  |g| = 1      (population std over its responses)
 
+with one exception: jaxrl takes the std in float64, the recipe `np.std` of float32 summed
+scores, where a tied group of some non-dyadic scores has a std of a few ulps (six responses
+all scoring 0.6: 6e-8) and is kept although its advantages are 0; jaxrl drops it (a group
+that teaches nothing).
+
 where v_i is the response's `metric`: `seq_reward` (or v1's name `reward`) the summed token
 scores, `seq_final_reward` the summed token rewards (the same without KL in the reward), or
 any key of the reward function's extra info (`acc`, `score`, ...). Kept groups accumulate over

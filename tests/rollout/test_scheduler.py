@@ -163,6 +163,34 @@ def test_a_batch_takes_the_fixed_batch_path_when_idle_and_the_slots_otherwise(ti
     assert not other.done and eng.free_slots == 7  # the other request still runs
 
 
+def test_legacy_keys_sample_what_typed_keys_sample(tiny):
+    """jax.random.PRNGKey(s), what most JAX code passes, is accepted wherever a key enters
+    (batch generation, the engine's decode, a request, a resumed turn) and samples exactly
+    what jax.random.key(s) samples."""
+    config, params = tiny
+    ids = np.asarray([[0, 5, 9, 13], [7, 8, 2, 40]], np.int32)
+    mask = (ids > 0).astype(np.int32)
+    sp = SamplingParams(n=2, max_tokens=5, temperature=1.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
+    eng = engine(config, params)
+    runs = {}
+    for kind, make in (("typed", jax.random.key), ("legacy", jax.random.PRNGKey)):
+        scheduler = Scheduler(eng, chunk=None)
+        batch = scheduler.generate(ids, mask, sp, make(3))
+        [first] = scheduler.run(scheduler.submit([5, 9, 13], one, make(4), keep_open=True))
+        second = scheduler.run([scheduler.resume(first, [20, 21], one, make(5))])[0]
+        scheduler.close(second)
+        slots = eng.start(ids, mask)
+        turn = eng.decode(slots, one, make(6))
+        eng.end(slots)
+        runs[kind] = (np.asarray(batch.responses), first.tokens, second.tokens, turn.tokens)
+    for typed, legacy in zip(runs["typed"], runs["legacy"], strict=True):
+        np.testing.assert_array_equal(np.asarray(typed), np.asarray(legacy))
+    assert len({tuple(r) for r in runs["typed"][0]}) > 1  # sampled, not all alike
+    with pytest.raises(ValueError, match=r"decode\(rng=...\): expected a PRNG key"):
+        eng.decode(eng.start(ids, mask), one, np.int32(3))
+
+
 def test_bad_requests_are_named(tiny):
     config, params = tiny
     scheduler = Scheduler(engine(config, params))
@@ -173,8 +201,10 @@ def test_bad_requests_are_named(tiny):
         scheduler.submit([3, 4], SamplingParams(), key, copies=5)
     with pytest.raises(ValueError, match="flat, non-empty"):
         scheduler.submit([], SamplingParams(), key)
-    with pytest.raises(ValueError, match="typed key"):
-        scheduler.submit([3, 4], SamplingParams(), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"submit\(\): expected a PRNG key.*float32"):
+        scheduler.submit([3, 4], SamplingParams(), np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="one key, not"):
+        scheduler.submit([3, 4], SamplingParams(), jax.random.split(key, 2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         scheduler.submit([3, 10**6], SamplingParams(), key)
     [open_] = scheduler.run(

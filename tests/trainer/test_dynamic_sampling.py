@@ -99,6 +99,18 @@ def test_singletons_are_kept_and_nan_groups_dropped():
     assert kept == 2
 
 
+def test_a_tied_group_of_non_dyadic_scores_is_dropped_unlike_the_float32_recipe():
+    """The one documented difference from verl's recipe: it takes np.std of the float32
+    summed scores, where six responses all scoring 0.6 have std 6e-8 (the float32 mean is
+    off by an ulp), so the recipe keeps a group whose GRPO advantages are 0; jaxrl's float64
+    std is 0 and drops it."""
+    group_ids = np.zeros(6, np.int64)
+    scores = np.full(6, 0.6, np.float32)  # the recipe's values: float32 token sums
+    assert np.std(list(scores)) > 0  # the recipe's rule keeps it
+    rows, kept = kept_rows(group_ids, scores)
+    assert kept == 0 and rows.size == 0
+
+
 def test_cap_raises_verls_error_after_the_capth_batch():
     batches = [gen_batch(k, tie_rate=1.0) for k in range(1, 4)]  # every group tied: none kept
     for batch in batches:
