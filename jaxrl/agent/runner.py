@@ -16,7 +16,8 @@ is cancelled; a plain function's thread cannot be stopped: it finishes in the ba
 result dropped, and holds its worker until then, so tools that hang eat the workers). A call
 that cannot run (the parser's error, an unknown tool, a missing required argument, an
 exception in the tool) answers with the problem instead; `ToolResult.error` names its kind for
-the metrics.
+the metrics. An unknown tool's and a failing tool's answers are verl 0.9.1's texts
+(`Unknown function 'NAME'. Available tools: [...]`, `Error executing tool 'NAME': MESSAGE`).
 """
 
 from __future__ import annotations
@@ -125,9 +126,8 @@ class ToolRunner:
         if call.error:
             return ToolResult(call.name, f"Error: {call.error}", error="malformed")
         tool = tools.get(call.name)
-        if tool is None:
-            available = ", ".join(sorted(tools)) or "none"
-            text = f"Error: unknown tool {call.name!r} (available: {available})"
+        if tool is None:  # verl's answer, word for word
+            text = f"Unknown function '{call.name}'. Available tools: {list(tools)}"
             return ToolResult(call.name, text, error="unknown_tool")
         problems = argument_problems(call.arguments, self.schemas[call.name])
         if problems:
@@ -141,8 +141,8 @@ class ToolRunner:
         except TimeoutError:
             text = f"Error: {call.name} timed out after {self.timeout:g} s"
             return ToolResult(call.name, text, error="timeout")
-        except Exception as e:
-            text = f"Error executing tool {call.name!r}: {type(e).__name__}: {e}"
+        except Exception as e:  # verl's answer, word for word
+            text = f"Error executing tool '{call.name}': {e}"
             return ToolResult(call.name, text, error="exception")
         finally:
             if instance:

@@ -114,16 +114,17 @@ class Broken(BaseTool):
 
 def test_errors_are_answered_and_counted(engine, tokenizer):
     """No tools, or the calculator not in the row's tool_selection: the call is answered
-    "unknown tool"; a tool that raises: its error is the answer. Either way the trajectory
-    goes on to its turn limit."""
+    as verl answers an unknown function; a tool that raises: its error is the answer.
+    Either way the trajectory goes on to its turn limit."""
     loop = make_loop(engine, tokenizer, None)
     (t,) = loop.run([request()], SAMPLED, jax.random.key(2))
     assert t.assistant_turns == 3 and t.tool_errors == {"unknown_tool": 2}
-    assert "unknown tool 'calculator'" in t.messages[2]["content"]
+    assert t.messages[2]["content"] == "Unknown function 'calculator'. Available tools: []"
     with ToolRunner({"calculator": Calculator({})}) as runner:  # a row's tool_selection
         only = AgentRequest(request().messages, "tool_agent", tool_names=("search",))
         (t,) = make_loop(engine, tokenizer, runner).run([only], SAMPLED, jax.random.key(2))
-    assert t.tool_errors == {"unknown_tool": 2} and "(available: none)" in t.messages[2]["content"]
+    assert t.tool_errors == {"unknown_tool": 2}
+    assert t.messages[2]["content"] == "Unknown function 'calculator'. Available tools: []"
     with ToolRunner({"calculator": Broken({})}) as runner:
         (t,) = make_loop(engine, tokenizer, runner).run([request()], SAMPLED, jax.random.key(2))
     assert t.tool_errors == {"exception": 2} and "the tool broke" in t.messages[2]["content"]

@@ -2,14 +2,19 @@
 everything else (no eval), verl's gsm8k answer check, and the registry's loading and errors."""
 
 import asyncio
+import copy
+import json
+import logging
+import types
 
 import pytest
 
 from jaxrl.agent import ToolCall, ToolRunner, load_tools
+from jaxrl.agent.tools.base import schema_dict
 from jaxrl.agent.tools.calculator import CalculationError, Calculator, calculate, format_number
 from jaxrl.agent.tools.gsm8k import Gsm8kTool
 from jaxrl.agent.tools.registry import ToolConfigError
-from jaxrl.testing.reference import import_reference
+from jaxrl.testing.reference import import_reference, reference_method
 
 
 @pytest.mark.parametrize(
@@ -116,3 +121,78 @@ def test_a_tool_written_for_verl_runs_as_it_is(tmp_path, monkeypatch):
     with ToolRunner(load_tools(path)) as runner:
         result = runner.submit(ToolCall("echo", {"text": "hi"})).result(timeout=30)
     assert (result.text, result.reward, result.error) == ("hi", 0.5, None)
+
+
+VERL_BROKEN = """
+from verl.tools.base_tool import BaseTool
+
+
+class Broken(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("the tool broke")
+"""
+
+
+def test_answers_to_an_unknown_and_a_failing_tool_are_verls(tmp_path, monkeypatch):
+    """verl 0.9.1's own `ToolAgentLoop._call_tool` (compiled from its source: its module
+    imports the vLLM server's client) and jaxrl's runner answer a call of an unknown tool and
+    of a tool that raises with the same text."""
+    function_tool = import_reference("verl.tools.function_tool")
+    verl_schemas = import_reference("verl.tools.schemas")
+    (tmp_path / "verl_broken.py").write_text(VERL_BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, "tools:\n  - class_name: verl_broken.Broken\n"
+                           "    config: {type: native}\n"
+                           "    tool_schema: {type: function, function: {name: broken, description:"
+                           " b, parameters: {type: object, properties: {text: {type: string}},"
+                           " required: [text]}}}\n"
+                           "  - class_name: jaxrl.agent.tools.calculator.Calculator\n"
+                           "    config: {type: native}\n")  # fmt: skip
+    tools = load_tools(path)
+    call_tool = reference_method(
+        "experimental/agent_loop/tool_agent_loop.py", "ToolAgentLoop", "_call_tool",
+        {"json": json, "logger": logging.getLogger("verl_reference"),
+         "FunctionTool": function_tool.FunctionTool, "ToolResponse": verl_schemas.ToolResponse,
+         "normalize_function_tool_return": function_tool.normalize_function_tool_return},
+    )  # fmt: skip
+    loop = types.SimpleNamespace(
+        tools=tools, max_tool_response_length=10_000, tool_response_truncate_side="middle"
+    )
+    with ToolRunner(tools) as runner:
+        for name, arguments in (("search", {"query": "x"}), ("broken", {"text": "x"})):
+            call = types.SimpleNamespace(name=name, arguments=json.dumps(arguments))
+            want, _, _ = asyncio.run(call_tool(loop, call, {}, types.SimpleNamespace()))
+            got = runner.submit(ToolCall(name, arguments)).result(timeout=30)
+            assert got.text == want.text, name
+            assert got.error == ("unknown_tool" if name == "search" else "exception")
+            assert ("['broken', 'calculator']" in got.text) is (name == "search")
+
+
+def test_schema_keys_are_in_verls_order_and_items_are_kept():
+    """A tool YAML's schema keys in any order: the prompt's tool JSON lists them as verl's
+    schema models do (its tokens equal verl's); a property's `items`, which verl's model
+    drops, is kept after the keys verl knows (a documented difference)."""
+    verl_schemas = import_reference("verl.tools.schemas")
+    shuffled = {
+        "function": {
+            "parameters": {
+                "required": ["query"],
+                "properties": {
+                    "query": {"description": "What to look for.", "type": "string"},
+                    "tags": {"items": {"type": "string"}, "type": "array", "description": "t"},
+                },
+                "type": "object",
+            },
+            "description": "Search the notes.",
+            "name": "search",
+        },
+        "type": "function",
+    }
+    model = verl_schemas.OpenAIFunctionToolSchema.model_validate(shuffled)
+    want = model.model_dump(exclude_unset=True, exclude_none=True)  # verl's prompt's schema
+    ours = schema_dict(copy.deepcopy(shuffled))
+    tags = ours["function"]["parameters"]["properties"]["tags"]
+    assert list(tags) == ["type", "description", "items"]
+    del tags["items"]
+    assert json.dumps(ours) == json.dumps(want)
+    assert schema_dict(model) == want  # a verl model: dumped, already in its order

@@ -33,8 +33,27 @@ class ToolResponse:
     text: str | None = None
 
 
+# The key order of verl's schema models (`verl.tools.schemas`), which its prompt's tool JSON
+# follows whatever order the YAML gave: each level's known keys first, in this order.
+SCHEMA_KEY_ORDER = {
+    "tool": ("type", "function"),
+    "function": ("name", "description", "parameters", "strict"),
+    "parameters": ("type", "properties", "required"),
+    "property": ("type", "description", "enum"),
+}
+
+
+def _ordered(d: dict[str, Any], level: str) -> dict[str, Any]:
+    """`d` with `level`'s known keys first in verl's order, then the others as given."""
+    known = SCHEMA_KEY_ORDER[level]
+    return {**{k: d[k] for k in known if k in d}, **{k: v for k, v in d.items() if k not in known}}
+
+
 def schema_dict(schema: Any) -> dict[str, Any]:
-    """An OpenAI function schema as a plain dict (a pydantic model of verl's is dumped)."""
+    """An OpenAI function schema as a plain dict (a pydantic model of verl's is dumped), its
+    keys in verl's order (`SCHEMA_KEY_ORDER`), so the prompt's tool JSON is verl's token for
+    token. Keys verl's models do not know (a property's `items`, ...) are kept after them,
+    where verl drops them."""
     if hasattr(schema, "model_dump"):
         schema = schema.model_dump(exclude_unset=True, exclude_none=True)
     if not isinstance(schema, dict):
@@ -47,7 +66,18 @@ def schema_dict(schema: Any) -> dict[str, Any]:
         )
     if not isinstance(function.get("name"), str) or not function["name"]:
         raise ValueError(f"the tool schema's function has no name: {schema!r}")
-    return schema
+    function = _ordered(function, "function")
+    parameters = function.get("parameters")
+    if isinstance(parameters, dict):
+        parameters = _ordered(parameters, "parameters")
+        properties = parameters.get("properties")
+        if isinstance(properties, dict):
+            parameters["properties"] = {
+                name: _ordered(p, "property") if isinstance(p, dict) else p
+                for name, p in properties.items()
+            }
+        function["parameters"] = parameters
+    return _ordered({**schema, "function": function}, "tool")
 
 
 class BaseTool:
