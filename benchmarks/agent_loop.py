@@ -107,7 +107,7 @@ class Run:
 
 
 def sampled_tokens(trajectories) -> int:
-    return sum(sum(t.loss_mask) for t in trajectories)
+    return sum(sum(t.sampled) for t in trajectories)
 
 
 def run_loop(engine, chat, runner, limits, requests, sampling, rng) -> Run:
@@ -150,7 +150,7 @@ def run_baseline(engine, chat, runner, limits, requests, sampling, rng) -> Run:
     slots = [int(s) for s in engine.start(ids, mask)]
     engine_seconds += time.perf_counter() - t0
     records = [
-        Trajectory(prompt_ids=p, messages=[dict(m) for m in r.messages])
+        Trajectory(prompt=p, messages=[dict(m) for m in r.messages])
         for p, r in zip(prompts, requests, strict=True)
     ]
     open_slots = set(slots)
@@ -169,7 +169,7 @@ def run_baseline(engine, chat, runner, limits, requests, sampling, rng) -> Run:
                 active, out.tokens, out.log_probs, out.finish_reasons, strict=True
             ):
                 record = records[i]
-                over = len(record.response_ids) + len(tokens) >= RESPONSE_LENGTH
+                over = len(record.response) + len(tokens) >= RESPONSE_LENGTH
                 record.add_turn(tokens.tolist(), log_probs.tolist())
                 text = chat.text(tokens.tolist())
                 record.messages.append({"role": "assistant", "content": text})
@@ -197,7 +197,7 @@ def run_baseline(engine, chat, runner, limits, requests, sampling, rng) -> Run:
                 messages = [{"role": "tool", "content": r.text} for r in results]
                 tool_ids = chat.after_turn(record.messages, messages, schemas)
                 record.messages += messages
-                if len(record.response_ids) + len(tool_ids) >= RESPONSE_LENGTH:
+                if len(record.response) + len(tool_ids) >= RESPONSE_LENGTH:
                     record.finish = "length"
                     engine.end([slots[i]])
                     open_slots.discard(slots[i])
@@ -243,7 +243,7 @@ def same_work(runs: list[Run]) -> tuple[bool, float]:
     first, same, diff = runs[0].trajectories, True, 0.0
     for run in runs[1:]:
         for a, b in zip(first, run.trajectories, strict=True):
-            if a.response_ids != b.response_ids or a.loss_mask != b.loss_mask:
+            if a.response != b.response or a.sampled != b.sampled:
                 same = False
                 continue
             d = np.abs(np.asarray(a.log_probs) - np.asarray(b.log_probs))

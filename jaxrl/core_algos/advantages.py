@@ -112,7 +112,7 @@ def _require_config(config: Any, estimator: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-@register_adv_est(AdvantageEstimator.GAE, EstimatorInputs(values=True))
+@register_adv_est(AdvantageEstimator.GAE, inputs=EstimatorInputs(values=True))
 def compute_gae_advantage_return(
     token_level_rewards: Float[Array, "b r"],
     values: Float[Array, "b r"],
@@ -203,7 +203,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return jax.lax.stop_gradient((advantages, returns))
 
 
-@register_adv_est(AdvantageEstimator.REMAX, EstimatorInputs(reward_baselines=True))
+@register_adv_est(AdvantageEstimator.REMAX, inputs=EstimatorInputs(reward_baselines=True))
 def compute_remax_outcome_advantage(
     token_level_rewards: Float[Array, "b r"],
     reward_baselines: Float[Array, " b"],
@@ -304,7 +304,7 @@ def compute_grpo_vectorized_outcome_advantage(
     )
 
 
-@register_adv_est(AdvantageEstimator.GDPO, EstimatorInputs(reward_components=True))
+@register_adv_est(AdvantageEstimator.GDPO, inputs=EstimatorInputs(reward_components=True))
 def compute_gdpo_outcome_advantage(
     token_level_rewards: Float[Array, "b r"],
     response_mask: Float[Array, "b r"],

@@ -71,7 +71,9 @@ def _zero_tail(
     return unique_longest[:, None] & (jnp.arange(width)[None, :] >= runner_up[:, None])
 
 
-@register_adv_est(AdvantageEstimator.OPTIMAL_TOKEN_BASELINE, EstimatorInputs(sum_pi_squared=True))
+@register_adv_est(
+    AdvantageEstimator.OPTIMAL_TOKEN_BASELINE, inputs=EstimatorInputs(sum_pi_squared=True)
+)
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: Float[Array, "b r"],
     response_mask: Float[Array, "b r"],
@@ -123,7 +125,7 @@ def compute_optimal_token_baseline_advantage(
 
 
 @register_adv_est(
-    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE, EstimatorInputs(sum_pi_squared=True)
+    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE, inputs=EstimatorInputs(sum_pi_squared=True)
 )
 def compute_multi_turn_optimal_token_baseline_advantage(
     token_level_rewards: Float[Array, "b r"],

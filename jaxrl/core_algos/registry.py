@@ -46,7 +46,8 @@ class EstimatorInputs:
     `index` (the group ids).
 
     Attributes:
-        values: A critic's values [N, R] (the critic's pass).
+        values: A critic's values [N, R] (the critic's pass; verl enables a critic by
+            default for gae only: another estimator reading values needs `critic.enable`).
         reward_baselines: The reward of a greedy response to the same prompt [N] (a second,
             greedy generation: ReMax).
         sum_pi_squared: The actor's sum_v pi_v^2 [N, R] with its old log-probs (the
@@ -71,7 +72,7 @@ def _name(name_or_enum: str | Enum) -> str:
 
 
 def register_adv_est(
-    name_or_enum: str | AdvantageEstimator, inputs: EstimatorInputs = EstimatorInputs()
+    name_or_enum: str | AdvantageEstimator, *, inputs: EstimatorInputs = EstimatorInputs()
 ) -> Callable:
     """Decorator registering an advantage estimator under a name, with the inputs it reads
     (a second, different function under the same name is an error)."""

@@ -28,9 +28,11 @@ from jaxrl.models.params import param_shardings
 from jaxrl.rollout.backends import choose_backend
 from jaxrl.rollout.generation import GenerationOutput, compile_generate, generate
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.rollout.slots import ConversationSlots
+from jaxrl.rollout.slots import Conversation, ConversationSlots, Turn
 from jaxrl.rollout.weights import RolloutWeights
 from jaxrl.sharding.layouts import ROLLOUT_RULES, Layout, rollout_mesh
+
+__all__ = ["Conversation", "RolloutEngine", "Turn"]  # the records, where they were
 
 
 class RolloutEngine(ConversationSlots):

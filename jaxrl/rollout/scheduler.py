@@ -252,14 +252,17 @@ class Scheduler:
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
         sampling: SamplingParams,
-        key: jax.Array,
+        key: jax.Array | None,
         *,
         fast: bool | None = None,
     ) -> BatchOutput:
         """A batch request: the left-padded prompts [B, P], each `sampling.n` times (module
-        doc); blocks until every row is over. `fast`: None takes the fixed-batch path when
-        the scheduler is idle; True insists on it (an error while requests hold slots);
-        False runs the rows as requests on the slots."""
+        doc). `fast`: None takes the fixed-batch path when the scheduler is idle (its rows
+        come back as device arrays, dispatched, not waited for); True insists on it (an
+        error while requests hold slots); False runs the rows as requests on the slots,
+        returning when every row is over. `key` None: `sampling.seed`'s, as `generate`."""
+        if key is None:
+            key = jax.random.key(0 if sampling.seed is None else sampling.seed)
         key = _one_key(key, "generate()")
         idle = not self.busy and not self._open
         if fast and not idle:
@@ -277,14 +280,25 @@ class Scheduler:
                 "generate(fast=False): the slots are this process's; a multi-process batch "
                 "takes the fixed-batch path (an idle scheduler, fast=None)"
             )
+        if sampling.over_sample_rate:
+            raise ValueError(
+                f"generate(): over_sample_rate={sampling.over_sample_rate} aborts the batch's "
+                "slowest rows on the fixed-batch path only; on the slots it is not applied: "
+                "set it to 0, or run the batch on an idle scheduler"
+            )
         one = dataclasses.replace(sampling, n=1)
         width = input_ids.shape[1]
-        handles = []
-        for i, (ids, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
-            prompt = np.asarray(ids)[np.asarray(mask) > 0]
-            handles += self.submit(
-                prompt, one, jax.random.fold_in(key, i), copies=sampling.n, pad_to=width
-            )
+        handles: list[Handle] = []
+        try:
+            for i, (ids, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
+                prompt = np.asarray(ids)[np.asarray(mask) > 0]
+                handles += self.submit(
+                    prompt, one, jax.random.fold_in(key, i), copies=sampling.n, pad_to=width
+                )
+        except BaseException:
+            for handle in handles:  # a bad prompt: none of the batch's rows stays queued
+                self.abort(handle)
+            raise
         self.run(handles)
         pad_id = self.engine.config.pad_token_id
         return _padded(handles, sampling.max_tokens, pad_id or 0, version)

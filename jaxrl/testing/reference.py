@@ -47,8 +47,10 @@ def reference_method(path: str, class_name: str, method: str, namespace: dict) -
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             for item in node.body:
                 if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == method:
-                    source = textwrap.dedent(ast.get_source_segment(text, item))
-                    source = "from __future__ import annotations\n" + source  # not evaluated
+                    lines = text.splitlines(keepends=True)[item.lineno - 1 : item.end_lineno]
+                    # not evaluated: the annotations; the blank lines keep verl's line numbers
+                    head = "from __future__ import annotations" + "\n" * (item.lineno - 1)
+                    source = head + textwrap.dedent("".join(lines))
                     exec(compile(source, str(file), "exec"), namespace)
                     return namespace[method]
     raise LookupError(f"{file}: no method {class_name}.{method}")

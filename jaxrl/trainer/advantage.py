@@ -97,6 +97,8 @@ def compute_advantage(
             "config": algorithm,
             "index": batch["group_ids"],
         }
+        if inputs.values:
+            kwargs["values"] = batch["values"]
         if inputs.reward_baselines:
             kwargs["reward_baselines"] = batch["reward_baselines"]
         if inputs.reward_components:

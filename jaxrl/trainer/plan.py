@@ -73,7 +73,14 @@ class StepPlan:
         correction_cfg = algorithm.rollout_correction
         bypass = bool(correction_cfg.bypass_mode)
         correction = not bypass and bool(correction_cfg.rollout_is or correction_cfg.rollout_rs)
-        sum_pi_squared = estimator_inputs(algorithm.adv_estimator).sum_pi_squared
+        inputs = estimator_inputs(algorithm.adv_estimator)
+        if inputs.values and cluster.critic is None:
+            raise ValueError(
+                f"algorithm.adv_estimator={algorithm.adv_estimator} reads a critic's values "
+                "and this run has no critic: set critic.enable=true (verl enables one by "
+                "default for gae only)"
+            )
+        sum_pi_squared = inputs.sum_pi_squared
         on_policy = (
             actor_cfg.ppo_mini_batch_size * n >= cfg.data.train_batch_size * n
             and actor_cfg.ppo_epochs == 1

@@ -16,17 +16,18 @@
         values        critic pass (GAE)
       adv           KL in reward, decoupled rollout correction (IS weights, rejection), the
                     advantage estimator (jitted); PF-PPO resamples rows
-      update_critic, update_actor (after `critic_warmup` steps)
+      update_critic, update_actor (after `critic_warmup` steps), dispatched without waiting
+                    for each other; their metrics stay on the devices
 
 From the reward on, the step's data is one `RLBatch` on the trainer's devices: the passes
 gather their micro-batches from it and write their results into it on the devices, and the
-host reads back only the responses (for the reward), each update's metrics and, once, the
-finished batch (for the step's metrics, fingerprints and dumps). With several processes, each
-generates (one program over the whole rollout mesh) and scores the responses to its own
-prompts; then `gather_processes` gives every process the rows of all of them (through the
-host), in the global batch's order, and the rest of the step (KL, advantages and their group
-statistics, the passes, the metrics) computes on every process exactly what one process
-holding the whole batch computes.
+host reads back only the responses (for the reward) and, once, the finished batch with the
+updates' and the passes' device metrics (for the step's metrics, fingerprints and dumps).
+With several processes, each generates (one program over the whole rollout mesh) and scores
+the responses to its own prompts; then `gather_processes` gives every process the rows of
+all of them (through the host), in the global batch's order, and the rest of the step (KL,
+advantages and their group statistics, the passes, the metrics) computes on every process
+exactly what one process holding the whole batch computes.
 """
 
 from __future__ import annotations
@@ -314,10 +315,11 @@ class PPOTrainer:
         with the step's fingerprints (`jaxrl.trainer.fingerprint`).
 
         The batch (`RLBatch`) lives on the trainer's devices from the reward on; the host
-        reads back the responses for the reward, each update's metrics, and the finished
-        batch once, for the step's metrics. The passes (`plan.passes`) are dispatched one after
-        another without waiting for each other (on separate device groups they run at once);
-        each phase's timing spans from its start to its results' readiness (`Spans`)."""
+        reads back the responses for the reward and, once, the finished batch with the
+        updates' and passes' device metrics, for the step's metrics. The passes
+        (`plan.passes`) and the updates are dispatched one after another without waiting
+        for each other (on separate device groups they run at once); each phase's timing
+        spans from its start to its results' readiness (`Spans`)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor_cfg = actor_rollout_ref.actor
         actor, critic = self.cluster.actor, self.cluster.critic
@@ -376,10 +378,21 @@ class PPOTrainer:
         metrics.update(compiles_since(compiles))
         return metrics
 
+    @property
+    def _updates_share_memory(self) -> bool:
+        """The critic's and the actor's updates run on the same devices and one of them
+        offloads its state (which then moves in while the other's update runs)."""
+        specs, plan = self.cluster.specs, self.plan
+        if self.cluster.critic is None or plan.groups.get("values") != "train":
+            return False
+        roles = ("actor", "critic")
+        return any(specs[r].param_offload or specs[r].optimizer_offload for r in roles)
+
     def _updates(self, batch: RLBatch, global_step: int, spans: Spans) -> dict[str, UpdateMetrics]:
         """The critic's update, then (past `critic_warmup`) the actor's, each dispatched
-        without waiting for the other (on separate device groups they run at once); their
-        metrics stay on the devices, by role."""
+        without waiting for the other (on separate device groups they run at once; on the
+        same devices with offloaded state, the actor's waits for the critic's); their metrics
+        stay on the devices, by role."""
         cfg, cluster, plan = self.cfg, self.cluster, self.plan
         updates: dict[str, UpdateMetrics] = {}
         if cluster.critic is not None:
@@ -391,6 +404,10 @@ class PPOTrainer:
                 "update_critic", start, updates["critic"].steps, group=plan.groups["values"]
             )
         if global_step >= cfg.trainer.critic_warmup:
+            if "critic" in updates and self._updates_share_memory:
+                # the actor's state would come back to the devices while the critic's update
+                # still holds its own there: the memory plan counts one update at a time
+                jax.block_until_ready(updates["critic"].steps)
             start, actor_cfg = time.perf_counter(), cfg.actor_rollout_ref.actor
             with cluster.on_device("actor", optimizer=True):
                 args = self._update_args(actor_cfg, global_step, plan.actor_fields)

@@ -35,7 +35,7 @@ from jaxrl.testing.verl_compare import (
 # omegaconf (checked below to come from there, so a verl function of the same name would fail).
 NOT_VERL_NAMES = {"Any", "Callable", "Optional", "Enum", "defaultdict", "DictConfig"}
 # Arguments jaxrl adds after verl's, each keyword-only and with a default.
-EXTRA_ARGUMENTS = {"compute_policy_loss_clip_cov": ("rng",)}
+EXTRA_ARGUMENTS = {"compute_policy_loss_clip_cov": ("rng",), "register_adv_est": ("inputs",)}
 
 
 def verl_public_names(verl) -> set[str]:

@@ -3,6 +3,8 @@ share one engine (more of them than slots) and each gets the turn it gets decode
 tokens stream chunk by chunk; groups of copies, kept-open conversations with appended tokens,
 abort, weights versions, batch requests on either path, and bad calls."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -161,6 +163,13 @@ def test_a_batch_takes_the_fixed_batch_path_when_idle_and_the_slots_otherwise(ti
         assert out.response_mask[row].tolist() == [1] * n + [0] * (6 - n)
         assert (out.log_probs[row, n:] == 0).all()
     assert not other.done and eng.free_slots == 7  # the other request still runs
+    with pytest.raises(ValueError, match="over_sample_rate"):
+        scheduler.generate(ids, mask, dataclasses.replace(sp, over_sample_rate=0.5), key)
+    bad = ids.copy()
+    bad[1, 2] = 10**6
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.generate(bad, mask, sp, key)
+    assert scheduler.free_slots == eng.free_slots == 7  # row 0's copies were not left queued
 
 
 def test_legacy_keys_sample_what_typed_keys_sample(tiny):
