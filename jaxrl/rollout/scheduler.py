@@ -37,10 +37,9 @@ A batch (`generate`: every prompt `sampling.n` times, rows in the order prompt i
 takes the fixed-batch path when no request is queued, running or open: the engine's
 `generate`, prefill and decode in one on-device program over all processes (the fast path:
 on W1 1.1x the slots' tokens/s at chunks of 64 steps, 1.7x at 16; `benchmarks/scheduler.py`).
-Otherwise (or `fast=False`) its
-prompts are requests like any other: prompt i submitted with `copies=n` and
-`fold_in(key, i)`, run to their end beside the others. The two paths sample the same
-distributions, not the same tokens (each its own key layout).
+Otherwise (or `fast=False`) its prompts are requests like any other: prompt i submitted with
+`copies=n` and `fold_in(key, i)`, run to their end beside the others. The two paths sample
+the same distributions, not the same tokens (each its own key layout).
 
 A submitted request's copy j takes `fold_in(key, j)` as its key (one copy too), a resumed
 turn `key` itself; a turn samples its k-th token with `fold_in(its key, k)`: the same tokens

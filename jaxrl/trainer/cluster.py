@@ -456,7 +456,7 @@ def _load_roles(
 def _offload_supported(specs: dict[str, RoleSpec]) -> dict[str, RoleSpec]:
     """The specs, with offload turned off (and a warning) where the backend has no pinned
     host memory."""
-    offloading = [n for n, s in specs.items() if s.param_offload or s.optimizer_offload]
+    offloading = [n for n, s in specs.items() if s.offloads]
     if not offloading or supports_host_offload():
         return specs
     log.warning(

@@ -52,6 +52,9 @@ class StepPlan:
         correction: Decoupled rollout correction (IS weights, rejection) before the
             advantages.
         teacher_top_k: The teachers return their top-k (None: the sampled tokens' log-probs).
+        serial_updates: The actor's update waits for the critic's: both on the trainer's
+            devices with state offloaded, which would otherwise come back to the devices
+            while the other update runs (the memory plan counts one update at a time).
         actor_fields: The actor update's fields beyond the rows' tokens.
         critic_fields: The critic update's.
     """
@@ -63,6 +66,7 @@ class StepPlan:
     sum_pi_squared: bool
     correction: bool
     teacher_top_k: int | None
+    serial_updates: bool
     actor_fields: tuple[str, ...]
     critic_fields: tuple[str, ...]
 
@@ -113,6 +117,11 @@ class StepPlan:
             "rollout_correction": correction,
         }
         actor_fields = [f for term, on in terms.items() if on for f in ACTOR_TERM_FIELDS[term]]
+        serial_updates = (
+            cluster.critic is not None
+            and groups.get("values") == "train"
+            and any(cluster.specs[r].offloads for r in ("actor", "critic"))
+        )
         return cls(
             passes=tuple(passes),
             groups=groups,
@@ -121,6 +130,7 @@ class StepPlan:
             sum_pi_squared=sum_pi_squared,
             correction=correction,
             teacher_top_k=top_k,
+            serial_updates=serial_updates,
             actor_fields=tuple(actor_fields),
             critic_fields=CRITIC_FIELDS if cluster.critic is not None else (),
         )

@@ -378,16 +378,6 @@ class PPOTrainer:
         metrics.update(compiles_since(compiles))
         return metrics
 
-    @property
-    def _updates_share_memory(self) -> bool:
-        """The critic's and the actor's updates run on the same devices and one of them
-        offloads its state (which then moves in while the other's update runs)."""
-        specs, plan = self.cluster.specs, self.plan
-        if self.cluster.critic is None or plan.groups.get("values") != "train":
-            return False
-        roles = ("actor", "critic")
-        return any(specs[r].param_offload or specs[r].optimizer_offload for r in roles)
-
     def _updates(self, batch: RLBatch, global_step: int, spans: Spans) -> dict[str, UpdateMetrics]:
         """The critic's update, then (past `critic_warmup`) the actor's, each dispatched
         without waiting for the other (on separate device groups they run at once; on the
@@ -404,9 +394,7 @@ class PPOTrainer:
                 "update_critic", start, updates["critic"].steps, group=plan.groups["values"]
             )
         if global_step >= cfg.trainer.critic_warmup:
-            if "critic" in updates and self._updates_share_memory:
-                # the actor's state would come back to the devices while the critic's update
-                # still holds its own there: the memory plan counts one update at a time
+            if "critic" in updates and plan.serial_updates:
                 jax.block_until_ready(updates["critic"].steps)
             start, actor_cfg = time.perf_counter(), cfg.actor_rollout_ref.actor
             with cluster.on_device("actor", optimizer=True):

@@ -96,6 +96,11 @@ class RoleSpec:
     optimizer_offload: bool = False
     lora: LoraOptions | None = None
 
+    @property
+    def offloads(self) -> bool:
+        """Some of its state lives in host memory between uses."""
+        return self.param_offload or self.optimizer_offload
+
 
 @dataclasses.dataclass(frozen=True)
 class LoraOptions:

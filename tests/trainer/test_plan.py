@@ -24,6 +24,7 @@ def cluster(critic: bool):
     return types.SimpleNamespace(
         critic=object() if critic else None, ref=None, teachers={},
         device_group=lambda role: "train",
+        specs={role: types.SimpleNamespace(offloads=False) for role in ("actor", "critic")},
     )  # fmt: skip
 
 
