@@ -279,6 +279,11 @@ def memory_lines(plan: MemoryPlan) -> list[str]:
             f"offloaded to host memory: {offloaded} (on the devices only for the programs "
             "that use them)"
         )
+    if plan.batch:
+        lines.append(
+            f"the step's batch: {gib(plan.batch)} (on the devices from scoring through the "
+            "updates: in the adds of the passes and updates)"
+        )
     lines.append(f"{'program':<22}{'arguments':>12}{'outputs':>12}{'temporaries':>14}{'adds':>12}")
     for name, stats in plan.programs.items():
         lines.append(

@@ -202,9 +202,17 @@ def test_memory_estimate_follows_the_config(tmp_path):
         return trainer, trainer.memory_plan()
 
     micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-    _, sharded = plan("mesh.fsdp=8", f"{micro}=2")
+    trainer, sharded = plan("mesh.fsdp=8", f"{micro}=2")
     loaded_trainer, loaded = plan("mesh.fsdp=8", f"{micro}=2", abstract=False)
     assert sharded == loaded
+    # the step's batch, replicated on every device: prompts and their mask [N, P], responses,
+    # response and loss masks [N, R], group ids [N], and a float32 [N, R] per field the
+    # step adds; in the adds of every pass and update, not of generation
+    cfg, n, r = trainer.cfg, trainer.sampling.n, trainer.sampling.max_tokens
+    rows, p = cfg.data.train_batch_size * n, cfg.data.max_prompt_length
+    fields = len(trainer.plan.batch_fields)
+    assert sharded.batch == 4 * rows * (2 * p + 3 * r + 1 + fields * r) > 0
+    assert all(sharded.adds[k] >= sharded.batch for k in sharded.programs if k != "generate")
     assert set(sharded.programs) == {
         "generate", "ref log-probs", "critic values", "critic micro-batch",
         "critic optimizer", "actor micro-batch", "actor optimizer",

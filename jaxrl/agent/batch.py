@@ -14,6 +14,7 @@ names) limits the tools it sees and may call, as verl's.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from jaxrl.agent.loop import AgentRequest, LoopStats, Trajectory
 from jaxrl.agent.runner import ERRORS
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.templates import left_pad
+from jaxrl.sharding.processes import allgather_objects
 
 
 def agent_requests(prompts: PromptBatch, default_agent: str) -> list[AgentRequest]:
@@ -70,24 +72,52 @@ def trajectory_rows(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Account:
+    """What the metrics read of one trajectory (small: it crosses the processes)."""
+
+    num_turns: int
+    tool_seconds: float
+    tool_calls: int
+    policy_tokens: int
+    tool_tokens: int
+    tool_errors: dict[str, int]
+    tool_rewards: tuple[float, ...]
+    finish: str
+
+    @classmethod
+    def of(cls, t: Trajectory) -> _Account:
+        sampled = sum(t.sampled)
+        return cls(t.num_turns, t.tool_seconds, t.tool_calls, sampled, len(t.sampled) - sampled,
+                   dict(t.tool_errors), tuple(t.tool_rewards), t.finish)  # fmt: skip
+
+
 def agent_metrics(trajectories: Sequence[Trajectory], stats: LoopStats) -> dict[str, float]:
     """verl's `num_turns/*` and `timing_s/agent_loop/tool_calls/*` (per trajectory), and
     jaxrl's `agent/*`: tool calls and errors (by kind), tool rewards, tokens the policy
     sampled vs tokens the tools' turns added, how trajectories ended, and the fraction of
-    the rollout's wall time the decoder waited on tools (`perf/time_tool_wait_fraction`)."""
-    turns = np.asarray([t.num_turns for t in trajectories], np.float64)
-    seconds = np.asarray([t.tool_seconds for t in trajectories], np.float64)
-    calls = np.asarray([t.tool_calls for t in trajectories], np.float64)
-    sampled = np.asarray([sum(t.sampled) for t in trajectories], np.float64)
-    appended = np.asarray([len(t.sampled) - sum(t.sampled) for t in trajectories], np.float64)
+    the rollout's wall time the decoder waited on tools (`perf/time_tool_wait_fraction`).
+
+    Several processes: each passes its own trajectories and loop stats, and every process
+    gets the metrics of all of them (one gather of a few numbers per trajectory; the wait
+    fraction is the processes' summed wait over their summed wall time)."""
+    every = allgather_objects(([_Account.of(t) for t in trajectories], stats))
+    accounts = [a for part, _ in every for a in part]
+    wait = sum(s.wait_seconds for _, s in every)
+    seconds = sum(s.seconds for _, s in every)
+    turns = np.asarray([a.num_turns for a in accounts], np.float64)
+    tool_seconds = np.asarray([a.tool_seconds for a in accounts], np.float64)
+    calls = np.asarray([a.tool_calls for a in accounts], np.float64)
+    sampled = np.asarray([a.policy_tokens for a in accounts], np.float64)
+    appended = np.asarray([a.tool_tokens for a in accounts], np.float64)
     errors = collections.Counter()
-    for t in trajectories:
-        errors.update(t.tool_errors)
-    rewards = [r for t in trajectories for r in t.tool_rewards]
-    finish = collections.Counter(t.finish for t in trajectories)
-    out = {
+    for a in accounts:
+        errors.update(a.tool_errors)
+    rewards = [r for a in accounts for r in a.tool_rewards]
+    finish = collections.Counter(a.finish for a in accounts)
+    return {
         **_stats("num_turns", turns),
-        **_stats("timing_s/agent_loop/tool_calls", seconds),
+        **_stats("timing_s/agent_loop/tool_calls", tool_seconds),
         "agent/tool_calls/total": float(calls.sum()),
         "agent/tool_calls/mean": float(calls.mean()),
         "agent/tool_errors/total": float(sum(errors.values())),
@@ -97,14 +127,11 @@ def agent_metrics(trajectories: Sequence[Trajectory], stats: LoopStats) -> dict[
         "agent/tool_tokens/mean": float(appended.mean()),
         "agent/tool_token_fraction": float(appended.sum() / max(sampled.sum() + appended.sum(), 1)),
         **{
-            f"agent/finish/{why}": finish[why] / len(trajectories)
+            f"agent/finish/{why}": finish[why] / len(accounts)
             for why in ("stop", "length", "turns")
         },
-        "perf/time_tool_wait_fraction": stats.wait_seconds / stats.seconds
-        if stats.seconds
-        else 0.0,
+        "perf/time_tool_wait_fraction": wait / seconds if seconds else 0.0,
     }
-    return out
 
 
 def _stats(name: str, values: np.ndarray) -> dict[str, float]:

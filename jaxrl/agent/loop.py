@@ -27,7 +27,9 @@ not appended, as verl), or when a turn stops for length. A `single_turn_agent` r
 after its first turn.
 
 Sampling is reproducible: turn t of request i samples with `fold_in(fold_in(rng, i), t)`
-(see `RolloutEngine.decode`), whatever the tools' timing.
+(see `RolloutEngine.decode`), whatever the tools' timing and whichever slot it runs in; i
+counts from `run(first=)`, so processes that each run their share of a batch (each on its
+own `RolloutEngine.local()`) sample what one process running all of it would.
 """
 
 from __future__ import annotations
@@ -195,9 +197,16 @@ class AgentLoop:
         self._active_runner = runner  # run() makes an empty one when there are no tools
 
     def run(
-        self, requests: Sequence[AgentRequest], sampling: SamplingParams, rng: jax.Array
+        self,
+        requests: Sequence[AgentRequest],
+        sampling: SamplingParams,
+        rng: jax.Array,
+        *,
+        first: int = 0,
     ) -> list[Trajectory]:
-        """Every request's trajectory, in order (see the module doc)."""
+        """Every request's trajectory, in order (see the module doc). `first`: the index of
+        `requests[0]` in the whole batch (its sampling keys'; each process of a multi-process
+        run runs its own rows, `first` their offset, and samples as one process would)."""
         for i, request in enumerate(requests):
             if request.agent_name not in AGENTS:
                 raise ValueError(
@@ -212,6 +221,7 @@ class AgentLoop:
         done: dict[int, Trajectory] = {}
         scheduler = Scheduler(self.engine, chunk=self.limits.decode_chunk)
         self._by_request: dict[int, int] = {}  # a scheduler request's trajectory
+        self._first = first
         # Without tools an empty runner answers every call ("unknown tool", or the parse error).
         self._active_runner = self.runner or ToolRunner({})
         try:
@@ -288,7 +298,7 @@ class AgentLoop:
         first = self._turn_sampling(sampling, 0)
         for i, schemas, prompt in zip(take, tools, prompts, strict=True):
             record = Trajectory(prompt=prompt, messages=[dict(m) for m in requests[i].messages])
-            key = jax.random.fold_in(rng, i)  # copy 0: fold_in(key, 0), the first turn's
+            key = jax.random.fold_in(rng, self._first + i)  # copy 0: the first turn's
             [handle] = scheduler.submit(prompt, first, key, keep_open=True)
             running[i] = _Running(i, requests[i], record, schemas, handle)
             self._by_request[handle.id] = i
@@ -379,7 +389,8 @@ class AgentLoop:
                 continue
             record.add_tool_turn(ids)
             turn = self._turn_sampling(sampling, len(record.response))
-            key = jax.random.fold_in(jax.random.fold_in(rng, index), record.assistant_turns)
+            key = jax.random.fold_in(rng, self._first + index)
+            key = jax.random.fold_in(key, record.assistant_turns)
             state.handle = scheduler.resume(state.handle, ids, turn, key)
             self._by_request[state.handle.id] = index
 

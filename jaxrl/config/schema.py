@@ -712,9 +712,11 @@ class FilterGroupsConfig:
             enough groups; 0 or less: no limit.
         streaming: *jaxrl*. Instead of whole generation batches, keep the rollout engine's
             `max_num_seqs` slots full of groups, judge each group the moment its responses
-            end, and stop generating once `train_batch_size` groups are kept (fewer tokens
-            per trained group; `training/filter_groups/sampled_tokens_per_group`). One
-            process, batch generation (no multi-turn), no over-sampling, not with ReMax.
+            end, and stop generating once the first `train_batch_size` kept groups in prompt
+            order are known (fewer tokens per trained group;
+            `training/filter_groups/sampled_tokens_per_group`). The same kept set on any
+            number of processes. Batch generation (no multi-turn), no over-sampling, not
+            with ReMax.
     """
 
     enable: bool = False

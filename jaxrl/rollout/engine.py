@@ -5,6 +5,7 @@
     out = engine.generate(ids, mask, sampling, rng)   # batch generation (continuous batching)
     slots = engine.start(ids, mask)               # conversations (`jaxrl.rollout.slots`)
     engine.release()                              # free weights and cache (verl's sleep)
+    mine = engine.local()                         # this process's share (several processes)
 
 `generate` is `jaxrl.rollout.generation.generate` on the loaded weights: its KV cache lives in
 its program. The conversations (`start`, `decode`, `append`, `end`, ...) are the engine's
@@ -31,6 +32,7 @@ from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.slots import Conversation, ConversationSlots, Turn
 from jaxrl.rollout.weights import RolloutWeights
 from jaxrl.sharding.layouts import ROLLOUT_RULES, Layout, rollout_mesh
+from jaxrl.sharding.processes import local_mesh, local_view, spans_processes
 
 __all__ = ["Conversation", "RolloutEngine", "Turn"]  # the records, where they were
 
@@ -84,6 +86,8 @@ class RolloutEngine(ConversationSlots):
         self.decode_backend = decode_backend
         self.backend = choose_backend(decode_backend, config, layout)
         self.weights = RolloutWeights(config, self.shardings, per_layer=self.backend.name == "xla")
+        self._local: RolloutEngine | None = None  # this process's share (`local`)
+        self._viewed: Any = None  # the copy its weights view
         super().__init__()
 
     # ---- weights -------------------------------------------------------------------------
@@ -113,6 +117,41 @@ class RolloutEngine(ConversationSlots):
         moves only the adapters)."""
         self.weights.release()
         self._drop_slots()
+        if self._local is not None:
+            self._local.release()  # its view of the weights is gone with them
+
+    # ---- this process's share --------------------------------------------------------------
+
+    def local(self) -> RolloutEngine:
+        """This process's share of the engine: the rows of the rollout mesh (its `dp` groups)
+        on this process's devices, their weights a view of the loaded copy (the same device
+        buffers: `jaxrl.sharding.processes.local_view`), and `max_num_seqs` in proportion
+        (the same slots per device). Its conversations and generation run on this process
+        alone, at its own pace: each process's agent loop or streamed groups. The engine
+        itself when its mesh is this process's (one process). Kept between calls; its view
+        follows `load_weights`, and `release` ends its conversations too."""
+        mesh = self.layout.mesh
+        if not spans_processes(mesh):
+            return self
+        if self._local is None:
+            own = local_mesh(mesh)
+            share = own.devices.shape[0] / mesh.devices.shape[0]
+            slots = None if self.max_num_seqs is None else max(int(self.max_num_seqs * share), 1)
+            self._local = RolloutEngine(
+                self.config,
+                Layout(own, self.layout.rules),
+                max_prompt_length=self.max_prompt_length,
+                max_num_seqs=slots,
+                max_model_len=self.max_model_len,
+                tokenizer=self.tokenizer,
+                stop_check_tokens=self.stop_check_tokens,
+                decode_backend=self.decode_backend,
+            )
+        local, params = self._local, self.weights.get()
+        if local.weights.params is None or self._viewed is not params:
+            local.weights.borrow(local_view(params, local.layout.mesh), version=self.version)
+            self._viewed = params
+        return local
 
     def _weights(self) -> Any:
         return self.weights.get()

@@ -46,7 +46,12 @@ from jaxrl.models.transformer import lm_logits, positions_from_mask
 from jaxrl.rollout.backends import DecodeBackend, choose_backend
 from jaxrl.rollout.sampling import SamplingParams, sample, typed_key
 from jaxrl.sharding.layouts import Layout, use_layout
-from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
+from jaxrl.sharding.processes import (
+    allgather_objects,
+    global_array,
+    process_rows,
+    spans_processes,
+)
 
 log = logging.getLogger("jaxrl.rollout")
 
@@ -383,7 +388,8 @@ def generate(
 
     Several processes: every process calls `generate` with its own prompts (numpy, the same
     number on each), the same rng and the rollout `layout`; one program generates for all of
-    them, and each process gets back the rows of its own prompts as numpy arrays.
+    them, and each process gets back the rows of its own prompts as numpy arrays. On one
+    process's share of the mesh (`RolloutEngine.local`) it runs as in one process.
 
     Raises:
         ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
@@ -399,17 +405,17 @@ def generate(
             "the conversation API of RolloutEngine (rollout/engine.py) decodes; give "
             "stop_token_ids here"
         )
-    if jax.process_count() > 1:
-        if layout is None:
-            raise ValueError(
-                f"generate() in a run of {jax.process_count()} processes needs the rollout "
-                "layout (layout=...): the generation program spans every process's devices"
-            )
-        if isinstance(input_ids, jax.Array) or isinstance(attention_mask, jax.Array):
-            raise TypeError(
-                "generate() in a multi-process run takes this process's prompts as host "
-                "(numpy) arrays"
-            )
+    if jax.process_count() > 1 and layout is None:
+        raise ValueError(
+            f"generate() in a run of {jax.process_count()} processes needs the rollout "
+            "layout (layout=...): the whole rollout mesh's, or one process's share of it"
+        )
+    spanning = layout is not None and spans_processes(layout.mesh)  # one program, N processes
+    if spanning and (isinstance(input_ids, jax.Array) or isinstance(attention_mask, jax.Array)):
+        raise TypeError(
+            "generate() over several processes' devices takes this process's prompts as host "
+            "(numpy) arrays"
+        )
     input_ids = np.asarray(input_ids) if not isinstance(input_ids, jax.Array) else input_ids
     attention_mask = (
         np.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask
@@ -436,7 +442,7 @@ def generate(
     plan = _Plan(
         layout, max_num_seqs, prefix_sharing, choose_backend(decode_backend, config, layout)
     )
-    if jax.process_count() > 1:
+    if spanning:
         return _generate_processes(config, params, input_ids, attention_mask, sp, rng, plan)
     fn, args = _program(config, params, input_ids, attention_mask, sp, rng, plan)
     return _rows(fn(*args), slice(0, b * sp.n))

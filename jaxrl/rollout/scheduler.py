@@ -60,6 +60,7 @@ import numpy as np
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams, typed_key
 from jaxrl.rollout.slots import Conversation
+from jaxrl.sharding.processes import spans_processes
 
 Array = Any  # a device array (the fixed-batch path) or numpy (the slots')
 
@@ -275,10 +276,12 @@ class Scheduler:
         if fast or (fast is None and idle):
             out = self.engine.generate(input_ids, attention_mask, sampling, key)
             return BatchOutput(out.responses, out.response_mask, out.log_probs, version, True)
-        if jax.process_count() > 1:
+        if spans_processes(self.engine.layout.mesh):
             raise ValueError(
-                "generate(fast=False): the slots are this process's; a multi-process batch "
-                "takes the fixed-batch path (an idle scheduler, fast=None)"
+                "generate(fast=False): slots are one process's, and this engine's mesh spans "
+                "processes: a multi-process batch takes the fixed-batch path (an idle "
+                "scheduler, fast=None), or each process runs its rows on Scheduler(engine."
+                "local())"
             )
         if sampling.over_sample_rate:
             raise ValueError(

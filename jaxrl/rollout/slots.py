@@ -56,6 +56,7 @@ from jaxrl.rollout.generation import cache_geometry
 from jaxrl.rollout.sampling import RowSampling, SamplingParams, typed_key
 from jaxrl.rollout.weights import RolloutWeights
 from jaxrl.sharding.layouts import Layout
+from jaxrl.sharding.processes import spans_processes
 from jaxrl.sharding.reshard import free
 
 log = logging.getLogger("jaxrl.rollout")
@@ -171,10 +172,11 @@ class ConversationSlots:
         return self.max_model_len - 1 - int(self._pending["index"][slot])
 
     def _ensure_cache(self) -> None:
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "conversations run in one process for now (this run has "
-                f"{jax.process_count()}): use generate() for multi-process rollouts"
+        if spans_processes(self.layout.mesh):
+            raise ValueError(
+                "conversations run on one process's devices, and this engine's mesh spans "
+                f"{jax.process_count()} processes: open them on engine.local() (this "
+                "process's share), whose requests arrive and end at this process's pace"
             )
         if self._cache is None:
             s, (length, _) = self.slots, self._geometry()

@@ -2,8 +2,9 @@
 
     result = stream_groups(engine, batches, sampling, rng, judge, target=16, max_groups=320)
     # judge(groups: list[GroupRollout]) -> list[bool]: which to keep
-    result.kept            # the kept groups' rollouts, in the order they were kept
-    result.stats           # groups started / finished / kept / aborted, tokens sampled
+    result.kept            # this process's kept groups, in prompt order
+    result.cut             # the kept set: the kept groups of the prompts before it
+    result.stats           # groups started / finished / kept / dropped / aborted, tokens
 
 DAPO's dynamic sampling, as verl runs it, generates whole batches of prompts and filters them
 afterwards: a batch's every group is decoded to its end, then the groups whose responses all
@@ -11,26 +12,35 @@ score alike are dropped, and when fewer than `target` remain another whole batch
 (and the surplus of the last is thrown away). Here the groups flow through the
 `RolloutEngine`'s conversation slots instead, as requests of a `Scheduler`:
 
-    admit      a group's n copies of its prompt into free slots (prefilled once) while
-               kept + running x keep_rate < target   (keep_rate: kept / finished so far, 1
-               before any group has finished), and at most `max_groups` groups in all
+    admit      the next prompts' groups (n copies of a prompt, prefilled once) into free
+               slots, in prompt order, up to the `limit` below
     decode     every running slot `chunk` tokens
     finish     the groups whose n responses have all ended go to `judge` together (the
                caller's reward and filter, one call per decode chunk): each kept or dropped;
                their slots are free for the next groups
-    stop       once `target` groups are kept: the groups still running are aborted (and
-               kept groups judged in the same round past the target are surplus)
+    stop       once the prompts up to some `cut` are all judged and hold `target` kept
+               groups: those are the result; the groups still running are aborted, and
+               kept groups past the cut are surplus
 
-so the tokens spent per kept group shrink by what verl's batch boundary wastes: the groups
-decoded after the target was reached, and the slots idling while a batch's longest response
-finishes. The admission rule never starts more groups than the kept ones so far predict are
-needed; a run whose groups are all kept generates exactly `target` groups.
+The kept set is thus the first `target` kept groups in prompt order, as verl's batches give
+it, whichever groups finish first: a run is deterministic, and the same on any number of
+processes. Prompts are numbered in the global order of the batches (`Share`: with several
+processes, each streams its own slice of every batch on its own share of the engine,
+`RolloutEngine.local`); after each decode chunk the processes exchange their new verdicts
+(a few bytes each), so every one of them knows every verdict and decides the `cut` alike.
+The `limit` is where the verdicts so far say the kept groups will suffice: scanning the
+prompts in order, a judged group counts 1 if kept and 0 if dropped, an unjudged one the keep
+rate so far (kept / judged; 1 before any verdict), and the limit is the first prompt where the
+count reaches `target` (unbounded while nothing has been kept; `max_groups` bounds it). A
+run whose groups are all kept generates exactly `target` groups; the tokens spent per kept
+group shrink by what verl's batch boundary wastes (the slots idling while a batch's longest
+response finishes), at the price of waiting for the slowest group before the cut.
 
-Sampling is reproducible whatever the order in which groups finish: response j of the g-th
-group started in the call samples with `fold_in(fold_in(rng, g), j)` (`Scheduler.submit`),
-and prompts are taken in order, batch after batch (`batches` yields left-padded
-[B, P] arrays; a batch is drawn when the previous one is used up, and the rest of the last
-one is not used).
+Sampling is reproducible whatever the order in which groups finish: response j of prompt g
+(its place in the global order, from 0 in the call) samples with `fold_in(fold_in(rng, g),
+j)` (`Scheduler.submit`). Prompts are taken in order, batch after batch (`batches` yields
+left-padded [B, P] arrays; a batch is drawn when the previous one is used up); `stats.batches`
+counts the batches up to the cut (the caller may return the rest to its loader).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from jaxtyping import Float, Int
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.scheduler import Handle, Scheduler
+from jaxrl.sharding.processes import allgather_objects
 
 
 @dataclasses.dataclass
@@ -53,8 +64,8 @@ class GroupRollout:
 
     Attributes:
         batch: Which batch of `batches` the prompt came from (0, 1, ...).
-        row: Its row in that batch.
-        sequence: The group's start order in the call (its sampling key, module doc).
+        row: Its row in that batch (this process's).
+        sequence: The prompt's place in the global order (its sampling key, module doc).
         responses: int32 [n, R] right-padded response tokens (R = `sampling.max_tokens`).
         response_mask: int32 [n, R]: 1 on the response's tokens (its end token included).
         log_probs: float32 [n, R]: the sampled tokens' log-probs (0 on padding).
@@ -68,27 +79,38 @@ class GroupRollout:
     log_probs: Float[np.ndarray, "n r"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Where this process's prompts sit in the global order: rows [first, first + B) of
+    every batch of `total` rows, B its own batches' rows (several processes: process p's
+    slice of each); `total` None: its batches are the whole (one process)."""
+
+    first: int = 0
+    total: int | None = None
+
+
 @dataclasses.dataclass
 class StreamStats:
-    """What one `stream_groups` call did.
+    """What one `stream_groups` call did (over every process).
 
     Attributes:
-        batches: Prompt batches drawn.
+        batches: Prompt batches up to the cut (all drawn when there was none).
         started: Groups admitted into slots.
         finished: Groups whose n responses ended (judged).
-        kept: Groups the judge kept, up to the target.
-        surplus: Groups the judge kept past the target (judged in the same round as the
-            last kept ones; dropped).
+        kept: Groups kept before the cut (the target, or fewer when `max_groups` ran out).
+        dropped: Groups before the cut the judge dropped.
+        surplus: Groups the judge kept past the cut (dropped).
         aborted: Groups still running at the stop (their tokens are spent, not trained on).
         sampled_tokens: Every token sampled, aborted groups' included.
         kept_tokens: The kept groups' response tokens.
-        decode_calls: Engine decode calls.
+        decode_calls: Engine decode calls (summed over the processes).
     """
 
     batches: int = 0
     started: int = 0
     finished: int = 0
     kept: int = 0
+    dropped: int = 0
     surplus: int = 0
     aborted: int = 0
     sampled_tokens: int = 0
@@ -98,9 +120,11 @@ class StreamStats:
 
 @dataclasses.dataclass
 class StreamResult:
-    """The kept groups (in the order they were kept) and the call's statistics."""
+    """This process's kept groups (prompt order), the cut (the kept set is the kept groups
+    of the prompts before it; None: `max_groups` ran out first) and the call's statistics."""
 
     kept: list[GroupRollout]
+    cut: int | None
     stats: StreamStats
 
 
@@ -115,21 +139,73 @@ class _Group:
 
 
 class _Prompts:
-    """The prompts of `batches`, one at a time, drawing a batch when one is used up."""
+    """This process's prompts of `batches`, one at a time in order, drawing a batch when one
+    is used up; each with its place in the global order (`Share`)."""
 
-    def __init__(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]):
-        self.batches, self.drawn = batches, 0
+    def __init__(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], share: Share):
+        self.batches, self.share, self.drawn = batches, share, 0
         self.ids: np.ndarray | None = None
         self.mask: np.ndarray | None = None
         self.next_row = 0
+        self._draw()  # the first batch: its rows give one process's `total`
+        self.total = share.total if share.total is not None else len(self.ids)
 
-    def take(self) -> tuple[int, int, np.ndarray, np.ndarray]:
-        """(batch, row, ids [P], mask [P]) of the next prompt."""
-        if self.ids is None or self.next_row == len(self.ids):
-            self.ids, self.mask = (np.asarray(a) for a in next(self.batches))
-            self.drawn, self.next_row = self.drawn + 1, 0
+    def _draw(self) -> None:
+        self.ids, self.mask = (np.asarray(a) for a in next(self.batches))
+        self.drawn, self.next_row = self.drawn + 1, 0
+
+    def next_sequence(self) -> int:
+        """The next prompt's place in the global order (without drawing its batch)."""
+        if self.next_row == len(self.ids):
+            return self.drawn * self.total + self.share.first
+        return (self.drawn - 1) * self.total + self.share.first + self.next_row
+
+    def take(self) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+        """(batch, row, sequence, ids [P], mask [P]) of the next prompt."""
+        sequence = self.next_sequence()
+        if self.next_row == len(self.ids):
+            self._draw()
         row, self.next_row = self.next_row, self.next_row + 1
-        return self.drawn - 1, row, self.ids[row], self.mask[row]
+        return self.drawn - 1, row, sequence, self.ids[row], self.mask[row]
+
+
+class _Verdicts:
+    """Every process's verdicts so far, and what they decide (the module doc's cut and
+    limit); the same on every process."""
+
+    def __init__(self, target: int, max_groups: int | None):
+        self.target, self.max_groups = target, max_groups
+        self.keep: dict[int, bool] = {}  # by sequence
+        self.end = 0  # the first prompt not judged
+        self.kept_before_end = 0
+        self.cut: int | None = None
+
+    def add(self, verdicts: list[tuple[int, bool]]) -> None:
+        self.keep.update(verdicts)
+        while self.cut is None and self.end in self.keep:
+            self.kept_before_end += self.keep[self.end]
+            self.end += 1
+            if self.kept_before_end == self.target:
+                self.cut = self.end
+
+    @property
+    def exhausted(self) -> bool:
+        """Every prompt below `max_groups` judged, short of the target."""
+        return self.cut is None and self.max_groups is not None and self.end >= self.max_groups
+
+    def limit(self) -> int | None:
+        """Admit prompts before this (None: no bound but `max_groups`)."""
+        kept = sum(self.keep.values())
+        rate = kept / len(self.keep) if self.keep else 1.0
+        bound = self.max_groups
+        if rate == 0.0:
+            return bound
+        count, sequence = float(self.kept_before_end), self.end
+        while count < self.target and (bound is None or sequence < bound):
+            verdict = self.keep.get(sequence)
+            count += rate if verdict is None else float(verdict)
+            sequence += 1
+        return sequence
 
 
 def stream_groups(
@@ -142,11 +218,15 @@ def stream_groups(
     target: int,
     max_groups: int | None = None,
     chunk: int = 16,
+    share: Share = Share(),
 ) -> StreamResult:
-    """Stream groups of `sampling.n` responses through `engine`'s slots until `target` are
-    kept (module doc), as requests of a `Scheduler` over it. Stops early, with fewer kept,
-    when `max_groups` groups have been started and judged (the caller decides whether that
-    is an error).
+    """Stream groups of `sampling.n` responses through `engine`'s slots until the first
+    `target` kept groups in prompt order are known (module doc), as requests of a
+    `Scheduler` over it. Stops early, with fewer kept, when the first `max_groups` prompts
+    are all judged (the caller decides whether that is an error). Several processes: every
+    one calls it (on its `RolloutEngine.local()`, its own prompts, `share` saying where they
+    sit) with the same rng, target and bound; they exchange verdicts after every decode
+    chunk.
 
     Raises:
         ValueError: fewer slots than `sampling.n` (a group must fit at once), `target` < 1.
@@ -162,28 +242,27 @@ def stream_groups(
         raise ValueError(f"stream_groups(target={target}): must be >= 1")
     one = dataclasses.replace(sampling, n=1)
     scheduler = Scheduler(engine, chunk=chunk)
-    prompts, stats, kept = _Prompts(batches), StreamStats(), []
+    prompts, stats, verdicts = (
+        _Prompts(batches, share),
+        StreamStats(),
+        _Verdicts(target, max_groups),
+    )
+    kept: dict[int, GroupRollout] = {}  # this process's, by sequence
     running: dict[int, _Group] = {}  # by sequence
     try:
-        while stats.kept < target:
-            _admit(scheduler, prompts, running, stats, one, rng, n, target, max_groups)
-            if not running:
-                break  # max_groups started and judged
-            scheduler.step()
+        while verdicts.cut is None and not verdicts.exhausted:
+            _admit(scheduler, prompts, running, stats, one, rng, n, verdicts.limit())
+            if scheduler.busy:
+                scheduler.step()
             ended = [s for s, g in running.items() if all(h.done for h in g.handles)]
             rollouts = [_finished(running.pop(s), sampling.max_tokens) for s in ended]
             stats.sampled_tokens += sum(int(r.response_mask.sum()) for r in rollouts)
-            if not rollouts:
-                continue
-            stats.finished += len(rollouts)
-            verdicts = judge(rollouts)
-            for rollout, keep in zip(rollouts, verdicts, strict=True):
-                if keep and stats.kept == target:
-                    stats.surplus += 1
-                elif keep:
-                    kept.append(rollout)
-                    stats.kept += 1
-                    stats.kept_tokens += int(rollout.response_mask.sum())
+            mine = judge(rollouts) if rollouts else []
+            kept.update((r.sequence, r) for r, keep in zip(rollouts, mine, strict=True) if keep)
+            # every process's verdicts: the one place the processes wait for each other
+            for part in allgather_objects([(r.sequence, bool(k)) for r, k in
+                                           zip(rollouts, mine, strict=True)]):  # fmt: skip
+                verdicts.add(part)
     finally:  # the stop, or an error: the groups still running end now, their slots free
         stats.aborted = len(running)
         for group in running.values():
@@ -192,28 +271,38 @@ def stream_groups(
                 if handle.slot is None or engine.is_open(handle.slot):  # not ended by an error
                     scheduler.abort(handle)
         stats.decode_calls = scheduler.decode_calls
+    cut = verdicts.cut
+    mine = [kept[s] for s in sorted(kept) if cut is None or s < cut]
+    stats.kept_tokens = sum(int(g.response_mask.sum()) for g in mine)
     stats.batches = prompts.drawn
-    return StreamResult(kept, stats)
+    return StreamResult(mine, cut, _totals(stats, verdicts, prompts.total))
 
 
-def _admit(scheduler, prompts, running, stats, sampling, rng, n, target, max_groups) -> None:
-    """Submit groups while the free slots hold them and the kept ones so far say more are
-    needed; the scheduler starts them together (each prompt prefilled once for its n slots,
-    left-padded to its batch's width). Group g's response j samples with
-    `fold_in(fold_in(rng, g), j)`."""
-    keep_rate = stats.kept / stats.finished if stats.finished else 1.0
-    count = 0
-    while (
-        scheduler.free_slots >= (count + 1) * n
-        and (max_groups is None or stats.started + count < max_groups)
-        and stats.kept + (len(running) + count) * keep_rate < target
-    ):
-        count += 1
-    for _ in range(count):
-        batch, row, ids, mask = prompts.take()
-        key = jax.random.fold_in(rng, stats.started)
+def _totals(stats: StreamStats, verdicts: _Verdicts, total: int) -> StreamStats:
+    """The call's statistics over every process: sums of theirs, and what the verdicts say
+    (the cut's batches; kept, dropped and surplus by the cut)."""
+    every = allgather_objects(stats)
+    out = StreamStats(**{f.name: sum(getattr(s, f.name) for s in every)
+                         for f in dataclasses.fields(StreamStats)})  # fmt: skip
+    cut = verdicts.cut
+    before = [k for s, k in verdicts.keep.items() if cut is None or s < cut]
+    out.finished = len(verdicts.keep)
+    out.kept, out.dropped = sum(before), len(before) - sum(before)
+    out.surplus = sum(verdicts.keep.values()) - out.kept
+    out.batches = (cut - 1) // total + 1 if cut is not None else max(s.batches for s in every)
+    return out
+
+
+def _admit(scheduler, prompts, running, stats, sampling, rng, n, limit: int | None) -> None:
+    """Submit this process's next groups, in prompt order, while the free slots hold them
+    and they come before `limit`; the scheduler starts them together (each prompt prefilled
+    once for its n slots, left-padded to its batch's width). Prompt g's response j samples
+    with `fold_in(fold_in(rng, g), j)`."""
+    while scheduler.free_slots >= n and (limit is None or prompts.next_sequence() < limit):
+        batch, row, sequence, ids, mask = prompts.take()
+        key = jax.random.fold_in(rng, sequence)
         handles = scheduler.submit(ids[mask > 0], sampling, key, copies=n, pad_to=len(ids))
-        running[stats.started] = _Group(batch, row, stats.started, handles)
+        running[sequence] = _Group(batch, row, sequence, handles)
         stats.started += 1
 
 

@@ -5,6 +5,7 @@
     weights.get()                             # the copy (an error before the first load)
     weights.release()                         # free it (a LoRA base is kept)
     weights.copy_of(actor_params)             # what `load` makes, abstract
+    local.borrow(view, version=3)             # hold another copy's arrays (not freed here)
 
 `load` is the jitted re-layout of `jaxrl.sharding.reshard`: the source may live on the same
 devices (colocated) or on others (the rollout on its own device group); either way one
@@ -51,6 +52,7 @@ class RolloutWeights:
         # leaves are the source's own arrays (not freed)
         self.base: Any = None
         self._aliased: set[int] = set()
+        self._borrowed = False  # `params` are another copy's (`borrow`)
 
     def load(self, params: Any, *, frozen_base: bool = False, version: int | None = None):
         """Copy `params` (any layout, any devices) into the rollout layout (cast to
@@ -69,6 +71,14 @@ class RolloutWeights:
         adapters = reshard(adapters, adapter_shardings, dtype=self.config.param_dtype)
         self.params = lora.merge(self.base, adapters)
 
+    def borrow(self, params: Any, *, version: int | None) -> None:
+        """Hold `params`, another copy's arrays (a process-local view of them:
+        `RolloutEngine.local`), without owning them: `release` forgets them, their owner
+        frees them."""
+        self.release()
+        self._drop_base()
+        self.params, self.version, self._borrowed = params, version, True
+
     def get(self) -> Any:
         """The loaded copy."""
         if self.params is None:
@@ -77,9 +87,9 @@ class RolloutWeights:
 
     def release(self) -> None:
         """Free the copy, except a LoRA base (kept for the next load)."""
-        if self.params is not None:
+        if self.params is not None and not self._borrowed:
             free(self.params if self.base is None else lora.split(self.params)[1])
-            self.params = None
+        self.params, self._borrowed = None, False
 
     def copy_of(self, like: Any) -> Any:
         """What `load(like)` makes, as `jax.ShapeDtypeStruct`s in the rollout's shardings
@@ -111,7 +121,10 @@ class RolloutWeights:
             dtype=dtype,
         )
         moved_iter = iter(moved)
-        out = [x if k else next(moved_iter) for x, k in zip(leaves, kept, strict=True)]
+        out = [
+            _rewrapped(x, s) if k else next(moved_iter)
+            for x, s, k in zip(leaves, targets, kept, strict=True)
+        ]
         self._aliased = {id(x) for x, k in zip(out, kept, strict=True) if k}
         return jax.tree.unflatten(treedef, out)
 
@@ -134,6 +147,15 @@ def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
         del stack  # the last reference: its buffer goes now
     layers = tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(n))
     return {**params, "layers": layers}
+
+
+def _rewrapped(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` (in a sharding equivalent to `sharding`: the same shard on every device) as an
+    array in `sharding` itself, over the same device buffers: every leaf of the copy is on
+    the rollout mesh, as a process-local view (`RolloutEngine.local`) needs."""
+    shards = {s.device: s.data for s in x.addressable_shards}
+    devices = sharding.addressable_devices_indices_map(x.shape)
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [shards[d] for d in devices])
 
 
 def _layer(sharding: NamedSharding) -> NamedSharding:

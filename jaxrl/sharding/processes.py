@@ -2,14 +2,24 @@
 
     rows = gather_rows({"scores": scores_n})           # [N] per process -> [P*N] everywhere
     every = allgather_objects(extra_info)              # [obj of process 0, obj of 1, ...]
+    first, total = row_span(len(rows))                 # where this process's rows start
     x = global_array(batch_np, sharding)               # the same host rows on every process
     host = to_host(tree_of_global_arrays)              # numpy, whatever the sharding
     start, stop = process_rows(sharding, shape)        # rows whose data this process holds
+    mesh = local_mesh(rollout_mesh)                    # this process's rows of a (dp, ...) mesh
+    local = local_view(params, mesh)                   # its shards of them, no copy
 
 Rows of a step are split by process: process p of P holds the contiguous slice p of the global
 batch (the data iterator's order). `gather_rows` concatenates the processes' rows in process
 order, so every process ends up with the global batch exactly as one process would hold it.
 With one process every function is the identity (or `jax.device_get`).
+
+`local_mesh` and `local_view` give a process its own share of a mesh whose first axis (`dp`)
+is split over the processes and whose other axes (`tp`) are not: a mesh of the same axes over
+its devices only, and arrays replicated along the first axis viewed on it (the same device
+buffers, no transfer). Programs on them run on this process alone: what each process's
+conversations (the agent loop, streamed groups) need, since their requests arrive and end at
+each process's own pace.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 
 def _allgather(x: np.ndarray) -> np.ndarray:
@@ -90,6 +101,15 @@ def gather_rows(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.concatenate(parts[k]) for k in keys[0]}
 
 
+def row_span(count: int) -> tuple[int, int]:
+    """(first, total): where this process's `count` rows start in the global batch (the
+    rows of the processes before it), and the global batch's rows (every process's)."""
+    if jax.process_count() == 1:
+        return 0, count
+    counts = _allgather(np.asarray([count], np.int32))[:, 0]
+    return int(counts[: jax.process_index()].sum()), int(counts.sum())
+
+
 def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array of `host` (the same full value on every process) in `sharding`: each
     process places only the shards of its own devices."""
@@ -119,6 +139,71 @@ def to_host(tree: Any) -> Any:
         for i, x in zip(split, gathered, strict=True):
             out[i] = np.asarray(x)
     return jax.tree.unflatten(treedef, out)
+
+
+def spans_processes(mesh: jax.sharding.Mesh) -> bool:
+    """Whether `mesh` has devices of other processes than this one."""
+    return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+
+def local_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The rows of `mesh` (along its first axis) whose devices are this process's: a mesh of
+    the same axes, its first axis this process's share (`mesh` itself in one process).
+
+    Raises:
+        ValueError: when a row mixes this process's devices with another's (a `tp` group
+            spanning processes), naming the row.
+    """
+    if not spans_processes(mesh):
+        return mesh
+    me = jax.process_index()
+    rows = mesh.devices.reshape(mesh.devices.shape[0], -1)
+    mine = []
+    for i, row in enumerate(rows):
+        owners = sorted({d.process_index for d in row})
+        if me in owners and len(owners) > 1:
+            raise ValueError(
+                f"mesh row {i} along `{mesh.axis_names[0]}` has devices of processes {owners}: "
+                f"each of its {mesh.axis_names[1:]} groups must sit on one process (make "
+                "actor_rollout_ref.rollout.tensor_model_parallel_size divide the devices per "
+                "process)"
+            )
+        if owners == [me]:
+            mine.append(i)
+    if not mine:
+        raise ValueError(f"mesh {dict(mesh.shape)} has no device of process {me}")
+    return jax.sharding.Mesh(mesh.devices[np.asarray(mine)], mesh.axis_names,
+                             axis_types=mesh.axis_types)  # fmt: skip
+
+
+def local_view(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Each leaf of `tree` (arrays in `NamedSharding`s over a mesh of which `mesh` is this
+    process's `local_mesh`) as an array over `mesh`, made of the leaf's own shards on those
+    devices (no copy; they stay valid while the leaf's buffers are).
+
+    Raises:
+        ValueError: for a leaf split along the first mesh axis (each process holds only part
+            of it), naming its spec.
+    """
+    first = mesh.axis_names[0]
+
+    def view(x: jax.Array) -> jax.Array:
+        spec = x.sharding.spec
+        if any(first in ((a,) if isinstance(a, str) else tuple(a or ())) for a in spec):
+            raise ValueError(
+                f"local_view: an array in {spec} is split along `{first}`; only arrays "
+                f"replicated along it have a whole copy on each process"
+            )
+        sharding = NamedSharding(mesh, spec)
+        shards = {s.device: s.data for s in x.addressable_shards}
+        devices = sharding.addressable_devices_indices_map(x.shape)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shards[d] for d in devices]
+        )
+
+    if not any(spans_processes(x.sharding.mesh) for x in jax.tree.leaves(tree)):
+        return tree
+    return jax.tree.map(view, tree)
 
 
 def process_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[int, int]:

@@ -34,15 +34,20 @@ it may pass over the data more than `total_epochs` times, where verl's recipe st
 With `filter_groups.streaming` (jaxrl's, not verl's), the groups flow through the rollout
 engine's slots instead of whole batches (`jaxrl.rollout.streaming`): each group is scored and
 judged by the rule above as soon as its n responses end (the groups that end in one decode
-chunk together), freed slots take the next prompts,
-and generation stops once `train_batch_size` groups are kept (the groups still running are
-aborted). `GroupJudge` is the judge: it scores a group with the reward function and keeps its
-rows. The same metrics come out (`train/num_gen_batches` counts the prompt batches drawn,
-`discarded_surplus_samples` the groups kept past the target in the stream's last round,
-`aborted_groups` the groups cut at the stop), the reward
-manager's metrics are summed over every judged group (they are counts), and
-`sampled_tokens_per_group` (every response token sampled in the step over the groups trained
-on, in both modes) compares the two.
+chunk together), freed slots take the next prompts, and generation stops once the first
+`train_batch_size` kept groups in prompt order are known (the cut: the groups still running
+are aborted). From the same responses, verl's batches would keep those groups, in that
+order; and they are the same whichever group finished first, on any number of processes
+(each streams its own slice of every batch).
+`GroupJudge` is the judge: it scores a group with the reward function and keeps its rows.
+The same metrics come out: `train/num_gen_batches` counts the batches up to the cut (the
+loader is left there: batches drawn past it go back), `evicted_samples` the groups before the
+cut the rule dropped, `discarded_surplus_samples` the groups kept past the cut,
+`aborted_groups` the groups cut at the stop; the reward manager's metrics are summed over
+every judged group (they are counts), and `sampled_tokens_per_group` (every response token
+sampled in the step over the groups trained on, in both modes) compares the two. The last
+three measure the effort past the cut, which depends on the slots (and so on the process
+count); the kept set does not.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import numpy as np
 
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout.streaming import GroupRollout, StreamStats
+from jaxrl.sharding.processes import allgather_objects
 from jaxrl.trainer.batch import PROMPT_FIELDS
 
 # the per-response values of `filter_groups.metric` computed from the batch, not read from the
@@ -244,21 +250,37 @@ class GroupJudge:
         self.reward_fn, self.metric, self.timing = reward_fn, metric, timing
         self.host_fields = host_fields or (lambda prompts: {})
         self.sources: list[PromptBatch] = []
-        self.rows: list[dict[str, np.ndarray]] = []
-        self.extra: list[dict[str, list]] = []
+        self.kept: list[tuple[int, dict[str, np.ndarray], dict[str, list]]] = []  # by group:
+        # (its prompt's place in the global order, its rows, its extra info)
         self.reward_metrics: dict[str, float] = {}
+        self._more: Iterator[PromptBatch] | None = None
+        self._states: list[Any] = []  # the source's state before each batch drawn from it
 
     def batches(
         self, first: PromptBatch, more: Iterator[PromptBatch] | None
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The stream's prompt arrays: `first`, then `more`'s batches (kept for scoring)."""
-        batch = first
+        self._more, batch = more, first
         while True:
             self.sources.append(batch)
             yield batch.input_ids, batch.attention_mask
             if more is None:
                 raise ValueError(NO_MORE_PROMPTS)
+            self._states.append(_state(more))
             batch = next(more)
+
+    def settle(self, batches: int) -> None:
+        """Leave the prompt source as if exactly `batches` batches (the first included) had
+        been drawn: the stream's batches past its cut go back (a loader's saved state), and
+        a process that did not reach its slice of a batch before the cut draws it now, so
+        every process's loader is where one process's would be."""
+        drawn = len(self.sources)
+        if self._more is None:
+            return
+        if drawn > batches and self._states[batches - 1] is not None:
+            self._more.load_state_dict(self._states[batches - 1])
+        for _ in range(batches - drawn):
+            next(self._more)
 
     def __call__(self, groups: list[GroupRollout]) -> list[bool]:
         """Score the groups (one reward call per prompt batch they came from) and keep the
@@ -286,31 +308,43 @@ class GroupJudge:
         for k, group in enumerate(groups):
             if verdicts[k]:
                 prompts, scores, extra = scored[k]
-                self.rows.append({
+                self.kept.append((group.sequence, {
                     "prompts": prompts.input_ids, "prompt_mask": prompts.attention_mask,
                     "responses": group.responses, "response_mask": group.response_mask,
                     "token_level_scores": np.asarray(scores, np.float32),
                     "rollout_log_probs": group.log_probs,
-                    "group_ids": np.full(len(group.responses), len(self.rows), np.int32),
                     **self.host_fields(prompts),
-                })  # fmt: skip
-                self.extra.append(extra)
+                }, extra))  # fmt: skip
         self.timing["reward"] = self.timing.get("reward", 0.0) + time.perf_counter() - start
         return [verdicts[k] for k in range(len(groups))]
 
-    def take(self, groups: int) -> tuple[dict[str, np.ndarray], dict[str, list]]:
-        """The first `groups` kept groups' rows (in the order they were kept) and extra
-        info (the stream's surplus, kept in its last round past the target, is dropped)."""
-        rows, extra = self.rows[:groups], self.extra[:groups]
-        return concat_rows(rows), merged_extra(rows, extra)
+    def take(self, cut: int | None) -> tuple[dict[str, np.ndarray], dict[str, list], dict]:
+        """The kept groups' rows before `cut` (None: all), of every process, in prompt order
+        (group ids numbering them), their extra info, and the reward manager's metrics summed
+        over every process (the surplus past the cut is dropped)."""
+        every = allgather_objects(([g for g in self.kept if cut is None or g[0] < cut],
+                                   self.reward_metrics))  # fmt: skip
+        groups = sorted((g for part, _ in every for g in part), key=lambda g: g[0])
+        rows = [{**r, "group_ids": np.full(len(r["responses"]), i, np.int32)}
+                for i, (_, r, _) in enumerate(groups)]  # fmt: skip
+        names = sorted({k for _, m in every for k in m})
+        metrics = {k: float(sum(m.get(k, 0.0) for _, m in every)) for k in names}
+        if not rows:
+            return {}, {}, metrics
+        return concat_rows(rows), merged_extra(rows, [e for _, _, e in groups]), metrics
+
+
+def _state(source: Iterator) -> Any:
+    """A prompt source's state (`state_dict`: the train loader's), so that batches drawn
+    past the stream's cut can go back; None for a plain iterator (they cannot)."""
+    return source.state_dict() if hasattr(source, "state_dict") else None
 
 
 def stream_metrics(stats: StreamStats, groups: int) -> dict[str, float]:
     """The streamed step's filter metrics (module doc)."""
-    dropped = stats.finished - stats.kept - stats.surplus  # by the filter
     return {
         "train/num_gen_batches": float(stats.batches),
-        "training/filter_groups/evicted_samples": float(dropped),
+        "training/filter_groups/evicted_samples": float(stats.dropped),
         "training/filter_groups/discarded_surplus_samples": float(stats.surplus),
         "training/filter_groups/aborted_groups": float(stats.aborted),
         "training/filter_groups/sampled_tokens_per_group": stats.sampled_tokens / groups,

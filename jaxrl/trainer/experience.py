@@ -38,7 +38,8 @@ from jaxrl.config import Config
 from jaxrl.core_algos import estimator_inputs
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout import SamplingParams
-from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
+from jaxrl.rollout.streaming import Share
+from jaxrl.sharding.processes import allgather_objects, gather_rows, row_span, to_host
 from jaxrl.trainer.batch import moved_to
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.dynamic_sampling import (
@@ -71,7 +72,7 @@ class Experience:
         extra: The reward function's extra info ({name: per-row list}).
         routes: Each row's distillation teacher (several teachers), else None.
         conversations: The agent loop's conversations per row (None: batch generation, or
-            several processes).
+            several processes without a rollout dump).
         policy_version: The actor's weights version (`Learner.version`) that sampled it.
         timing: Seconds of its phases (`gen`, `reward`, `gen_max`, `gather`).
         metrics: The agent loop's, dynamic sampling's and the reward manager's metrics.
@@ -187,12 +188,21 @@ class ExperienceProducer:
                 rows, group_ids, extra, reward_metrics = gather_processes(
                     rows, group_ids, extra, reward_metrics
                 )
+                conversations = self._gathered(conversations)
         elif log_probs is not None and on_host:
             rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
         elif log_probs is not None:
             on_devices = moved_to(log_probs, self.cluster.actor.layout)
         rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
         return _Scored(rows, on_devices, extra, reward_metrics, conversations)
+
+    def _gathered(self, conversations: list | None) -> list | None:
+        """Several processes: the agent loop's conversations of every process's rows when
+        the rollout dump needs them (`trainer.rollout_data_dir`; process 0 writes it),
+        else None (no host traffic for them)."""
+        if conversations is None or not self.cfg.trainer.rollout_data_dir:
+            return None
+        return [c for part in allgather_objects(conversations) for c in part]
 
     def _host_fields(self, prompts: PromptBatch) -> dict[str, np.ndarray]:
         """Per-row host arrays the step's rows carry besides the generation's and the
@@ -223,8 +233,7 @@ class ExperienceProducer:
             key = rng if pool.batches == 0 else jax.random.fold_in(extra_key, pool.batches)
             scored = self._scored_rows(prompts, key, timing, metrics, on_host=True)
             values = metric_values(fg.metric, scored.rows["token_level_scores"], scored.extra)
-            conversations = scored.conversations if jax.process_count() == 1 else None
-            pool.add(scored.rows, scored.extra, conversations, values)
+            pool.add(scored.rows, scored.extra, scored.conversations, values)
             if pool.full(target, fg.max_num_gen_batches):
                 break
             if self.prompt_source is None:
@@ -241,24 +250,28 @@ class ExperienceProducer:
         timing: dict[str, float],
         metrics: dict[str, float],
     ) -> _Scored:
-        """`filter_groups.streaming`: groups through the engine's slots, judged as they end,
-        until `train_batch_size` are kept (`jaxrl.trainer.dynamic_sampling`); the step's key
-        samples them. `max_num_gen_batches` bounds the groups started (x the generation
-        batch's prompts)."""
+        """`filter_groups.streaming`: groups through the engine's slots (each process its
+        own prompts on its own share), judged as they end, until the first
+        `train_batch_size` kept in prompt order are known (`jaxrl.rollout.streaming`); the
+        step's key samples them, and the loader is left after the batches up to the cut.
+        `max_num_gen_batches` bounds the prompts (x the generation batch's)."""
         fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
         judge = GroupJudge(self.reward_fn, fg.metric, timing, self._host_fields)
         limit = fg.max_num_gen_batches
         start = time.perf_counter()
+        first, total = row_span(len(prompts))  # this process's slice of every batch
         result = self.rollout.stream(
             judge.batches(prompts, self.prompt_source), self.sampling, rng, judge,
-            target=target, max_groups=limit * len(prompts) if limit > 0 else None,
+            target=target, max_groups=limit * total if limit > 0 else None,
+            share=Share(first, total),
         )  # fmt: skip
         timing["gen"] = time.perf_counter() - start - timing.get("reward", 0.0)
-        if result.stats.kept < target:
+        if result.cut is None:
             raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
-        rows, extra = judge.take(target)
+        judge.settle(result.stats.batches)
+        rows, extra, reward_metrics = judge.take(result.cut)
         metrics.update(stream_metrics(result.stats, target))
-        return _Scored(rows, None, extra, judge.reward_metrics, None)
+        return _Scored(rows, None, extra, reward_metrics, None)
 
 
 @dataclasses.dataclass

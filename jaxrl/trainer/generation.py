@@ -15,7 +15,10 @@ fixed-batch path: the engine's on-device loop). The agent loop runs each of the 
 samples as a conversation (`jaxrl.agent`), as requests of a `Scheduler` over the engine: its
 rows carry a `loss_mask` (0 on tool turns) and the rollout's log-probs on the host, and it
 reports the agent metrics and the conversations for the dumps; streamed dynamic sampling is
-a `Scheduler` client too (`jaxrl.rollout.streaming`).
+a `Scheduler` client too (`jaxrl.rollout.streaming`). With several processes each runs the
+agent loop over its own rows on its own share of the rollout devices (`RolloutEngine.local`)
+with its own tools, sampling what one process would (row i's keys, wherever it runs); the
+rows join the global batch as batch generation's do (`ExperienceProducer`'s gather).
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from jaxrl.agent import (
 from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch, object_array
 from jaxrl.rollout import SamplingParams, Scheduler
-from jaxrl.rollout.streaming import GroupRollout, StreamResult, stream_groups
-from jaxrl.sharding.processes import to_host
+from jaxrl.rollout.streaming import GroupRollout, Share, StreamResult, stream_groups
+from jaxrl.sharding.processes import row_span, to_host
 from jaxrl.trainer.cluster import Cluster
 
 log = logging.getLogger("jaxrl.train")
@@ -108,18 +111,8 @@ class StepRollout:
         self.runner: ToolRunner | None = None
         self._warned = False
         self._depth = 0  # `holding` blocks open
-        if cfg.algorithm.filter_groups.streaming and jax.process_count() > 1:
-            raise ValueError(
-                "algorithm.filter_groups.streaming runs in one process for now (this run has "
-                f"{jax.process_count()}): set it to false for multi-process runs"
-            )
         if not self.multi_turn.enable:
             return
-        if jax.process_count() > 1:
-            raise ValueError(
-                "actor_rollout_ref.rollout.multi_turn.enable runs in one process for now (this "
-                f"run has {jax.process_count()}): launch one process, or turn multi_turn off"
-            )
         if tokenizer is None:
             raise ValueError(
                 "actor_rollout_ref.rollout.multi_turn.enable: the trainer needs the tokenizer "
@@ -173,14 +166,16 @@ class StepRollout:
         *,
         target: int,
         max_groups: int | None,
+        share: Share,
     ) -> StreamResult:
-        """`jaxrl.rollout.streaming.stream_groups` on the rollout engine (streamed dynamic
-        sampling), with the actor's weights; one process (refused at construction), batch
-        generation only (the config checks refuse multi-turn)."""
+        """`jaxrl.rollout.streaming.stream_groups` on this process's share of the rollout
+        engine (streamed dynamic sampling), with the actor's weights; `share`: where this
+        process's prompts sit in each batch. Batch generation only (the config checks refuse
+        multi-turn)."""
         with self.holding():
             return stream_groups(
-                self.cluster.rollout, batches, sampling, rng, judge,
-                target=target, max_groups=max_groups,
+                self.cluster.rollout.local(), batches, sampling, rng, judge,
+                target=target, max_groups=max_groups, share=share,
             )  # fmt: skip
 
     def _batch(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
@@ -213,14 +208,14 @@ class StepRollout:
         requests = agent_requests(prompts.repeat(sampling.n), default)
         p = prompts.input_ids.shape[1]
         loop = AgentLoop(
-            self.cluster.rollout,
+            self.cluster.rollout.local(),  # this process's share: its rows, at its pace
             self.chat,
             self.runner,
             Limits.from_config(self.multi_turn),
             response_length=sampling.max_tokens,
             max_prompt_length=p,
         )
-        trajectories = loop.run(requests, sampling, rng)
+        trajectories = loop.run(requests, sampling, rng, first=row_span(len(requests))[0])
         rows = trajectory_rows(
             trajectories, prompt_length=p, response_length=sampling.max_tokens, pad_id=self.pad_id
         )

@@ -7,8 +7,10 @@ Per device, a step holds its resident state (parameters, optimizer states, the r
 model) throughout, and one program at a time adds what XLA reports for it: its inputs beyond
 the resident state (the micro-batch, the gradient accumulator, the rollout copy of the
 weights, offloaded state brought back for it), its outputs that do not reuse a donated input,
-its temporaries, and offloaded state brought back for its phase that it does not take as an
-argument (the optimizer state during an update's micro-batches):
+its temporaries, offloaded state brought back for its phase that it does not take as an
+argument (the optimizer state during an update's micro-batches), and, for the passes and
+updates, the step's batch (`RLBatch`, held on the trainer's devices from scoring through the
+updates, of which they take micro-batches):
 
     peak  ~=  resident + max over programs p of (arguments_p - resident_p + outputs_p
                                                   - aliased_p + temporaries_p + reloaded_p)
@@ -110,6 +112,8 @@ class MemoryPlan:
         adds: What each program (or phase) adds to the resident state while it runs.
         host: Offloaded state per role, in host memory between the programs that use it.
         groups: Role or program name -> its device group (absent: the one group "train").
+        batch: The step's batch on a device, held from scoring through the updates: in the
+            adds of the programs that run meanwhile (reported, counted there).
     """
 
     resident: dict[str, int]
@@ -117,6 +121,7 @@ class MemoryPlan:
     adds: dict[str, int]
     host: dict[str, int] = dataclasses.field(default_factory=dict)
     groups: dict[str, str] = dataclasses.field(default_factory=dict)
+    batch: int = 0
 
     def _group(self, name: str) -> str:
         return self.groups.get(name, "train")
@@ -150,6 +155,7 @@ def memory_plan(
     host: Mapping[str, Any] | None = None,
     groups: Mapping[str, str] | None = None,
     phases: Mapping[str, Any] | None = None,
+    batch: tuple[Any, tuple[str, ...]] | None = None,
 ) -> MemoryPlan:
     """The step's memory plan.
 
@@ -166,12 +172,16 @@ def memory_plan(
         groups: Role, program or phase name -> its device group; absent: "train".
         phases: Phase name -> the trees it holds on the devices beyond the resident state
             (no compiled program of its own).
+        batch: (the step's batch as placed on the devices, the programs that run while it
+            is held): it adds to each of those (they take micro-batches of it).
     """
     reloaded, host = reloaded or {}, host or {}
+    held, during = batch if batch is not None else (None, ())
     analysed = {name: ProgramMemory.of(c) for name, c in programs.items()}
     adds = {
         name: stats.beyond(bytes_per_device(resident_arguments.get(name)))
         + bytes_per_device(reloaded.get(name))
+        + (bytes_per_device(held) if name in during else 0)
         for name, stats in analysed.items()
     }
     adds.update({name: bytes_per_device(tree) for name, tree in (phases or {}).items()})
@@ -181,6 +191,7 @@ def memory_plan(
         adds=adds,
         host={role: bytes_per_device(tree) for role, tree in host.items()},
         groups=dict(groups or {}),
+        batch=bytes_per_device(held),
     )
 
 

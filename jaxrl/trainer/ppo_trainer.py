@@ -54,6 +54,7 @@ from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
 from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
+from jaxrl.sharding.layouts import placed_abstract
 from jaxrl.sharding.processes import to_host
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import (
@@ -590,8 +591,7 @@ class PPOTrainer:
         the token budget admits of the short ones, many more than of full rows)."""
         cfg, actor_rollout_ref = self.cfg, self.cfg.actor_rollout_ref
         actor, ref, critic = self.cluster.actor, self.cluster.ref, self.cluster.critic
-        prompts, n = cfg.data.train_batch_size, self.sampling.n
-        p, r = cfg.data.max_prompt_length, self.sampling.max_tokens
+        prompts, p = cfg.data.train_batch_size, cfg.data.max_prompt_length
         rollout = self.cluster.rollout
         generated = cfg.data.gen_batch_size or prompts  # dynamic sampling's generation batch
         programs = {"generate": rollout.compile(actor.params, generated, p, self.sampling)}
@@ -600,13 +600,7 @@ class PPOTrainer:
                 actor.params, val_prompts, p, self.val_sampling
             )
         plan = self.plan
-        batch = worst_case_batch(prompts * n, p, r, plan.batch_fields)
-        if plan.teacher_top_k is not None:
-            shape = (prompts * n, r, plan.teacher_top_k)
-            batch = batch.replace(
-                teacher_topk_log_probs=jax.ShapeDtypeStruct(shape, np.float32),
-                teacher_topk_ids=jax.ShapeDtypeStruct(shape, np.int32),
-            )
+        batch = self._worst_batch()
         batching = self._log_prob_batching()
         if plan.runs("old_log_prob"):
             programs["actor log-probs"] = compile_infer(
@@ -632,6 +626,20 @@ class PPOTrainer:
         )
         programs.update({f"actor {k}": v for k, v in update.items()})
         return programs
+
+    def _worst_batch(self) -> RLBatch:
+        """The largest step's batch, abstract (`worst_case_batch`), with the distillation
+        teacher's top-k when there is one."""
+        prompts, n = self.cfg.data.train_batch_size, self.sampling.n
+        p, r, plan = self.cfg.data.max_prompt_length, self.sampling.max_tokens, self.plan
+        batch = worst_case_batch(prompts * n, p, r, plan.batch_fields)
+        if plan.teacher_top_k is not None:
+            shape = (prompts * n, r, plan.teacher_top_k)
+            batch = batch.replace(
+                teacher_topk_log_probs=jax.ShapeDtypeStruct(shape, np.float32),
+                teacher_topk_ids=jax.ShapeDtypeStruct(shape, np.int32),
+            )
+        return batch
 
     def memory_plan(self, val_prompts: int | None = None) -> MemoryPlan:
         """The step's device memory estimate from `compile_step`'s programs (see
@@ -686,14 +694,25 @@ class PPOTrainer:
             groups[program] = groups["rollout"]
             arguments[program] = resident.get("rollout")
         groups["weight sync"] = groups["actor"]
+        programs = self.compile_step(val_prompts)
+        # The step's batch, replicated on the trainer's devices (and copied to a placed
+        # role's) from scoring through the updates: not during generation.
+        fields = {k: v for k, v in vars(self._worst_batch()).items()
+                  if isinstance(v, jax.ShapeDtypeStruct)}  # fmt: skip
+        layout = cluster.actor.layout
+        held = fields if layout is None else placed_abstract(
+            fields, {k: layout.replicated() for k in fields}
+        )  # fmt: skip
+        during = tuple(name for name in programs if "generate" not in name)
         return memory_plan(
-            self.compile_step(val_prompts),
+            programs,
             resident,
             arguments,
             reloaded,
             host,
             groups=groups,
             phases={"weight sync": sync},
+            batch=(held, during),
         )
 
     def _values_batching(self) -> dict[str, Any]:

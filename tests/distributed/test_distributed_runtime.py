@@ -143,7 +143,8 @@ def test_slurm_tasks_are_detected_without_jaxrl_variables(tmp_path):
 def test_host_data_across_processes_and_generation_per_process(procs):
     """`jaxrl.sharding.processes` over 2 processes, and `generate` with each process's own
     prompts: one program over the 8 devices, each process gets its own rows back, equal to
-    a single-process generation of the same prompts."""
+    a single-process generation of the same prompts; and each process's share of the
+    engine (`RolloutEngine.local`) runs its rows on its own slots alike."""
     import jax
     import numpy as np
 
@@ -178,3 +179,15 @@ def test_host_data_across_processes_and_generation_per_process(procs):
         few = ids[:3]
         alone = generate(config, params, few, np.ones_like(few), greedy)
         np.testing.assert_array_equal(row["padded_responses"], np.asarray(alone.responses))
+        # each process's share of the engine: its own 4 devices (dp 2 x tp 2), half the
+        # slots, its rows on its own slots as one process generates them
+        assert row["local_devices"] == [i] * 4 and row["local_shape"] == {"dp": 2, "tp": 2}
+        assert row["local_slots"] == 4 and row["local_version"] == [1, 2]
+        alone = generate(config, params, ids, np.ones_like(ids), greedy)
+        np.testing.assert_array_equal(row["local_responses"], np.asarray(alone.responses))
+        np.testing.assert_array_equal(row["local_again"], np.asarray(alone.responses))
+        assert row["local_released"] and row["span"] == [i, 3]
+        errors = row["local_errors"]
+        assert "Scheduler(engine.local())" in errors["spanning"]
+        assert "has devices of processes [0, 1]" in errors["tp"]
+        assert "split along `dp`" in errors["split"]

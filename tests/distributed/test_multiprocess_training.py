@@ -1,7 +1,8 @@
 """`python -m jaxrl.train` over 2 processes x 4 CPU devices trains exactly like 1 process x 8:
-the same metrics step by step (GRPO on the quickstart model, with validation), and a
-checkpoint written by 2 processes, restored by 2 after one of them was killed inside the next
-save, continues identically."""
+the same metrics step by step (GRPO on the quickstart model, with validation; DAPO's dynamic
+sampling; the tool demo's agent loop, each process running its rows on its own devices), and
+a checkpoint written by 2 processes, restored by 2 after one of them was killed inside the
+next save, continues identically."""
 
 import json
 import shutil
@@ -9,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from _env import xla_flags
 from _multiproc import ROOT, clean_env, free_port
 
+from jaxrl.assets import write_quickstart_model
 from jaxrl.compare import main as compare
 from jaxrl.testing.numerics import STABLE_ADAM_OVERRIDES
 from jaxrl.trainer.checkpoint import verify
@@ -22,8 +25,15 @@ from jaxrl.trainer.checkpoint import verify
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
+PYTHONPATH = f"{ROOT}:{ROOT / 'tests' / 'distributed'}"  # marked_tools, the tool of the fault
 # Timings, throughput and the logged compile/gather times differ between runs by nature.
 UNCOMPARABLE = ("timing_s/", "timing_per_token_ms/", "perf/", "fingerprint/")
+# Streamed dynamic sampling's effort past its cut: which groups had started when the cut was
+# known depends on the slots of each process (jaxrl.rollout.streaming); the kept set does not.
+EFFORT = tuple(
+    f"training/filter_groups/{k}"
+    for k in ("discarded_surplus_samples", "aborted_groups", "sampled_tokens_per_group")
+)
 
 
 def _overrides(run_dir, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
@@ -44,20 +54,29 @@ def _overrides(run_dir, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list
     ]
 
 
-def _train(run_dir, processes: int, steps: int = STEPS, extra: tuple[str, ...] = ()) -> str:
-    """Run the trainer (`extra`: more overrides); returns the logs."""
+def _train(
+    run_dir,
+    processes: int,
+    steps: int = STEPS,
+    extra: tuple[str, ...] = (),
+    args: list[str] | None = None,
+) -> str:
+    """Run the trainer (`extra`: more overrides; `args`: the whole command line instead of
+    the quickstart's); returns the logs."""
+    args = _overrides(run_dir, steps, extra) if args is None else args
     if processes == 1:
-        env = clean_env(XLA_FLAGS=xla_flags(8))
-        cmd = [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir, steps, extra)]
+        env = clean_env(XLA_FLAGS=xla_flags(8), PYTHONPATH=PYTHONPATH)
+        cmd = [sys.executable, "-m", "jaxrl.train", *args]
     else:
         env = clean_env(
             JAXRL_LOG_DIR=str(run_dir.parent / f"logs-{run_dir.name}"),
             JAXRL_LAUNCH_CMD=f"{sys.executable} -m jaxrl.train",
             JAXRL_QUIET="1",
+            PYTHONPATH=PYTHONPATH,
         )
         env["XLA_FLAGS"] = xla_flags(None)  # local.sh gives each process its 8 / N devices
         local_sh = str(ROOT / "launch" / "local.sh")
-        cmd = ["bash", local_sh, str(processes), *_overrides(run_dir, steps, extra)]
+        cmd = ["bash", local_sh, str(processes), *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     logs = out.stdout + out.stderr
     if processes > 1:
@@ -117,21 +136,36 @@ def test_two_processes_train_like_one(runs):
     assert compare([str(single), str(multi), "--only", "inputs"]) == 0
 
 
-def test_dynamic_sampling_over_two_processes_equals_one(runs):
+@pytest.mark.parametrize("streaming", [False, True], ids=["batches", "streaming"])
+def test_dynamic_sampling_over_two_processes_equals_one(runs, streaming):
     """DAPO dynamic sampling (generation batches of 4 prompts for steps of 16) over 2
-    processes: each generation batch is gathered from both and filtered on each, so the kept
-    groups, the extra batches drawn from the loader and every metric equal one process's."""
+    processes equals one process's: the kept groups, the extra batches drawn from the loader
+    and every metric. Batches: each generation batch is gathered from both and filtered on
+    each. Streaming (groups of 4 through 16 slots, 8 per process; `acc` drops most groups):
+    each process streams its own slice of every batch, and the kept set is the first 16 kept
+    in prompt order, whichever process judged them first."""
     single, _, _ = runs
-    extra = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-             "data.gen_batch_size=4", "trainer.val_before_train=false",
-             "trainer.test_freq=-1")  # fmt: skip
-    one, two = single.parent / "dapo_single", single.parent / "dapo_multi"
-    _train(one, 1, steps=2, extra=extra)
-    _train(two, 2, steps=2, extra=extra)
+    extra = ["algorithm.filter_groups.enable=true", "data.gen_batch_size=4",
+             "trainer.val_before_train=false", "trainer.test_freq=-1",
+             f"algorithm.filter_groups.streaming={streaming}"]  # fmt: skip
+    if streaming:
+        extra += ["algorithm.filter_groups.metric=acc", "actor_rollout_ref.rollout.n=4",
+                  "actor_rollout_ref.rollout.max_num_seqs=16",
+                  "algorithm.filter_groups.max_num_gen_batches=0"]  # fmt: skip
+    else:
+        extra += ["algorithm.filter_groups.metric=seq_reward"]
+    name = "stream" if streaming else "dapo"
+    one, two = single.parent / f"{name}_single", single.parent / f"{name}_multi"
+    _train(one, 1, steps=2, extra=tuple(extra))
+    _train(two, 2, steps=2, extra=tuple(extra))
     want, got = _metrics(one), _metrics(two)
     assert sorted(want) == sorted(got) == [1, 2]
     for step in want:
         assert want[step]["train/num_gen_batches"] >= 2, want[step]  # it had to draw more
+        if streaming:
+            assert want[step]["training/filter_groups/evicted_samples"] > 0, want[step]
+            for effort in EFFORT:  # how many groups ran past the cut: each process's slots
+                got[step].pop(effort), want[step].pop(effort)
         _assert_same(got[step], want[step], f"dynamic sampling, step {step}")
     assert compare([str(one), str(two), "--only", "inputs"]) == 0
 
@@ -148,40 +182,9 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_identically(runs):
     shutil.copytree(multi, run_dir)
     checkpoints = run_dir / "checkpoints"
     shutil.rmtree(checkpoints / str(STEPS))
-    port = free_port()
-    logs = [run_dir.parent / f"killed_{i}.log" for i in range(2)]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jaxrl.train", *_overrides(run_dir)],
-            cwd=ROOT,
-            env=clean_env(
-                JAXRL_COORDINATOR=f"127.0.0.1:{port}",
-                JAXRL_NUM_PROCESSES="2",
-                JAXRL_PROCESS_ID=str(i),
-                JAXRL_HEARTBEAT_TIMEOUT="10",  # the wait below: 10 s + the exit
-            ),
-            stdout=logs[i].open("w"),
-            stderr=subprocess.STDOUT,
-        )
-        for i in range(2)
-    ]
-    try:
-        deadline = time.monotonic() + 300
-        while not any(checkpoints.glob("*.orbax-checkpoint-tmp*")):  # inside step 3's save
-            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
-            assert all(w.poll() is None for w in workers), logs[0].read_text()[-3000:]
-            time.sleep(0.002)
-        workers[1].send_signal(signal.SIGKILL)
-        start = time.monotonic()
-        rc = workers[0].wait(timeout=90)
-        waited = time.monotonic() - start
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-    text = logs[0].read_text()
-    assert rc != 0, text[-3000:]
+    text, waited = _kill_inside(  # inside step 3's save
+        run_dir, _overrides(run_dir), lambda: any(checkpoints.glob("*.orbax-checkpoint-tmp*"))
+    )
     assert waited < 60, text[-3000:]
     assert "[process 0/2] error: process 1" in text, text[-3000:]
     assert "resumed from step 2 of 3" in text
@@ -194,3 +197,112 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_identically(runs):
     assert sorted(got) == sorted(want)
     _assert_same(got[STEPS], want[STEPS], f"resumed step {STEPS}")
     assert compare([str(multi), str(run_dir)]) == 0  # bit for bit: inputs and parameters
+
+
+def test_agent_loop_over_two_processes_equals_one(tmp_path_factory):
+    """The tool demo (multi-turn GRPO with the calculator; 16 trajectories a step through 8
+    slots, 4 per process) over 2 processes, each running the agent loop over its own rows
+    on its own 4 devices with its own tool runner: the same inputs (rollouts and scores bit
+    for bit), every metric (the agent's, gathered over both, included) and validation as one
+    process's, and the rollout dump (written by process 0, the conversations of both) the
+    same file. Then a peer killed inside a tool call of step 2: the other stops within the
+    heartbeat timeout naming it, and the same command resumes from step 1 to the
+    uninterrupted run's step 2 bit for bit."""
+    base = tmp_path_factory.mktemp("mp_tools")
+    cache = base / "assets"
+    tools = base / "tools.yaml"  # the demo's calculator, able to say it is running
+    tools.write_text(
+        (ROOT / "configs" / "tools" / "calculator.yaml")
+        .read_text()
+        .replace("jaxrl.agent.tools.calculator.Calculator", "marked_tools.MarkedCalculator")
+    )
+
+    def args(run_dir) -> list[str]:
+        return [
+            "--config", "configs/quickstart_tools.yaml",
+            f"assets.dir={cache}", "assets.train_size=64", "assets.val_size=8",
+            f"data.train_files={cache}/train.parquet", f"data.val_files={cache}/test.parquet",
+            f"actor_rollout_ref.model.path={cache}/model",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.max_num_seqs=8",
+            "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=1",
+            "trainer.val_before_train=false", "trainer.logger=[console]",
+            f"trainer.default_local_dir={run_dir}", f"trainer.rollout_data_dir={run_dir}/dump",
+            *STABLE_ADAM_OVERRIDES,
+        ]  # fmt: skip
+
+    write_quickstart_model(cache / "model", tools=True, prior_steps=60)  # a short prior
+    single, multi = base / "runs" / "single", base / "runs" / "multi"
+    _train(single, 1, args=args(single))  # writes the data the other run reuses
+    logs = _train(multi, 2, args=args(multi))
+    assert "2 processes x 4 CPU devices" in logs
+    want, got = _metrics(single), _metrics(multi)
+    assert sorted(want) == sorted(got) == [1, 2]
+    for step in want:
+        assert want[step]["agent/tool_calls/total"] > 0, want[step]  # the tool was used
+        _assert_same(got[step], want[step], f"agent loop, step {step}")
+    assert any(k.startswith("val-core/") for k in got[2])
+    assert compare([str(single), str(multi), "--only", "inputs"]) == 0
+    for step in (1, 2):
+        assert (multi / "dump" / f"{step}.jsonl").read_text() == (
+            single / "dump" / f"{step}.jsonl"
+        ).read_text()
+
+    killed = base / "runs" / "killed"
+    shutil.copytree(multi, killed)
+    shutil.rmtree(killed / "checkpoints" / "2")
+    marks = base / "marks"
+    marks.mkdir()
+    text, waited = _kill_inside(killed, args(killed), (marks / "process_1").exists,
+                                JAXRL_TEST_TOOL_MARK=str(marks))  # fmt: skip
+    assert waited < 60, text[-3000:]
+    assert "[process 0/2] error: process 1" in text, text[-3000:]
+    assert "resumed from step 1 of 2" in text
+    logs = _train(killed, 2, args=args(killed))
+    assert "[process 1/2] INFO jaxrl.train: resumed from step 1 of 2" in logs
+    assert compare([str(multi), str(killed)]) == 0  # bit for bit: inputs and parameters
+
+
+def _kill_inside(run_dir, args, ready: Callable[[], bool], **env) -> tuple[str, float]:
+    """Start the run's 2 processes (`env` added), SIGKILL process 1 once `ready()`, and wait
+    for process 0 to exit: (its log, seconds it took). Asserts it exited non-zero."""
+    victim = 1
+    port = free_port()
+    logs = [run_dir.parent / f"{run_dir.name}_{i}.log" for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxrl.train", *args],
+            cwd=ROOT,
+            env=clean_env(
+                JAXRL_COORDINATOR=f"127.0.0.1:{port}",
+                JAXRL_NUM_PROCESSES="2",
+                JAXRL_PROCESS_ID=str(i),
+                JAXRL_HEARTBEAT_TIMEOUT="10",  # the wait: 10 s + the exit
+                PYTHONPATH=PYTHONPATH,
+                **env,
+            ),
+            stdout=logs[i].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    survivor = workers[1 - victim]
+    try:
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert time.monotonic() < deadline, logs[1 - victim].read_text()[-3000:]
+            assert all(w.poll() is None for w in workers), logs[1 - victim].read_text()[-3000:]
+            time.sleep(0.002)
+        workers[victim].send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        rc = survivor.wait(timeout=90)
+        waited = time.monotonic() - start
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    text = logs[1 - victim].read_text()
+    assert rc != 0, text[-3000:]
+    return text, waited

@@ -133,7 +133,9 @@ def processes() -> None:
         generate(config, params, few, np.ones_like(few), greedy, layout=layout)
     except ValueError as e:
         count_error = str(e)
+    local = _local_engine(config, params, ids)
     row = dict(
+        **local,
         rows_x=rows["x"].tolist(),
         rows_y=rows["y"].tolist(),
         rows_y_dtype=str(rows["y"].dtype),
@@ -150,6 +152,57 @@ def processes() -> None:
         count_error=count_error,
     )
     print("RESULT " + json.dumps(row), flush=True)
+
+
+def _local_engine(config, params, ids) -> dict:
+    """Each process's share of a rollout engine over both (`RolloutEngine.local`): its mesh,
+    slots, greedy rows through its own slots, a reload seen by its view, and the refusals
+    (a `tp` group spanning processes, a view of an array split over `dp`, conversations on
+    the spanning engine)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl.rollout import RolloutEngine, SamplingParams, Scheduler
+    from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+    from jaxrl.sharding.processes import local_mesh, local_view, row_span
+
+    layout = Layout.create(rollout_mesh(2), ROLLOUT_RULES)  # dp 4 (2 per process) x tp 2
+    engine = RolloutEngine(config, layout, max_num_seqs=8, max_model_len=32)
+    engine.load_weights(params, version=1)
+    local = engine.local()
+    greedy = SamplingParams(max_tokens=4, n=2, do_sample=False, temperature=0.0)
+    mask, key = np.ones_like(ids), jax.random.key(0)
+    first = Scheduler(local).generate(ids, mask, greedy, key, fast=False)
+    engine.load_weights(params, version=2)  # a new copy: the share views it
+    again = Scheduler(engine.local()).generate(ids, mask, greedy, key, fast=False)
+    errors = {}
+    try:
+        Scheduler(engine).generate(ids, mask, greedy, key, fast=False)
+    except ValueError as e:
+        errors["spanning"] = str(e)
+    try:
+        local_mesh(rollout_mesh(8))  # one tp group over both processes
+    except ValueError as e:
+        errors["tp"] = str(e)
+    split = jax.device_put(np.zeros((8, 2), np.float32), NamedSharding(layout.mesh, P("dp")))
+    try:
+        local_view(split, local.layout.mesh)
+    except ValueError as e:
+        errors["split"] = str(e)
+    engine.release()
+    return dict(
+        local_devices=sorted(d.process_index for d in local.layout.mesh.devices.flat),
+        local_shape=dict(local.layout.mesh.shape),
+        local_slots=local.slots,
+        local_version=[first.version, again.version],
+        local_responses=np.asarray(first.responses).tolist(),
+        local_again=np.asarray(again.responses).tolist(),
+        local_released=local.params is None,
+        span=list(row_span(jax.process_index() + 1)),
+        local_errors=errors,
+    )
 
 
 if __name__ == "__main__":

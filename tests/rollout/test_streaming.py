@@ -1,7 +1,7 @@
 """Groups streamed through the engine's slots (`jaxrl.rollout.streaming`): greedy groups equal
-`generate`'s rows, sampling does not depend on the chunking or on which groups finish first,
-the admission rule starts no more groups than needed, and the stop, the group bound and the
-slot check."""
+`generate`'s rows, sampling and the kept set do not depend on the chunking or on which groups
+finish first (the first kept in prompt order), the admission rule starts no more groups than
+needed, and the stop, the group bound and the slot check."""
 
 import itertools
 
@@ -82,7 +82,7 @@ def test_sampling_does_not_depend_on_chunks_or_slots(tiny):
         return {g.sequence: g.responses for g in result.kept}, result.stats
 
     (a, sa), (b, sb) = run(8, 2), run(4, 5)
-    assert sorted(a) == sorted(b) == [0, 2, 4]
+    assert list(a) == list(b) == [0, 2, 4]  # the first three kept, in prompt order
     for seq in a:
         np.testing.assert_array_equal(a[seq], b[seq])
     assert sa.kept == sb.kept == 3 and sa.finished >= 5
@@ -99,12 +99,13 @@ def test_admission_follows_the_keep_rate_and_the_stop_aborts(tiny):
 
     result = stream_groups(eng, batches(b=3), sampling(), jax.random.key(1), judge, target=4)
     s = result.stats
-    assert s.kept == 4 and [g.sequence % 2 for g in result.kept] == [1] * 4
+    # the kept set: the first 4 kept prompts in order (1, 3, 5, 7), whichever ended first
+    assert s.kept == 4 and [g.sequence for g in result.kept] == [1, 3, 5, 7]
+    assert result.cut == 8 and s.dropped == 4  # 0, 2, 4, 6 judged and dropped
     assert s.started == s.finished + s.aborted and s.finished == len(judged)
-    # every group the judge kept is trained on or surplus (kept past the target, same round)
+    # every group the judge kept is trained on or surplus (kept past the cut)
     assert s.kept + s.surplus == sum(g.sequence % 2 for g in judged)
-    assert [g.sequence for g in result.kept] == sorted(g.sequence for g in result.kept)
-    assert s.batches == -(-s.started // 3)  # prompts taken in order, batch after batch
+    assert s.batches == 3  # the batches of 3 prompts up to the cut
     assert s.sampled_tokens >= s.kept_tokens > 0
     assert eng.free_slots == eng.slots  # aborted groups' slots are free again
 
@@ -112,7 +113,8 @@ def test_admission_follows_the_keep_rate_and_the_stop_aborts(tiny):
 def test_max_groups_stops_short(tiny):
     result = stream_groups(engine(tiny), batches(), sampling(), jax.random.key(0),
                            every(lambda g: False), target=2, max_groups=5)  # fmt: skip
-    assert result.kept == [] and result.stats.started == result.stats.finished == 5
+    assert result.kept == [] and result.cut is None
+    assert result.stats.started == result.stats.finished == 5
 
 
 def test_a_group_must_fit_the_slots(tiny):

@@ -10,11 +10,9 @@ first-appearance order, keep their rows in row order, append to the batch, and o
 
 from collections import defaultdict
 
-import jax
 import numpy as np
 import pytest
 
-from jaxrl.config import load_config
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout.streaming import GroupRollout, StreamStats
 from jaxrl.trainer.dynamic_sampling import (
@@ -25,7 +23,6 @@ from jaxrl.trainer.dynamic_sampling import (
     metric_values,
     stream_metrics,
 )
-from jaxrl.trainer.generation import StepRollout
 
 
 def recipe_step(gen_batches, train_batch_size, n, max_num_gen_batches):
@@ -203,10 +200,11 @@ def test_group_judge_scores_keeps_and_concatenates():
     second_ids, _ = next(stream)
     assert first_ids.shape == (3, 2) and second_ids.shape == (3, 3)
 
-    def group(batch, row, firsts):
+    def group(batch, row, firsts):  # batches of 3 prompts: prompt 3 * batch + row
         responses = np.array([[f, 5] for f in firsts], np.int32)
         mask = np.ones_like(responses)
-        return GroupRollout(batch, row, 0, responses, mask, np.zeros(mask.shape, np.float32))
+        zeros = np.zeros(mask.shape, np.float32)
+        return GroupRollout(batch, row, 3 * batch + row, responses, mask, zeros)
 
     assert judge([group(1, 2, [3, 4])]) == [True]  # scores 1, 0: kept
     # one round, groups of two batches: a reward call per batch, verdicts in order
@@ -217,16 +215,49 @@ def test_group_judge_scores_keeps_and_concatenates():
     ]
     # each group's own prompt, n times; batch 0's groups scored together
     assert calls == [[12, 12], [1, 1, 0, 0], [10, 10]]
-    rows, extra = judge.take(2)
+    rows, extra, metrics = judge.take(None)  # in prompt order: prompt 0, then prompt 5
     np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
-    np.testing.assert_array_equal(rows["prompts"][0], second_ids[2])
-    np.testing.assert_array_equal(rows["prompts"][2], np.concatenate([[0], first_ids[0]]))
+    np.testing.assert_array_equal(rows["prompts"][0], np.concatenate([[0], first_ids[0]]))
+    np.testing.assert_array_equal(rows["prompts"][2], second_ids[2])
     np.testing.assert_array_equal(rows["token_level_scores"][:, 0], [1, 0, 1, 0])
-    np.testing.assert_array_equal(rows["teacher_route"], [12, 12, 0, 0])  # each group's prompt
-    assert extra == {"first": [3, 4, 5, 6]}
-    assert judge.reward_metrics == {"reward/errors": 3.0} and timing["reward"] > 0
-    one, _ = judge.take(1)  # the first kept only: a surplus past the target is dropped
+    np.testing.assert_array_equal(rows["teacher_route"], [0, 0, 12, 12])  # each group's prompt
+    assert extra == {"first": [5, 6, 3, 4]}
+    assert metrics == {"reward/errors": 3.0} and timing["reward"] > 0
+    one, _, _ = judge.take(1)  # the kept before the cut only: a surplus past it is dropped
     np.testing.assert_array_equal(one["responses"], rows["responses"][:2])
+
+
+class _Loader:
+    """A prompt source with a loader's state (its position)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __next__(self):
+        self.position += 1
+        return prompt_batch(2, offset=10 * self.position)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_group_judge_settles_the_loader_at_the_cut():
+    """Batches drawn past the stream's cut go back to the loader; batches before the cut
+    that this process never reached (another process's prompts decided it) are drawn."""
+    loader = _Loader()
+    judge = GroupJudge(None, "acc", {})
+    stream = judge.batches(prompt_batch(2), loader)
+    for _ in range(3):  # the first batch and 2 from the loader
+        next(stream)
+    judge.settle(2)  # the cut in batch 1: batch 2 goes back
+    assert loader.position == 1
+    loader, judge = _Loader(), GroupJudge(None, "acc", {})
+    next(judge.batches(prompt_batch(2), loader))
+    judge.settle(3)  # the cut in batch 2, never reached here
+    assert loader.position == 2
 
 
 def test_group_judge_without_more_prompts_names_the_fix():
@@ -237,8 +268,8 @@ def test_group_judge_without_more_prompts_names_the_fix():
 
 
 def test_stream_metrics():
-    stats = StreamStats(batches=3, started=9, finished=7, kept=4, surplus=1, aborted=2,
-                        sampled_tokens=60)  # fmt: skip
+    stats = StreamStats(batches=3, started=9, finished=7, kept=4, dropped=2, surplus=1,
+                        aborted=2, sampled_tokens=60)  # fmt: skip
     assert stream_metrics(stats, 4) == {
         "train/num_gen_batches": 3.0,
         "training/filter_groups/evicted_samples": 2.0,  # dropped by the filter
@@ -246,13 +277,3 @@ def test_stream_metrics():
         "training/filter_groups/aborted_groups": 2.0,
         "training/filter_groups/sampled_tokens_per_group": 15.0,
     }
-
-
-def test_streaming_is_refused_over_several_processes(monkeypatch):
-    cfg = load_config(None, [
-        "actor_rollout_ref.model.path=/models/m", "algorithm.filter_groups.enable=true",
-        "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.streaming=true",
-    ], num_devices=1)  # fmt: skip
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match=r"streaming runs in one process.*set it to false"):
-        StepRollout(cfg, cluster=None)
