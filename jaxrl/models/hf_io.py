@@ -195,7 +195,7 @@ def _make_array(handles, entry: Entry, shape, config: DecoderConfig, sharding) -
             out[j] = layer
         return out
 
-    return jax.make_array_from_callback(shape, sharding, shard)
+    return jax.make_array_from_callback(shape, sharding, shard, dtype=np_dtype)
 
 
 # ---------------------------------------------------------------------------------- export

@@ -100,6 +100,8 @@ class RolloutEngine(ConversationSlots):
         the scheduler's handles record. Open conversations keep their caches (computed with
         the earlier weights)."""
         self.weights.load(params, frozen_base=frozen_base, version=version)
+        if self._local is not None:  # the share's view of the copy just freed: the new one
+            self._view_weights()
 
     @property
     def params(self) -> Any:
@@ -135,8 +137,8 @@ class RolloutEngine(ConversationSlots):
             return self
         if self._local is None:
             own = local_mesh(mesh)
-            share = own.devices.shape[0] / mesh.devices.shape[0]
-            slots = None if self.max_num_seqs is None else max(int(self.max_num_seqs * share), 1)
+            share = (own.devices.shape[0], mesh.devices.shape[0])  # its rows of the mesh's
+            slots = self.max_num_seqs and max(self.max_num_seqs * share[0] // share[1], 1)
             self._local = RolloutEngine(
                 self.config,
                 Layout(own, self.layout.rules),
@@ -145,13 +147,17 @@ class RolloutEngine(ConversationSlots):
                 max_model_len=self.max_model_len,
                 tokenizer=self.tokenizer,
                 stop_check_tokens=self.stop_check_tokens,
-                decode_backend=self.decode_backend,
+                decode_backend=self.backend.name,  # the weights' form (per layer or not)
             )
-        local, params = self._local, self.weights.get()
-        if local.weights.params is None or self._viewed is not params:
-            local.weights.borrow(local_view(params, local.layout.mesh), version=self.version)
-            self._viewed = params
-        return local
+        if self._local.weights.params is None or self._viewed is not self.weights.params:
+            self._view_weights()
+        return self._local
+
+    def _view_weights(self) -> None:
+        """The share's weights: a view of the loaded copy."""
+        params, local = self.weights.get(), self._local
+        local.weights.borrow(local_view(params, local.layout.mesh), version=self.version)
+        self._viewed = params
 
     def _weights(self) -> Any:
         return self.weights.get()

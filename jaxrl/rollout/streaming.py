@@ -46,6 +46,7 @@ counts the batches up to the cut (the caller may return the rest to its loader).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 
 import jax
@@ -200,12 +201,18 @@ class _Verdicts:
         bound = self.max_groups
         if rate == 0.0:
             return bound
+        # past `end`: each judged prompt counts its verdict, each other one the rate
         count, sequence = float(self.kept_before_end), self.end
-        while count < self.target and (bound is None or sequence < bound):
-            verdict = self.keep.get(sequence)
-            count += rate if verdict is None else float(verdict)
-            sequence += 1
-        return sequence
+        for judged in sorted(s for s in self.keep if s >= self.end):
+            gap = judged - sequence  # unjudged prompts before this judged one
+            if count + gap * rate >= self.target:
+                break
+            count += gap * rate + self.keep[judged]
+            sequence = judged + 1
+            if count >= self.target:
+                return sequence if bound is None else min(sequence, bound)
+        sequence += max(math.ceil((self.target - count) / rate - 1e-9), 0)
+        return sequence if bound is None else min(sequence, bound)
 
 
 def stream_groups(
@@ -235,8 +242,9 @@ def stream_groups(
     if engine.slots < n:
         raise ValueError(
             f"streamed dynamic sampling holds a group's {n} responses in the engine's slots at "
-            f"once, and it has {engine.slots}: raise actor_rollout_ref.rollout.max_num_seqs "
-            f"to at least rollout.n={n}"
+            f"once, and it has {engine.slots} (with several processes, each process's share "
+            "of max_num_seqs): raise actor_rollout_ref.rollout.max_num_seqs to at least "
+            f"rollout.n={n} x the processes"
         )
     if target < 1:
         raise ValueError(f"stream_groups(target={target}): must be >= 1")

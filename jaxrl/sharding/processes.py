@@ -115,7 +115,9 @@ def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array
     process places only the shards of its own devices."""
     if jax.process_count() == 1:
         return jax.device_put(host, sharding)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+    )
 
 
 def to_host(tree: Any) -> Any:

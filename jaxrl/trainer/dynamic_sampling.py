@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxrl.data.batch import PromptBatch
@@ -279,6 +280,12 @@ class GroupJudge:
             return
         if drawn > batches and self._states[batches - 1] is not None:
             self._more.load_state_dict(self._states[batches - 1])
+        elif drawn > batches and jax.process_count() > 1:
+            raise ValueError(
+                "streamed dynamic sampling over several processes puts the batches drawn past "
+                "its cut back into the prompt source, which needs state_dict / "
+                "load_state_dict (the train loader's: fit passes it)"
+            )
         for _ in range(batches - drawn):
             next(self._more)
 
