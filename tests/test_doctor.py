@@ -210,7 +210,7 @@ def test_memory_estimate_follows_the_config(tmp_path):
     # step adds; in the adds of every pass and update, not of generation
     cfg, n, r = trainer.cfg, trainer.sampling.n, trainer.sampling.max_tokens
     rows, p = cfg.data.train_batch_size * n, cfg.data.max_prompt_length
-    fields = len(trainer.plan.batch_fields)
+    fields = len(trainer.plan.held_fields)
     assert sharded.batch == 4 * rows * (2 * p + 3 * r + 1 + fields * r) > 0
     assert all(sharded.adds[k] >= sharded.batch for k in sharded.programs if k != "generate")
     assert set(sharded.programs) == {

@@ -5,6 +5,7 @@ decided once, from the config and the cluster, for `step`, `compile_step` and `m
     plan.passes              # e.g. ("old_log_prob", "ref", "values"), in dispatch order
     plan.actor_fields        # what the actor update reads beyond the rows' tokens
     plan.batch_fields        # every float field of a step's batch (the worst-case batch's)
+    plan.held_fields         # those and the rest the batch holds from scoring to the updates
 
 Who needs what (each entry names the config, or the estimator's registered
 `EstimatorInputs`, that asks for it):
@@ -138,6 +139,14 @@ class StepPlan:
     def runs(self, name: str) -> bool:
         """Whether pass `name` runs."""
         return name in self.passes
+
+    @property
+    def held_fields(self) -> tuple[str, ...]:
+        """The [N, R] float fields the step's batch holds on the devices from scoring
+        through the updates: `batch_fields`, the rollout's log-probs, the scores, the
+        rewards and the returns."""
+        more = ("rollout_log_probs", "token_level_scores", "token_level_rewards", "returns")
+        return tuple(dict.fromkeys((*self.batch_fields, *more)))
 
     @property
     def batch_fields(self) -> tuple[str, ...]:

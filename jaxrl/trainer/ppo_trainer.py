@@ -627,12 +627,13 @@ class PPOTrainer:
         programs.update({f"actor {k}": v for k, v in update.items()})
         return programs
 
-    def _worst_batch(self) -> RLBatch:
-        """The largest step's batch, abstract (`worst_case_batch`), with the distillation
-        teacher's top-k when there is one."""
+    def _worst_batch(self, held: bool = False) -> RLBatch:
+        """The largest step's batch, abstract (`worst_case_batch`): the fields its passes and
+        updates take (`held`: every field it holds), with the distillation teacher's top-k
+        when there is one."""
         prompts, n = self.cfg.data.train_batch_size, self.sampling.n
         p, r, plan = self.cfg.data.max_prompt_length, self.sampling.max_tokens, self.plan
-        batch = worst_case_batch(prompts * n, p, r, plan.batch_fields)
+        batch = worst_case_batch(prompts * n, p, r, plan.held_fields if held else plan.batch_fields)
         if plan.teacher_top_k is not None:
             shape = (prompts * n, r, plan.teacher_top_k)
             batch = batch.replace(
@@ -697,7 +698,7 @@ class PPOTrainer:
         programs = self.compile_step(val_prompts)
         # The step's batch, replicated on the trainer's devices (and copied to a placed
         # role's) from scoring through the updates: not during generation.
-        fields = {k: v for k, v in vars(self._worst_batch()).items()
+        fields = {k: v for k, v in vars(self._worst_batch(held=True)).items()
                   if isinstance(v, jax.ShapeDtypeStruct)}  # fmt: skip
         layout = cluster.actor.layout
         held = fields if layout is None else placed_abstract(
