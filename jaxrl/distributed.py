@@ -37,7 +37,8 @@ process runs only) over the coordination service's key-value store:
 - an uncaught exception (`sys.excepthook`) marks the process `failed <reason>`; peers print
   "process j failed: <reason>" and exit 1. The failing process waits (at most the heartbeat
   timeout) until its peers have seen that, or until the monitor names a dead peer (a collective
-  that errors because a peer died is reported as that peer's death), then exits 1 without JAX's
+  that errors because a peer died is reported as that peer's death: after a failure a peer
+  silent for 3 intervals is named, before JAX's own abort), then exits 1 without JAX's
   shutdown barrier, which would wait for the dead or hung peers.
 - a clean exit (`atexit`, before JAX's shutdown) writes `done`; peers stop watching it.
 - losing the key-value store means process 0, which hosts the coordination service, is gone.
@@ -402,6 +403,10 @@ class _Monitor(threading.Thread):
                     f"({_first_line(e)}): process 0, which hosts it, died or is unreachable"
                 )
                 return
+            # Once this process has failed (often a collective that errored because a peer
+            # died), a peer silent for a few intervals is named: JAX's own abort must not
+            # come first.
+            silence = self.timeout_s if self.failed is None else 3 * self.interval_s
             ended = 0
             for j in self.peers:
                 value = entries.get(self._key(j))
@@ -413,9 +418,9 @@ class _Monitor(threading.Thread):
                         self._die(f"process {j} failed: {value[len('failed') :].strip()}")
                 elif value != seen[j][0]:
                     seen[j] = (value, now)
-                elif now - seen[j][1] > self.timeout_s:
+                elif now - seen[j][1] > silence:
                     self._die(
-                        f"process {j} stopped sending heartbeats {self.timeout_s:g} s ago: it "
+                        f"process {j} stopped sending heartbeats {silence:g} s ago: it "
                         "died, was killed or hangs (see its log)"
                     )
             if self.failed is not None and ended == len(self.peers):
