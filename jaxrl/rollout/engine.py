@@ -87,7 +87,6 @@ class RolloutEngine(ConversationSlots):
         self.backend = choose_backend(decode_backend, config, layout)
         self.weights = RolloutWeights(config, self.shardings, per_layer=self.backend.name == "xla")
         self._local: RolloutEngine | None = None  # this process's share (`local`)
-        self._viewed: Any = None  # the copy its weights view
         super().__init__()
 
     # ---- weights -------------------------------------------------------------------------
@@ -130,8 +129,8 @@ class RolloutEngine(ConversationSlots):
         buffers: `jaxrl.sharding.processes.local_view`), and `max_num_seqs` in proportion
         (the same slots per device). Its conversations and generation run on this process
         alone, at its own pace: each process's agent loop or streamed groups. The engine
-        itself when its mesh is this process's (one process). Kept between calls; its view
-        follows `load_weights`, and `release` ends its conversations too."""
+        itself when its mesh is this process's (one process). Kept between calls: every
+        `load_weights` views the new copy, and `release` ends its conversations too."""
         mesh = self.layout.mesh
         if not spans_processes(mesh):
             return self
@@ -149,15 +148,13 @@ class RolloutEngine(ConversationSlots):
                 stop_check_tokens=self.stop_check_tokens,
                 decode_backend=self.backend.name,  # the weights' form (per layer or not)
             )
-        if self._local.weights.params is None or self._viewed is not self.weights.params:
-            self._view_weights()
+            self._view_weights()  # `load_weights` keeps it current from now on
         return self._local
 
     def _view_weights(self) -> None:
         """The share's weights: a view of the loaded copy."""
-        params, local = self.weights.get(), self._local
-        local.weights.borrow(local_view(params, local.layout.mesh), version=self.version)
-        self._viewed = params
+        view = local_view(self.weights.get(), self._local.layout.mesh)
+        self._local.weights.borrow(view, version=self.version)
 
     def _weights(self) -> Any:
         return self.weights.get()

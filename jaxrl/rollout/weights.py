@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig
 from jaxrl.sharding.layouts import placed_abstract
-from jaxrl.sharding.reshard import free, reshard
+from jaxrl.sharding.reshard import free, reshard, same_buffers
 
 
 class RolloutWeights:
@@ -122,7 +122,7 @@ class RolloutWeights:
         )
         moved_iter = iter(moved)
         out = [
-            _rewrapped(x, s) if k else next(moved_iter)
+            same_buffers(x, s) if k else next(moved_iter)  # on the rollout mesh itself
             for x, s, k in zip(leaves, targets, kept, strict=True)
         ]
         self._aliased = {id(x) for x, k in zip(out, kept, strict=True) if k}
@@ -147,15 +147,6 @@ def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
         del stack  # the last reference: its buffer goes now
     layers = tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(n))
     return {**params, "layers": layers}
-
-
-def _rewrapped(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """`x` (in a sharding equivalent to `sharding`: the same shard on every device) as an
-    array in `sharding` itself, over the same device buffers: every leaf of the copy is on
-    the rollout mesh, as a process-local view (`RolloutEngine.local`) needs."""
-    shards = {s.device: s.data for s in x.addressable_shards}
-    devices = sharding.addressable_devices_indices_map(x.shape)
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, [shards[d] for d in devices])
 
 
 def _layer(sharding: NamedSharding) -> NamedSharding:

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxrl.sharding.reshard import same_buffers
+
 
 def _allgather(x: np.ndarray) -> np.ndarray:
     """[P, ...]: `x` (the same shape everywhere, at most 32-bit) of every process, in process
@@ -196,12 +198,7 @@ def local_view(tree: Any, mesh: jax.sharding.Mesh) -> Any:
                 f"local_view: an array in {spec} is split along `{first}`; only arrays "
                 f"replicated along it have a whole copy on each process"
             )
-        sharding = NamedSharding(mesh, spec)
-        shards = {s.device: s.data for s in x.addressable_shards}
-        devices = sharding.addressable_devices_indices_map(x.shape)
-        return jax.make_array_from_single_device_arrays(
-            x.shape, sharding, [shards[d] for d in devices]
-        )
+        return same_buffers(x, NamedSharding(mesh, spec))
 
     if not any(spans_processes(x.sharding.mesh) for x in jax.tree.leaves(tree)):
         return tree

@@ -95,6 +95,15 @@ def reshard(tree: Any, target_shardings: Any, dtype: Any = None, bucket_bytes: i
     return jax.tree.unflatten(treedef, out)
 
 
+def same_buffers(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`x` as an array in `sharding`, over `x`'s own device buffers (no copy): `sharding`
+    must put on each of its addressable devices the shard `x` has there (an equivalent
+    sharding, or one over a subset of `x`'s devices holding whole copies of it)."""
+    shards = {s.device: s.data for s in x.addressable_shards}
+    devices = sharding.addressable_devices_indices_map(x.shape)
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [shards[d] for d in devices])
+
+
 def free(tree: Any) -> None:
     """Release the device buffers of a tree (e.g. the rollout copy after generation)."""
     for x in jax.tree.leaves(tree):
