@@ -95,6 +95,42 @@ def reshard(tree: Any, target_shardings: Any, dtype: Any = None, bucket_bytes: i
     return jax.tree.unflatten(treedef, out)
 
 
+def moved(x: jax.Array, target: jax.sharding.NamedSharding) -> jax.Array:
+    """`x` in `target`, on its devices or any others, dispatched without waiting for `x`
+    (`jax.device_put` between shardings that do not match shard for shard waits for its
+    input, which would serialize a placed role's pass with the next):
+
+    - same devices: a jitted identity into `target` (XLA's collectives);
+    - other devices, laid out alike (the same mesh shape and spec, or both whole on every
+      device): a device-to-device copy, shard for shard;
+    - other devices otherwise: whole on its own devices, copied whole, then cut to `target`
+      on the target's (a whole copy lives on each group until it is cut).
+    """
+    source = x.sharding
+    if source == target:
+        return x
+    if _devices(source) == _devices(target):
+        return _relayout_fn((target,), (None,))(x)[0]
+    if _alike(source, target):
+        return jax.device_put(x, target)
+    whole = jax.sharding.NamedSharding(source.mesh, jax.sharding.PartitionSpec())
+    copied = jax.device_put(moved(x, whole), target.update(spec=jax.sharding.PartitionSpec()))
+    return moved(copied, target)
+
+
+def _alike(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:
+    """Whether a copy from `a` to `b` goes shard for shard (other devices, the same cut)."""
+    if a.is_fully_replicated and b.is_fully_replicated:
+        return True
+    named = isinstance(a, jax.sharding.NamedSharding) and isinstance(b, jax.sharding.NamedSharding)
+    return (
+        named
+        and a.mesh.axis_names == b.mesh.axis_names
+        and a.mesh.devices.shape == b.mesh.devices.shape
+        and a.spec == b.spec
+    )
+
+
 def same_buffers(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """`x` as an array in `sharding`, over `x`'s own device buffers (no copy): `sharding`
     must put on each of its addressable devices the shard `x` has there (an equivalent

@@ -81,7 +81,7 @@ def infer(
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
     over the batch's rows `row_ids` (None: all), as [N, R, ...] arrays (float32; int32 for integer
-    results) replicated in `layout` (zeros past each micro-batch's trimmed width and on the
+    results) in `layout`, rows split (zeros past each micro-batch's trimmed width and on the
     rows not asked for). A subset is padded with empty rows to a bucket size (at most N), so
     subsets of varying sizes share a handful of compiled programs."""
     n, r = batch.responses.shape

@@ -62,7 +62,7 @@ from jaxrl.trainer.advantage import (
     gdpo_components,
     kl_in_reward,
 )
-from jaxrl.trainer.batch import RLBatch, moved_to
+from jaxrl.trainer.batch import RLBatch, moved_to, rows_sharding
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.compiles import compile_totals, compiles_since
 from jaxrl.trainer.experience import Experience, ExperienceProducer, RewardFn, timer
@@ -696,13 +696,13 @@ class PPOTrainer:
             arguments[program] = resident.get("rollout")
         groups["weight sync"] = groups["actor"]
         programs = self.compile_step(val_prompts)
-        # The step's batch, replicated on the trainer's devices (and copied to a placed
-        # role's) from scoring through the updates: not during generation.
+        # The step's batch, its rows split over the trainer's data axes (and copied to a
+        # placed role's) from scoring through the updates: not during generation.
         fields = {k: v for k, v in vars(self._worst_batch(held=True)).items()
                   if isinstance(v, jax.ShapeDtypeStruct)}  # fmt: skip
         layout = cluster.actor.layout
         held = fields if layout is None else placed_abstract(
-            fields, {k: layout.replicated() for k in fields}
+            fields, {k: rows_sharding(layout, v.shape) for k, v in fields.items()}
         )  # fmt: skip
         during = tuple(name for name in programs if "generate" not in name)
         return memory_plan(

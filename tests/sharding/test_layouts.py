@@ -18,6 +18,7 @@ from jaxrl.sharding import (
     Layout,
     free,
     layouts_from_config,
+    moved,
     offload,
     reload,
     reshard,
@@ -251,6 +252,31 @@ def test_reshard_to_disjoint_devices(params):
         back,
         params,
     )
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ((0, 2, P("x")), (2, 6, P("x"))),  # other devices, another cut: whole, copied, cut
+        ((0, 4, P("x")), (4, 8, P("x"))),  # other devices, the same cut: shard for shard
+        ((0, 2, P()), (2, 6, P("x"))),  # whole on 2, split over 4 others
+        ((0, 4, P()), (0, 4, P("x"))),  # the same devices: a jitted identity
+    ],
+)
+def test_moved_reaches_any_devices_without_the_host(source, target):
+    """A batch array moved between device groups (a placed role's results) arrives in the
+    target sharding with its values, device to device."""
+    devices = jax.devices()
+
+    def sharding(start, stop, spec):
+        return jax.sharding.NamedSharding(jax.sharding.Mesh(devices[start:stop], ("x",)), spec)
+
+    value = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    x = jax.device_put(value, sharding(*source))
+    with jax.transfer_guard("disallow"):
+        out = moved(x, sharding(*target))
+    assert out.sharding == sharding(*target)
+    np.testing.assert_array_equal(np.asarray(out), value)
 
 
 def test_reshard_report_bounds_peak_by_bucket(params):
