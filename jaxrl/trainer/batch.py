@@ -109,22 +109,40 @@ class RLBatch:
 
     @classmethod
     def from_host(
-        cls, arrays: dict[str, np.ndarray], layout: Layout | None, **device: jax.Array
+        cls,
+        arrays: dict[str, np.ndarray],
+        layout: Layout | None,
+        *,
+        span: tuple[int, int] | None = None,
+        lengths: tuple[np.ndarray, np.ndarray] | None = None,
+        **device: jax.Array,
     ) -> RLBatch:
-        """A batch of host arrays (the same on every process) placed in `layout` (rows split,
-        `rows_sharding`),
-        with `device` fields already on the devices; `loss_mask` defaults to the response
-        mask, `group_ids` to one group per row."""
+        """A batch of host arrays placed in `layout` (rows split, `rows_sharding`), with
+        `device` fields already on the devices; `loss_mask` defaults to the response mask,
+        `group_ids` to one group per row.
+
+        Args:
+            arrays: The global batch's rows (the same on every process), or with `span`
+                this process's own rows.
+            layout: The devices' layout (None: one device).
+            span: (first, total): `arrays` are rows [first, first + n) of a batch of
+                `total`, and this process's devices hold exactly those rows
+                (`jaxrl.sharding.processes.holds_rows`): each process places its own.
+            lengths: With `span`: every row's (prompt, response) lengths, int [total] each.
+        """
         n = len(arrays["responses"])
+        first, total = span or (0, n)
         arrays = {"loss_mask": arrays["response_mask"], **arrays}
-        arrays.setdefault("group_ids", np.arange(n))
+        arrays.setdefault("group_ids", np.arange(first, first + n))
         arrays["group_ids"] = np.asarray(arrays["group_ids"], np.int32)
-        placed = {k: place_rows(np.asarray(v), layout) for k, v in arrays.items()}
+        placed = {k: place_rows(np.asarray(v), layout, total) for k, v in arrays.items()}
+        if lengths is None:
+            lengths = tuple(np.asarray(arrays[k]).sum(-1) for k in ("prompt_mask", "response_mask"))
         return cls(
             **placed,
             **device,
-            prompt_lengths=tuple(int(x) for x in np.asarray(arrays["prompt_mask"]).sum(-1)),
-            response_lengths=tuple(int(x) for x in np.asarray(arrays["response_mask"]).sum(-1)),
+            prompt_lengths=tuple(int(x) for x in lengths[0]),
+            response_lengths=tuple(int(x) for x in lengths[1]),
         )
 
     @property
@@ -187,11 +205,16 @@ def rows_sharding(layout: Layout, shape: tuple[int, ...]) -> jax.sharding.NamedS
     return layout.sharding(shape, ("batch",) + (None,) * (len(shape) - 1))
 
 
-def place_rows(x: np.ndarray, layout: Layout | None) -> jax.Array:
-    """A host batch array (the same on every process) on `layout`'s devices, rows split."""
+def place_rows(x: np.ndarray, layout: Layout | None, total: int | None = None) -> jax.Array:
+    """A host batch array on `layout`'s devices, rows split: `x` the whole array (the same on
+    every process), or with `total` rows this process's own rows of an array of `total`
+    (the ones its devices hold: each process places its own, nothing crosses the hosts)."""
     if layout is None:
         return jnp.asarray(x)
-    return global_array(x, rows_sharding(layout, x.shape))
+    if total is None or total == len(x):
+        return global_array(x, rows_sharding(layout, x.shape))
+    shape = (total, *x.shape[1:])
+    return jax.make_array_from_process_local_data(rows_sharding(layout, shape), x, shape)
 
 
 def _index(rows: np.ndarray, layout: Layout | None) -> jax.Array:

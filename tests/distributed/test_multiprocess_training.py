@@ -128,6 +128,7 @@ def runs(tmp_path_factory):
 def test_two_processes_train_like_one(runs):
     single, multi, logs = runs
     assert "2 processes x 4 CPU devices" in logs
+    assert "the step's batch: each process holds its own 128 of 256 rows" in logs
     want, got = _metrics(single), _metrics(multi)
     assert sorted(want) == list(range(STEPS + 1))  # step 0: validation before training
     assert sorted(got) == sorted(want)
