@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _devices(sharding) -> frozenset:
@@ -103,8 +104,11 @@ def moved(x: jax.Array, target: jax.sharding.NamedSharding) -> jax.Array:
     - same devices: a jitted identity into `target` (XLA's collectives);
     - other devices, laid out alike (the same mesh shape and spec, or both whole on every
       device): a device-to-device copy, shard for shard;
-    - other devices otherwise: whole on its own devices, copied whole, then cut to `target`
-      on the target's (a whole copy lives on each group until it is cut).
+    - other devices otherwise: whole on its own devices, copied whole (`_copy_whole`), then
+      cut to `target` on the target's (a whole copy lives on each group until it is cut).
+
+    The groups may belong to other processes (every process calls it; with
+    `jaxrl.distributed`'s cross-host transfers, the copies go device to device between them).
     """
     source = x.sharding
     if source == target:
@@ -114,8 +118,37 @@ def moved(x: jax.Array, target: jax.sharding.NamedSharding) -> jax.Array:
     if _alike(source, target):
         return jax.device_put(x, target)
     whole = jax.sharding.NamedSharding(source.mesh, jax.sharding.PartitionSpec())
-    copied = jax.device_put(moved(x, whole), target.update(spec=jax.sharding.PartitionSpec()))
+    copied = _copy_whole(moved(x, whole), target.update(spec=jax.sharding.PartitionSpec()))
     return moved(copied, target)
+
+
+def _copy_whole(x: jax.Array, target: jax.sharding.NamedSharding) -> jax.Array:
+    """`x`, whole on each of its devices, whole on each of `target`'s (other devices; a copy
+    goes between device lists of one size): the target's devices in turns of at most as
+    many as `x` has, each turn a copy from as many of `x`'s devices."""
+    mine = {s.device: s.data for s in x.addressable_shards}
+    sources = list(x.sharding.mesh.devices.flat)
+    targets = list(target.mesh.devices.flat)
+    pieces = []
+    for start in range(0, len(targets), len(sources)):
+        turn = targets[start : start + len(sources)]
+        buffers = [mine.get(d) for d in sources[: len(turn)]]
+        here = _whole_on(x.shape, x.dtype, sources[: len(turn)], buffers)
+        copy = jax.device_put(here, _whole_sharding(turn))
+        pieces += [s.data for s in copy.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces, dtype=x.dtype)
+
+
+def _whole_sharding(devices: list) -> jax.sharding.NamedSharding:
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("copy",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _whole_on(shape: tuple[int, ...], dtype, devices: list, buffers: list) -> jax.Array:
+    """An array whole on `devices`, over their `buffers` (None on other processes' devices)."""
+    local = [b for b in buffers if b is not None]
+    sharding = _whole_sharding(devices)
+    return jax.make_array_from_single_device_arrays(shape, sharding, local, dtype=dtype)
 
 
 def _alike(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:

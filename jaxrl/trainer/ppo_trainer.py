@@ -67,7 +67,7 @@ from jaxrl.trainer.advantage import (
     gdpo_components,
     kl_in_reward,
 )
-from jaxrl.trainer.batch import RLBatch, moved_to, rows_sharding
+from jaxrl.trainer.batch import RLBatch, moved_to, place_rows, rows_sharding
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.compiles import compile_totals, compiles_since
 from jaxrl.trainer.experience import Experience, ExperienceProducer, RewardFn, timer
@@ -498,7 +498,8 @@ class PPOTrainer:
             batch, corr_metrics = self._rollout_correction(batch)
             scalars.update(corr_metrics)
         inputs = {k: v for k, v in batch.present().items() if k in ADVANTAGE_INPUTS}
-        components = gdpo_components(self.cfg.algorithm, extra)
+        components = gdpo_components(self.cfg.algorithm, extra)  # every row's, on each host
+        components = {k: place_rows(v, self.cluster.actor.layout) for k, v in components.items()}
         adv, ret = self._advantage(inputs, components)
         return batch.replace(advantages=adv, returns=ret), beta, scalars
 

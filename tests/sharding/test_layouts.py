@@ -260,6 +260,8 @@ def test_reshard_to_disjoint_devices(params):
         ((0, 2, P("x")), (2, 6, P("x"))),  # other devices, another cut: whole, copied, cut
         ((0, 4, P("x")), (4, 8, P("x"))),  # other devices, the same cut: shard for shard
         ((0, 2, P()), (2, 6, P("x"))),  # whole on 2, split over 4 others
+        ((0, 4, P("x")), (4, 6, P("x"))),  # 4 to 2: the whole copy from 2 of the 4
+        ((0, 3, P()), (3, 8, P())),  # 3 to 5: whole copies in two turns (3, then 2)
         ((0, 4, P()), (0, 4, P("x"))),  # the same devices: a jitted identity
     ],
 )
@@ -271,7 +273,7 @@ def test_moved_reaches_any_devices_without_the_host(source, target):
     def sharding(start, stop, spec):
         return jax.sharding.NamedSharding(jax.sharding.Mesh(devices[start:stop], ("x",)), spec)
 
-    value = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    value = np.arange(60 * 3, dtype=np.float32).reshape(60, 3)  # 60 rows: split 2, 3, 4, 5
     x = jax.device_put(value, sharding(*source))
     with jax.transfer_guard("disallow"):
         out = moved(x, sharding(*target))
