@@ -290,14 +290,20 @@ def scatter(
     micro-batch's [m, r, ...] result at its rows and first r columns (zeros elsewhere):
     float32, or int32 for integer results (token ids)."""
     first = parts[0]
-    integer = jnp.issubdtype(first.dtype, jnp.integer)
-    out = jnp.zeros((rows, width, *first.shape[2:]), jnp.int32 if integer else jnp.float32)
-    if layout is not None:
-        out = jax.device_put(out, rows_sharding(layout, out.shape))
+    dtype = jnp.int32 if jnp.issubdtype(first.dtype, jnp.integer) else jnp.float32
+    shape = (rows, width, *first.shape[2:])
+    sharding = None if layout is None else rows_sharding(layout, shape)
+    out = _zeros(shape, dtype, sharding)  # made on the devices (no host array to agree on)
     for part, mb in zip(parts, plans, strict=True):
         idx = np.where(mb.row_ids >= 0, mb.row_ids, rows).astype(np.int32)  # row N: dropped
         out = _scatter(out, part, _index(idx, layout))
     return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    out = jnp.zeros(shape, dtype)
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -329,6 +329,25 @@ def test_layouts_from_config():
     assert param_shardings(CONFIG, train)["embed"]["tokens_vd"].spec == P(None, "fsdp")
 
 
+def test_several_processes_give_every_role_a_share_of_their_devices():
+    """With 2 processes of 4 devices the trainer takes the first 2 of each and each placed
+    role its slice of each; one process keeps the ranges; a count that does not divide by
+    the processes is an error naming its key."""
+    from types import SimpleNamespace
+
+    from jaxrl.sharding.layouts import _group_devices
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    groups = {"train": range(4), "rollout": range(4, 6), "critic": range(6, 8)}
+    on = _group_devices(groups, devices)
+    assert {k: [d.id for d in v] for k, v in on.items()} == {
+        "train": [0, 1, 4, 5], "rollout": [2, 6], "critic": [3, 7]}  # fmt: skip
+    alone = _group_devices(groups, [SimpleNamespace(id=i, process_index=0) for i in range(8)])
+    assert [d.id for d in alone["critic"]] == [6, 7]
+    with pytest.raises(ValueError, match=r"mesh.placement.critic.devices \(1\) a multiple of 2"):
+        _group_devices({"train": range(7), "critic": range(7, 8)}, devices)
+
+
 def test_shard_is_a_no_op_without_layout():
     from jaxrl.sharding import shard
 
