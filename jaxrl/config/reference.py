@@ -76,7 +76,8 @@ def _rows(cls: type, prefix: str, out: list[str], label: str = "") -> None:
     hints, docs = typing.get_type_hints(cls), attribute_docs(cls)
     groups = []
     out.append(f"\n## `{prefix.rstrip('.')}`{label}\n")
-    out.append(inspect.cleandoc(cls.__doc__ or "").split("\n")[0] + "\n")
+    summary = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0]  # the first paragraph
+    out.append(" ".join(summary.split()) + "\n")
     out.append("| key | type | default | description |")
     out.append("|---|---|---|---|")
     for f in dataclasses.fields(cls):
