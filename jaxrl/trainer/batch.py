@@ -300,10 +300,13 @@ def scatter(
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _zeros(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
-    out = jnp.zeros(shape, dtype)
-    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+    return _zeros_program(shape, dtype, sharding)()
+
+
+@functools.cache
+def _zeros_program(shape: tuple[int, ...], dtype, sharding):
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
