@@ -217,11 +217,12 @@ def place_rows(x: np.ndarray, layout: Layout | None, total: int | None = None) -
     return jax.make_array_from_process_local_data(rows_sharding(layout, shape), x, shape)
 
 
-def _index(rows: np.ndarray, layout: Layout | None) -> jax.Array:
-    """Row indices (host int, the same on every process), whole on every device of `layout`."""
+def whole(x: np.ndarray, layout: Layout | None) -> jax.Array:
+    """A small host array (row indices; the same on every process), whole on every device of
+    `layout`."""
     if layout is None:
-        return jnp.asarray(rows)
-    return global_array(rows, layout.replicated())
+        return jnp.asarray(x)
+    return global_array(x, layout.replicated())
 
 
 def moved_to(tree: Any, layout: Layout | None) -> Any:
@@ -242,7 +243,7 @@ def take(
     and [N, R] arrays to their first `response_len`, rows -1 all zeros; split over the
     layout's batch axes. One jitted gather on the devices, no host copy."""
     rows = np.asarray(mb.row_ids, np.int32)
-    return _take(arrays, _index(rows, layout), mb.prompt_len, mb.response_len, layout)
+    return _take(arrays, whole(rows, layout), mb.prompt_len, mb.response_len, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -296,7 +297,7 @@ def scatter(
     out = _zeros(shape, dtype, sharding)  # made on the devices (no host array to agree on)
     for part, mb in zip(parts, plans, strict=True):
         idx = np.where(mb.row_ids >= 0, mb.row_ids, rows).astype(np.int32)  # row N: dropped
-        out = _scatter(out, part, _index(idx, layout))
+        out = _scatter(out, part, whole(idx, layout))
     return out
 
 
