@@ -15,21 +15,13 @@ configuration (docs/testing.md) is `XLA_FLAGS="--xla_backend_optimization_level=
 Subprocesses get the session's flags with their own device count and the session's
 compilation cache (`JAX_COMPILATION_CACHE_DIR`): a program that the session or another
 subprocess compiled already is read back instead of compiled again.
-
-XLA:CPU's collective rendezvous may wait 300 s instead of 40 before it aborts (below).
 """
 
 from __future__ import annotations
 
 import os
 
-# The second flag: XLA:CPU aborts the process when a collective's device threads have not all
-# reached it within 40 s (its default). The suite's 2 workers and their multi-process
-# subprocesses run many 8-device programs on 2 cores, so a participant can be descheduled
-# that long (CI, stop 55: one abort inside an update); 300 s still ends a real deadlock.
-DEFAULT_XLA_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_cpu_collective_call_terminate_timeout_seconds=300"
-)
+DEFAULT_XLA_FLAGS = "--xla_backend_optimization_level=0"
 # The variable holding the session's flags without a device count (set by tests/conftest.py).
 SESSION_FLAGS = "JAXRL_TEST_XLA_FLAGS"
 # `Lowered.compile(OPTIMIZED)`: LLVM's usual level for a program whose execution dominates.

@@ -237,9 +237,10 @@ class Learner:
         shuffle: bool = False,
         seed: int = 0,
     ) -> dict[str, jax.stages.Compiled]:
-        """The programs `update` (same arguments; `shuffle` and `seed` change no shape) runs for `batch`'s first mini-batch, compiled but not run: "micro-batch"
-        (gradients of its widest micro-batch) and "optimizer" (clip and apply), for their
-        memory analysis. The state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
+        """The programs `update` (same arguments; `shuffle` and `seed` change no shape) runs
+        for `batch`'s first mini-batch, compiled but not run: "micro-batch" (gradients of its
+        widest micro-batch) and "optimizer" (clip and apply), for their memory analysis. The
+        state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
         arrays = batch.fields((*batch.forward_fields(), *fields))
         mini_batches = _mini_batches(batch.num_rows, mini_batch_rows, epochs, shuffle, seed)
         rows = mini_batches[0]
