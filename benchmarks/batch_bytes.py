@@ -1,4 +1,4 @@
-"""Issue 41, item 4's baseline: where the step's batch lives, W3 on 8 fake CPU devices.
+"""Issue 41, item 4: where the step's batch lives, W3 on 8 fake CPU devices, before and after.
 
     python benchmarks/batch_bytes.py [--size M] [--processes 2]
 
@@ -6,15 +6,16 @@ W3's step (32 prompts x 64 tokens, n = 4, 128 response tokens; WORKLOADS.md) of 
 built as an abstract cluster over 8 fake CPU devices (`mesh.fsdp=8`; nothing allocated, only
 config.json read). Figures, bytes:
 
-- `batch_bytes_per_device`: the step's `RLBatch` on one device, as the memory plan counts it
-  (`PPOTrainer.memory_plan().batch`: replicated, so every device holds all of it);
-- `batch_bytes_if_sharded`: the same over the data axes (dp x fsdp = 8), what item 4 is to
-  reach;
-- `host_bytes_per_process_per_step` for `--processes` P, from the shapes (not timed): what
-  crosses a process's host in a step today: the rows every other process gathers to it
-  (`gather_processes`: the generated and scored rows, (P - 1) / P of them), and the batch's
-  read-back at the step's end (every field but the teacher's top-k, all rows, on every
-  process).
+- `batch_bytes_per_device`: the step's `RLBatch` on one device as the memory plan counts it
+  (`PPOTrainer.memory_plan().batch`: its rows split over dp x fsdp = 8), and `before`: the
+  same replicated (every device held all of it);
+- `host_bytes_per_process_per_step` for `--processes` P, from the shapes (not timed), what
+  crosses a process's host in a step around the batch (generation's outputs aside):
+  - after: the other processes' row index (prompt and response lengths, int32, which plan
+    the micro-batches), its own rows read back from its devices, and the other processes'
+    row summaries for the metrics (`row_summaries`: float64 per row);
+  - before: the rows every other process gathered to it (`gather_processes`: the generated
+    and scored rows, (P - 1) / P of them), and the whole batch's read-back on every process.
 
 JSON on the last line.
 """
@@ -33,6 +34,7 @@ from grpo_step import NEW, PROMPT_LEN, PROMPTS, N
 
 def figures(size: str, processes: int) -> dict:
     from jaxrl.config import load_config
+    from jaxrl.trainer.metrics import row_summaries
     from jaxrl.trainer.ppo_trainer import PPOTrainer
 
     with tempfile.TemporaryDirectory() as folder:
@@ -54,20 +56,38 @@ def figures(size: str, processes: int) -> dict:
         plan = trainer.memory_plan()
         fields = trainer.plan.held_fields
     rows = PROMPTS * N
+    others = rows * (processes - 1) // processes
     # the gathered rows: prompts and mask [N, P], responses and mask [N, R], group ids [N],
     # token scores and the rollout's log-probs float32 [N, R] (all 4-byte)
     gathered = 4 * rows * (2 * PROMPT_LEN + 4 * NEW + 1)
+    summaries = len(row_summaries(_one_row(), use_critic=False))  # GRPO: no critic
     return {
         "rows": rows,
         "batch_fields": list(fields),
-        "batch_bytes_per_device": plan.batch,
-        "batch_bytes_if_sharded": plan.batch // 8,
+        "batch_bytes_per_device": {"after": plan.batch, "before": plan.batch * 8},
         "processes": processes,
         "host_bytes_per_process_per_step": {
-            "gathered_from_others": gathered * (processes - 1) // processes,
-            "batch_read_back": plan.batch,  # W3 has no teacher top-k (kept on the devices)
+            "after": {
+                "row_index_from_others": 2 * 4 * others,
+                "own_rows_read_back": plan.batch * 8 // processes,
+                "row_summaries_from_others": summaries * 8 * others,
+            },
+            "before": {
+                "gathered_from_others": gathered * (processes - 1) // processes,
+                "batch_read_back": plan.batch * 8,  # no teacher top-k (kept on the devices)
+            },
         },
     }
+
+
+def _one_row() -> dict:
+    """A one-row host batch with every field `row_summaries` reads."""
+    import numpy as np
+
+    one = np.ones((1, 2), np.float32)
+    names = ("prompt_mask", "response_mask", "token_level_scores", "token_level_rewards",
+             "advantages", "returns", "values")  # fmt: skip
+    return dict.fromkeys(names, one)
 
 
 def main() -> None:

@@ -14,6 +14,10 @@ Where the processes come from (the first that applies):
    `jax[k8s]`). A detected cluster of one process is treated as no cluster.
 3. Nothing: a single process; `initialize` does nothing and never touches the devices.
 
+Device-to-device copies between processes (a role on other processes' devices) go over a socket
+JAX serves at `JAXRL_TRANSFER_ADDRESS` (host, or host:port; default: this host's address
+towards the coordinator, a free port).
+
 Timeouts (seconds, from the arguments or the environment):
 
 - `JAXRL_INIT_TIMEOUT` (default 300): how long a process waits for all peers to join. Past it the
@@ -67,6 +71,7 @@ ENV_NUM_PROCESSES = "JAXRL_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXRL_PROCESS_ID"
 ENV_INIT_TIMEOUT = "JAXRL_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "JAXRL_HEARTBEAT_TIMEOUT"
+ENV_TRANSFER_ADDRESS = "JAXRL_TRANSFER_ADDRESS"
 EXPLICIT = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 DEFAULT_INIT_TIMEOUT_S = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
@@ -267,6 +272,8 @@ def initialize(
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in environ:
         # Cross-process collectives on CPU devices (the default in 0.10.2; explicit here).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if spec.num_processes > 1:
+        _enable_transfers(spec, environ)
     prefix = _prefix(spec.process_id, spec.num_processes)
     _say(
         f"{prefix}joining {spec.num_processes} processes at coordinator {spec.coordinator} "
@@ -294,6 +301,40 @@ def initialize(
         _monitor = _Monitor(_info, heartbeat_timeout_s)
         _monitor.start()
     return _info
+
+
+def _enable_transfers(spec: _Spec, environ: Mapping[str, str]) -> None:
+    """Device-to-device copies between processes (`jax.device_put` from one process's devices
+    to another's: a role on other processes' devices, `jaxrl.sharding.reshard.moved`): JAX
+    serves them from a socket at `JAXRL_TRANSFER_ADDRESS` (host, or host:port), default this
+    host's address towards the coordinator and a free port. A JAX without the option (its
+    own transport) is left as it is."""
+    address = environ.get(ENV_TRANSFER_ADDRESS) or _facing(spec.coordinator)
+    if ":" not in address.rsplit("]", 1)[-1]:
+        address = f"{address}:{_free_port(address)}"
+    import jax
+
+    try:
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
+    except AttributeError:
+        log.info("this JAX has no jax_cross_host_transfer_socket_address; not set")
+
+
+def _facing(coordinator: str) -> str:
+    """This host's address on the route to the coordinator (127.0.0.1 for a local one)."""
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: it only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def _join_timed_out(spec: _Spec, timeout_s: float) -> None:

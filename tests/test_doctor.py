@@ -205,13 +205,14 @@ def test_memory_estimate_follows_the_config(tmp_path):
     trainer, sharded = plan("mesh.fsdp=8", f"{micro}=2")
     loaded_trainer, loaded = plan("mesh.fsdp=8", f"{micro}=2", abstract=False)
     assert sharded == loaded
-    # the step's batch, replicated on every device: prompts and their mask [N, P], responses,
-    # response and loss masks [N, R], group ids [N], and a float32 [N, R] per field the
-    # step adds; in the adds of every pass and update, not of generation
+    # the step's batch, its rows split over the 8 devices (fsdp): prompts and their mask
+    # [N, P], responses, response and loss masks [N, R], group ids [N], and a float32 [N, R]
+    # per field the step adds; in the adds of every pass and update, not of generation
     cfg, n, r = trainer.cfg, trainer.sampling.n, trainer.sampling.max_tokens
     rows, p = cfg.data.train_batch_size * n, cfg.data.max_prompt_length
     fields = len(trainer.plan.held_fields)
-    assert sharded.batch == 4 * rows * (2 * p + 3 * r + 1 + fields * r) > 0
+    assert rows % 8 == 0
+    assert sharded.batch == 4 * rows // 8 * (2 * p + 3 * r + 1 + fields * r) > 0
     values = sharded.programs["critic values"]  # its argument: the critic's parameters
     critic = bytes_per_device(trainer.cluster.critic.params)
     assert sharded.adds["critic values"] == values.beyond(critic) + sharded.batch

@@ -879,7 +879,9 @@ class PlacementConfig:
     pools). The placed roles take their devices from the end of the device list in the order
     rollout, ref, critic, reward, teacher; the actor (and every colocated role) trains on the rest
     with the mesh `mesh.dp/fsdp/tp/sp`. Weights move between groups with the jitted
-    reshard; each role's passes take the batch in their own layout.
+    reshard; each role's passes take the batch in their own layout. With several processes
+    each group takes the same share of every process's devices (the counts must divide by
+    the processes).
 
     Attributes:
         rollout: Generation on its own devices (the actor's weights are copied there each step

@@ -73,9 +73,18 @@ def global_batch_info(
     loss_mask: Float[Array, "b r"], loss_scale_factor: float | None = None
 ) -> dict[str, Array | float | None]:
     """The global counts of a whole mini-batch, for `agg_loss(**info)` on its micro-batches."""
+    rows = jnp.sum(jnp.sum(loss_mask, axis=-1) > 0)
+    return batch_info(jnp.sum(loss_mask), rows, loss_scale_factor)
+
+
+def batch_info(
+    num_tokens: Array, num_rows: Array, loss_scale_factor: float | None = None
+) -> dict[str, Array | float | None]:
+    """`global_batch_info` from a mini-batch's counts: its tokens (the loss mask's sum) and
+    its rows with at least one of them."""
     return {
         "dp_size": 1,
-        "batch_num_tokens": jnp.sum(loss_mask),
-        "global_batch_size": jnp.sum(jnp.sum(loss_mask, axis=-1) > 0),
+        "batch_num_tokens": num_tokens,
+        "global_batch_size": num_rows,
         "loss_scale_factor": loss_scale_factor,
     }

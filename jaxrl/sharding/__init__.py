@@ -13,7 +13,7 @@ from jaxrl.sharding.layouts import (
 from jaxrl.sharding.logical import Rules, partition_spec, sharding_for, tree_shardings
 from jaxrl.sharding.mesh import make_mesh
 from jaxrl.sharding.offload import offload, reload, supports_host_offload
-from jaxrl.sharding.reshard import free, reshard, reshard_report
+from jaxrl.sharding.reshard import free, moved, reshard, reshard_report
 
 __all__ = [
     "AXES",
@@ -25,6 +25,7 @@ __all__ = [
     "free",
     "layouts_from_config",
     "make_mesh",
+    "moved",
     "offload",
     "partition_spec",
     "reload",

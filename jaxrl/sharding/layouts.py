@@ -115,8 +115,7 @@ def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, 
     devices), and each other placed role (`ref`, `critic`, `reward`, `teacher`: a mesh of its
     `mesh.placement.<role>` sizes with the train rules)."""
     devices = list(jax.devices() if devices is None else devices)
-    groups = role_devices(cfg, len(devices))
-    on = {role: [devices[i] for i in group] for role, group in groups.items()}
+    on = _group_devices(role_devices(cfg, len(devices)), devices)
     train_rules = cfg.mesh.train_rules or TRAIN_RULES
     sizes = {a: getattr(cfg.mesh, a) for a in AXES}
     layouts = {"train": Layout.create(make_mesh(sizes, on["train"]), train_rules)}
@@ -130,6 +129,32 @@ def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, 
             sizes = {a: getattr(group, a) for a in AXES}
             layouts[role] = Layout.create(make_mesh(sizes, on[role]), train_rules)
     return layouts
+
+
+def _group_devices(groups: Mapping[str, range], devices: list) -> dict[str, list]:
+    """Each group's devices. One process: the ranges of `devices` as they are. Several: each
+    group takes the same share of every process's devices (the trainer the first of each
+    process's, then each placed role its slice), so every process holds part of every role,
+    as one process would hold all of them.
+
+    Raises:
+        ValueError: for a group whose device count does not divide by the processes.
+    """
+    owners = sorted({d.process_index for d in devices})
+    if len(owners) == 1:
+        return {role: [devices[i] for i in group] for role, group in groups.items()}
+    local = {p: [d for d in devices if d.process_index == p] for p in owners}
+    out = {}
+    for role, group in sorted(groups.items(), key=lambda kv: kv[0] == "train"):  # train last
+        if len(group) % len(owners) or group.start % len(owners):
+            raise ValueError(
+                f"with {len(owners)} processes every placed role takes the same number of each "
+                f"process's devices: make mesh.placement.{role}.devices ({len(group)}) a "
+                f"multiple of {len(owners)}"
+            )
+        first, share = group.start // len(owners), len(group) // len(owners)
+        out[role] = [d for p in owners for d in local[p][first : first + share]]
+    return out
 
 
 def layouts_from_config(cfg, devices: Sequence[jax.Device] | None = None) -> tuple[Layout, Layout]:

@@ -6,6 +6,8 @@
     x = global_array(batch_np, sharding)               # the same host rows on every process
     host = to_host(tree_of_global_arrays)              # numpy, whatever the sharding
     start, stop = process_rows(sharding, shape)        # rows whose data this process holds
+    if holds_rows(sharding, shape, first, first + n):  # each process's own rows on its devices
+        own = read_rows(tree_of_global_arrays, first, first + n)  # from its shards alone
     mesh = local_mesh(rollout_mesh)                    # this process's rows of a (dp, ...) mesh
     local = local_view(params, mesh)                   # its shards of them, no copy
 
@@ -216,3 +218,45 @@ def process_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple
         starts.append(start)
         stops.append(stop)
     return min(starts), max(stops)
+
+
+def holds_rows(
+    sharding: jax.sharding.Sharding, shape: Sequence[int], start: int, stop: int
+) -> bool:
+    """Whether, on every process, the devices of `sharding` hold exactly that process's rows
+    [start, stop) of a `shape` array (each passes its own): then each process can place and
+    read its rows alone. A collective (one small all-gather) when there are several."""
+    mine = process_rows(sharding, shape) == (start, stop)
+    return all(allgather_objects(mine))
+
+
+def read_rows(tree: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of each array of `tree` as numpy, read from this process's own
+    shards (no collective; one device read per shard).
+
+    Raises:
+        ValueError: when this process's shards of an array do not cover those rows.
+    """
+
+    def read(x: jax.Array) -> np.ndarray:
+        out = np.zeros((stop - start, *x.shape[1:]), x.dtype)
+        covered = np.zeros(stop - start, bool)
+        distinct = {}  # one of the copies of each block (replicas over the other axes)
+        for shard in x.addressable_shards:
+            lo, hi, _ = shard.index[0].indices(x.shape[0])
+            if max(lo, start) < min(hi, stop):
+                distinct.setdefault(tuple((i.start, i.stop) for i in shard.index), shard)
+        shards = list(distinct.values())
+        for shard, data in zip(shards, jax.device_get([s.data for s in shards]), strict=True):
+            lo, hi, _ = shard.index[0].indices(x.shape[0])
+            a, b = max(lo, start), min(hi, stop)
+            out[(slice(a - start, b - start), *shard.index[1:])] = data[a - lo : b - lo]
+            covered[a - start : b - start] = True
+        if not covered.all():
+            raise ValueError(
+                f"read_rows: this process's shards of a {x.shape} array do not hold rows "
+                f"[{start}, {stop}) (it holds {process_rows(x.sharding, x.shape)})"
+            )
+        return out
+
+    return jax.tree.map(read, tree)

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _devices(sharding) -> frozenset:
@@ -89,10 +90,105 @@ def reshard(tree: Any, target_shardings: Any, dtype: Any = None, bucket_bytes: i
         else:  # disaggregated: cast where the data is, then copy device to device
             sources = tuple(x.sharding for x in xs)
             cast = _relayout_fn(sources, dtypes)(*xs)
-            results = [jax.device_put(c, s) for c, s in zip(cast, shardings, strict=True)]
+            results = [_copy(c, s) for c, s in zip(cast, shardings, strict=True)]
         for i, r in zip(group, results, strict=True):
             out[i] = r
     return jax.tree.unflatten(treedef, out)
+
+
+def _copy(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+    """`x` copied onto other devices in `target`: `jax.device_put` within one process (it
+    reshards as it copies), `moved` between processes (where it cannot)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, target)
+    return moved(x, target)
+
+
+def moved(x: jax.Array, target: jax.sharding.NamedSharding) -> jax.Array:
+    """`x` in `target`, on its devices or any others, dispatched without waiting for `x`
+    (`jax.device_put` between shardings that do not match shard for shard waits for its
+    input, which would serialize a placed role's pass with the next):
+
+    - same devices: a jitted identity into `target` (XLA's collectives);
+    - other devices, cut alike (the same mesh shape and spec): each target device gets the
+      shard of the source device at its place;
+    - other devices otherwise: whole on its own devices, each target device gets a whole
+      copy, then it is cut to `target` on the target's devices (a whole copy lives on each
+      group until it is cut).
+
+    The groups may span processes (every process calls it). A copy between two devices of
+    one process is a local one; between processes it is JAX's cross-host transfer (over the
+    socket `jaxrl.distributed` opens), which takes a single device at each end.
+    """
+    source = x.sharding
+    if source == target:
+        return x
+    if _devices(source) == _devices(target):
+        return _relayout_fn((target,), (None,))(x)[0]
+    whole_to_whole = source.is_fully_replicated and target.is_fully_replicated
+    if jax.process_count() == 1 and (_alike(source, target) or whole_to_whole):
+        return jax.device_put(x, target)  # one process: a copy that does not wait
+    if _alike(source, target) and not source.is_fully_replicated:
+        at = list(source.mesh.devices.flat)
+        return _device_copies(x, target, lambda i, device: at[i])
+    whole = jax.sharding.NamedSharding(source.mesh, jax.sharding.PartitionSpec())
+    x = moved(x, whole)
+    copied = _device_copies(x, target.update(spec=jax.sharding.PartitionSpec()), _nearest(x))
+    return moved(copied, target)
+
+
+def _nearest(x: jax.Array):
+    """For a whole copy: the source device for the i-th target device, one of its own
+    process's where there is one (a local copy), else another process's."""
+    sources = list(x.sharding.mesh.devices.flat)
+
+    def pick(i: int, device) -> Any:
+        near = [d for d in sources if d.process_index == device.process_index]
+        return (near or sources)[i % len(near or sources)]
+
+    return pick
+
+
+def _device_copies(x: jax.Array, target: jax.sharding.NamedSharding, source_of) -> jax.Array:
+    """`x` in `target`, each target device's shard copied from the shard `x` holds on
+    `source_of(i, device)` (the same block). Every process makes the copies its devices
+    take part in, and every cross-process one."""
+    mine = {s.device: s.data for s in x.addressable_shards}
+    shape, me = target.shard_shape(x.shape), jax.process_index()
+    pieces = []
+    for i, device in enumerate(target.mesh.devices.flat):
+        source = source_of(i, device)
+        if source.process_index == device.process_index:  # a local copy on that process
+            if device.process_index == me:
+                pieces.append(jax.device_put(mine[source], device))
+            continue
+        local = [mine[source]] if source in mine else []
+        one = jax.make_array_from_single_device_arrays(
+            shape, _whole_sharding([source]), local, dtype=x.dtype
+        )
+        copy = jax.device_put(one, _whole_sharding([device]))
+        if device.process_index == me:
+            pieces.append(copy.addressable_data(0))
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces, dtype=x.dtype)
+
+
+def _alike(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:
+    """Whether `a` and `b` cut an array alike on their devices (the same mesh shape and
+    spec, or both whole on every device of equally many)."""
+    if a.is_fully_replicated and b.is_fully_replicated:
+        return len(a.device_set) == len(b.device_set)
+    named = isinstance(a, jax.sharding.NamedSharding) and isinstance(b, jax.sharding.NamedSharding)
+    return (
+        named
+        and a.mesh.axis_names == b.mesh.axis_names
+        and a.mesh.devices.shape == b.mesh.devices.shape
+        and a.spec == b.spec
+    )
+
+
+def _whole_sharding(devices: list) -> jax.sharding.NamedSharding:
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("copy",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def same_buffers(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:

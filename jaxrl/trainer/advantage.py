@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from jaxrl.core_algos import (
@@ -113,10 +113,10 @@ def compute_advantage(
     return adv.astype(jnp.float32), ret.astype(jnp.float32)
 
 
-def gdpo_components(algorithm: Any, extra: Mapping[str, list]) -> dict[str, jax.Array]:
+def gdpo_components(algorithm: Any, extra: Mapping[str, list]) -> dict[str, np.ndarray]:
     """The scorer's reward components gdpo normalises (`gdpo_reward_keys`, default: all it
-    returned), as float32 arrays; estimators that do not read `reward_components` take
-    none."""
+    returned), as float32 host arrays [N] (the trainer places them with the batch's rows);
+    estimators that do not read `reward_components` take none."""
     if not estimator_inputs(algorithm.adv_estimator).reward_components:
         return {}
     keys = list(getattr(algorithm, "gdpo_reward_keys", None) or extra)
@@ -126,4 +126,4 @@ def gdpo_components(algorithm: Any, extra: Mapping[str, list]) -> dict[str, jax.
             f"gdpo needs the reward components {missing} from the scorer's extra info (it "
             f"returned {sorted(extra)}); return them from compute_score"
         )
-    return {k: jnp.asarray(extra[k], jnp.float32) for k in keys}
+    return {k: np.asarray(extra[k], np.float32) for k in keys}

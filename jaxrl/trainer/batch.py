@@ -4,9 +4,13 @@
     batch = batch.replace(old_log_probs=...)         # each pass fills its field
     mb = take(batch.fields(names), micro_batch, layout)   # a micro-batch, on the devices
 
-One row per response (prompts repeated `n` times, interleaved). Every array is replicated over
-the devices of the layout it lives in (the trainer's: each pass slices its micro-batches out of
-it with no communication; a role on other devices gets a device-to-device copy, `moved_to`).
+One row per response (prompts repeated `n` times, interleaved). Every array's rows are split
+over the data axes of the layout it lives in (`rows_sharding`: the `batch` rule, `dp` x `fsdp`
+for the trainer; replicated over `tp` and `sp`, and where the rows do not divide), so each
+device holds N / (dp x fsdp) rows of every field. A pass gathers its micro-batches' rows
+out of it under `jit` (each device its rows' part, summed over the data axes: a micro-batch's
+bytes cross the devices, never the whole batch); a role on other devices gets a
+device-to-device copy in its own layout (`moved_to`).
 A field that no pass has filled yet is None, never absent. The rows' real prompt and response
 lengths ride along on the host (`prompt_lengths`, `response_lengths`, from the masks the reward
 read back): the micro-batch planner's only input.
@@ -31,6 +35,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl.sharding.layouts import Layout
 from jaxrl.sharding.processes import global_array
+from jaxrl.sharding.reshard import moved
 from jaxrl.trainer.microbatch import MicroBatch
 
 PROMPT_FIELDS = ("prompts", "prompt_mask", "prompt_segment_ids")
@@ -104,21 +109,40 @@ class RLBatch:
 
     @classmethod
     def from_host(
-        cls, arrays: dict[str, np.ndarray], layout: Layout | None, **device: jax.Array
+        cls,
+        arrays: dict[str, np.ndarray],
+        layout: Layout | None,
+        *,
+        span: tuple[int, int] | None = None,
+        lengths: tuple[np.ndarray, np.ndarray] | None = None,
+        **device: jax.Array,
     ) -> RLBatch:
-        """A batch of host arrays (the same on every process) placed replicated in `layout`,
-        with `device` fields already on the devices; `loss_mask` defaults to the response
-        mask, `group_ids` to one group per row."""
+        """A batch of host arrays placed in `layout` (rows split, `rows_sharding`), with
+        `device` fields already on the devices; `loss_mask` defaults to the response mask,
+        `group_ids` to one group per row.
+
+        Args:
+            arrays: The global batch's rows (the same on every process), or with `span`
+                this process's own rows.
+            layout: The devices' layout (None: one device).
+            span: (first, total): `arrays` are rows [first, first + n) of a batch of
+                `total`, and this process's devices hold exactly those rows
+                (`jaxrl.sharding.processes.holds_rows`): each process places its own.
+            lengths: With `span`: every row's (prompt, response) lengths, int [total] each.
+        """
         n = len(arrays["responses"])
+        first, total = span or (0, n)
         arrays = {"loss_mask": arrays["response_mask"], **arrays}
-        arrays.setdefault("group_ids", np.arange(n))
+        arrays.setdefault("group_ids", np.arange(first, first + n))
         arrays["group_ids"] = np.asarray(arrays["group_ids"], np.int32)
-        placed = {k: _place(np.asarray(v), layout) for k, v in arrays.items()}
+        placed = {k: place_rows(np.asarray(v), layout, total) for k, v in arrays.items()}
+        if lengths is None:
+            lengths = tuple(np.asarray(arrays[k]).sum(-1) for k in ("prompt_mask", "response_mask"))
         return cls(
             **placed,
             **device,
-            prompt_lengths=tuple(int(x) for x in np.asarray(arrays["prompt_mask"]).sum(-1)),
-            response_lengths=tuple(int(x) for x in np.asarray(arrays["response_mask"]).sum(-1)),
+            prompt_lengths=tuple(int(x) for x in lengths[0]),
+            response_lengths=tuple(int(x) for x in lengths[1]),
         )
 
     @property
@@ -146,13 +170,18 @@ class RLBatch:
         return {k: v for k, v in vars(self).items() if isinstance(v, jax.Array)}
 
     def select(self, rows: np.ndarray) -> RLBatch:
-        """The batch of rows `rows` (host int [M], repeats allowed), in that order: every
-        filled array gathered on its devices (one jitted gather, no host copy), the host
-        lengths with them."""
+        """The batch of rows `rows` (host int [N], as many as it has, repeats allowed), in
+        that order: every filled array gathered on its devices and left in its own sharding
+        (one jitted gather, no host copy), the host lengths with them."""
         rows = np.asarray(rows, np.int32)
+        if len(rows) != self.num_rows:
+            raise ValueError(f"RLBatch.select takes {self.num_rows} rows, got {len(rows)}")
         arrays = self.present()
-        first = next(iter(arrays.values()))
-        gathered = _select(arrays, global_array(rows, first.sharding))
+        first = next(iter(arrays.values())).sharding
+        if isinstance(first, jax.sharding.NamedSharding):  # the indices whole on every device
+            first = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+        shardings = {k: v.sharding for k, v in arrays.items()}
+        gathered = jax.jit(_select, out_shardings=shardings)(arrays, global_array(rows, first))
         return self.replace(
             **gathered,
             prompt_lengths=tuple(self.prompt_lengths[i] for i in rows),
@@ -165,25 +194,46 @@ class RLBatch:
         return prompt, np.asarray(self.response_lengths, np.int64)
 
 
-@jax.jit
 def _select(arrays: dict[str, jax.Array], rows: Int[Array, " m"]) -> dict[str, jax.Array]:
     return {k: jnp.take(v, rows, axis=0) for k, v in arrays.items()}
 
 
-def _place(x: np.ndarray, layout: Layout | None) -> jax.Array:
+def rows_sharding(layout: Layout, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+    """Where a batch array of `shape` ([N, ...], rows first) lives in `layout`: its rows split
+    over the layout's `batch` rule (the data axes), every other dimension whole; replicated
+    where N does not divide by the data shards."""
+    return layout.sharding(shape, ("batch",) + (None,) * (len(shape) - 1))
+
+
+def place_rows(x: np.ndarray, layout: Layout | None, total: int | None = None) -> jax.Array:
+    """A host batch array on `layout`'s devices, rows split: `x` the whole array (the same on
+    every process), or with `total` rows this process's own rows of an array of `total`
+    (the ones its devices hold: each process places its own, nothing crosses the hosts)."""
+    if layout is None:
+        return jnp.asarray(x)
+    if total is None or total == len(x):
+        return global_array(x, rows_sharding(layout, x.shape))
+    shape = (total, *x.shape[1:])
+    return jax.make_array_from_process_local_data(rows_sharding(layout, shape), x, shape)
+
+
+def whole(x: np.ndarray, layout: Layout | None) -> jax.Array:
+    """A small host array (row indices; the same on every process), whole on every device of
+    `layout`."""
     if layout is None:
         return jnp.asarray(x)
     return global_array(x, layout.replicated())
 
 
 def moved_to(tree: Any, layout: Layout | None) -> Any:
-    """A tree of arrays replicated over `layout`'s devices: a device-to-device copy of each
-    array that lives elsewhere (a role on a device group of its own), nothing for one that is
-    there already."""
+    """A tree of batch arrays in `layout` (rows split, `rows_sharding`): a device-to-device
+    copy of each array that lives elsewhere (a role on a device group of its own, the
+    rollout's layout; `jaxrl.sharding.reshard.moved`: dispatched without waiting for it),
+    nothing for one that is there already."""
     if layout is None:
         return tree
-    target = layout.replicated()
-    return jax.tree.map(lambda x: x if x.sharding == target else jax.device_put(x, target), tree)
+
+    return jax.tree.map(lambda x: moved(x, rows_sharding(layout, x.shape)), tree)
 
 
 def take(
@@ -193,7 +243,7 @@ def take(
     and [N, R] arrays to their first `response_len`, rows -1 all zeros; split over the
     layout's batch axes. One jitted gather on the devices, no host copy."""
     rows = np.asarray(mb.row_ids, np.int32)
-    return _take(arrays, _place(rows, layout), mb.prompt_len, mb.response_len, layout)
+    return _take(arrays, whole(rows, layout), mb.prompt_len, mb.response_len, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -202,11 +252,11 @@ def _take(arrays, rows, prompt_len: int, response_len: int, layout: Layout | Non
     idx = jnp.where(valid, rows, 0)
     out = {}
     for name, x in arrays.items():
-        x = x[idx]
-        if name in PROMPT_FIELDS:
+        if name in PROMPT_FIELDS:  # columns first: the rows' gather moves only the kept ones
             x = x[:, x.shape[1] - prompt_len :]
         elif x.ndim >= 2:  # [N, R, ...]
             x = x[:, :response_len]
+        x = x[idx]
         x = jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
         if layout is not None:
             logical = ("batch",) + (None,) * (x.ndim - 1)
@@ -237,18 +287,27 @@ def take_abstract(
 def scatter(
     parts: list[jax.Array], plans: list[MicroBatch], rows: int, width: int, layout: Layout | None
 ) -> jax.Array:
-    """An [rows, width, ...] array, replicated in `layout`, holding each micro-batch's
-    [m, r, ...] result at its rows and first r columns (zeros elsewhere): float32, or int32
-    for integer results (token ids)."""
+    """An [rows, width, ...] array in `layout` (rows split, `rows_sharding`), holding each
+    micro-batch's [m, r, ...] result at its rows and first r columns (zeros elsewhere):
+    float32, or int32 for integer results (token ids)."""
     first = parts[0]
-    integer = jnp.issubdtype(first.dtype, jnp.integer)
-    out = jnp.zeros((rows, width, *first.shape[2:]), jnp.int32 if integer else jnp.float32)
-    if layout is not None:
-        out = jax.device_put(out, layout.replicated())
+    dtype = jnp.int32 if jnp.issubdtype(first.dtype, jnp.integer) else jnp.float32
+    shape = (rows, width, *first.shape[2:])
+    sharding = None if layout is None else rows_sharding(layout, shape)
+    out = _zeros(shape, dtype, sharding)  # made on the devices (no host array to agree on)
     for part, mb in zip(parts, plans, strict=True):
         idx = np.where(mb.row_ids >= 0, mb.row_ids, rows).astype(np.int32)  # row N: dropped
-        out = _scatter(out, part, _place(idx, layout))
+        out = _scatter(out, part, whole(idx, layout))
     return out
+
+
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    return _zeros_program(shape, dtype, sharding)()
+
+
+@functools.cache
+def _zeros_program(shape: tuple[int, ...], dtype, sharding):
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -105,16 +105,6 @@ def cluster_layouts(
     the train layout (actor, ref, critic), the rollout layout over the trainer's devices, and
     for the reward model None (each process scores its rows on its first local device)."""
     groups = role_layouts(cfg, devices)
-    placed = {
-        name
-        for name, layout in groups.items()
-        if set(layout.mesh.devices.flat) != set(groups["train"].mesh.devices.flat)
-    }
-    if placed and jax.process_count() > 1:
-        raise ValueError(
-            f"mesh.placement ({', '.join(sorted(placed))} on devices of their own) runs in one "
-            "process for now; colocate the roles (devices=0) in a multi-process run"
-        )
     colocated = {"reward": None}
     return {
         name: groups.get(placement_group(name), colocated.get(name, groups["train"]))

@@ -3,7 +3,7 @@
     producer = ExperienceProducer(cfg, cluster, rollout, sampling, reward_fn, router=...,
                                   prompt_source=...)
     experience = producer.produce(prompts, global_step, rng)
-    experience.rows              # host arrays of the global batch (every process holds them)
+    experience.rows              # host arrays: this process's rows (`span`), or the batch's
     experience.rollout_log_probs # the rollout's log-probs: their one home (devices or host)
     experience.timing            # gen, reward, gen_max, gather (seconds)
     experience.metrics           # the agent loop's, dynamic sampling's, the reward manager's
@@ -17,8 +17,10 @@
     filter    DAPO's dynamic sampling (`algorithm.filter_groups`): further generation batches
               from the train loader until enough groups' metric varies, or the groups
               streamed through the engine's scheduler, judged as they end
-    gather    several processes: every process gets the rows of all of them, in the global
-              batch's order (`gather_processes`)
+    gather    several processes: every row's lengths (and teacher), the scorer's extra info
+              and metrics; each process keeps its own rows when its devices hold exactly
+              those of the step's batch (`span`), else (and after dynamic sampling) every
+              process gets the rows of all of them (`gather_processes`)
 
 The trainer's step consumes an `Experience` and only runs passes and updates.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,8 +42,14 @@ from jaxrl.core_algos import estimator_inputs
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout import SamplingParams
 from jaxrl.rollout.streaming import Share
-from jaxrl.sharding.processes import allgather_objects, gather_rows, row_span, to_host
-from jaxrl.trainer.batch import moved_to
+from jaxrl.sharding.processes import (
+    allgather_objects,
+    gather_rows,
+    holds_rows,
+    row_span,
+    to_host,
+)
+from jaxrl.trainer.batch import moved_to, rows_sharding
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.dynamic_sampling import (
     NO_MORE_PROMPTS,
@@ -53,6 +62,8 @@ from jaxrl.trainer.dynamic_sampling import (
 )
 from jaxrl.trainer.generation import StepRollout
 from jaxrl.trainer.teachers import ROUTE, TeacherRouter
+
+log = logging.getLogger("jaxrl.train")
 
 # (prompts repeated n times, responses [N, R], response_mask) -> (scores [N, R], metrics, extra)
 RewardFn = Callable[[PromptBatch, np.ndarray, np.ndarray], tuple[np.ndarray, dict, dict]]
@@ -76,6 +87,10 @@ class Experience:
         policy_version: The actor's weights version (`Learner.version`) that sampled it.
         timing: Seconds of its phases (`gen`, `reward`, `gen_max`, `gather`).
         metrics: The agent loop's, dynamic sampling's and the reward manager's metrics.
+        span: (first, total) when `rows` are this process's own rows [first, first + n) of
+            the global batch of `total` (several processes, whose devices each hold their
+            own rows of the step's batch); None when `rows` are the global batch.
+        lengths: With `span`: every row's (prompt, response) lengths, int [total] each.
     """
 
     rows: dict[str, np.ndarray]
@@ -86,6 +101,8 @@ class Experience:
     policy_version: int
     timing: dict[str, float]
     metrics: dict[str, float]
+    span: tuple[int, int] | None = None
+    lengths: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @contextlib.contextmanager
@@ -123,6 +140,7 @@ class ExperienceProducer:
     ):
         self.cfg, self.cluster, self.rollout, self.reward_fn = cfg, cluster, rollout, reward_fn
         self.sampling, self.router, self.prompt_source = sampling, router, prompt_source
+        self._told = False  # where the step's batch lives, logged once
 
     def produce(self, prompts: PromptBatch, global_step: int, rng: jax.Array) -> Experience:
         """The step's experience from `prompts` (this process's rows) and the step's key."""
@@ -136,11 +154,15 @@ class ExperienceProducer:
                 scored = self._scored_rows(prompts, rng, timing, metrics)
         rows = dict(scored.rows)
         routes = rows.pop(ROUTE, None)
+        if scored.index is not None:
+            routes = scored.index.get(ROUTE)
         log_probs = rows.pop("rollout_log_probs", scored.device_log_probs)
         metrics.update(scored.reward_metrics)
+        lengths = None if scored.index is None else scored.index["lengths"]
         return Experience(
-            rows, log_probs, scored.extra, routes, scored.conversations, version, timing, metrics
-        )
+            rows, log_probs, scored.extra, routes, scored.conversations, version, timing,
+            metrics, scored.span, lengths,
+        )  # fmt: skip
 
     # ---- the ways a step's rows are made -------------------------------------------------
 
@@ -185,16 +207,41 @@ class ExperienceProducer:
             with timer("gather", timing):
                 if log_probs is not None:
                     rows["rollout_log_probs"] = log_probs
+                rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
+                conversations = self._gathered(conversations)
+                span = row_span(len(group_ids))
+                if not on_host and self._holds_own_rows(span, len(group_ids)):
+                    index = _row_index(rows)  # every row's lengths (and teacher), not the rows
+                    extra, reward_metrics = gather_scorer_info(len(group_ids), extra,
+                                                               reward_metrics)  # fmt: skip
+                    return _Scored(rows, None, extra, reward_metrics, conversations, span, index)
                 rows, group_ids, extra, reward_metrics = gather_processes(
                     rows, group_ids, extra, reward_metrics
                 )
-                conversations = self._gathered(conversations)
         elif log_probs is not None and on_host:
             rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
         elif log_probs is not None:
             on_devices = moved_to(log_probs, self.cluster.actor.layout)
         rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
         return _Scored(rows, on_devices, extra, reward_metrics, conversations)
+
+    def _holds_own_rows(self, span: tuple[int, int], count: int) -> bool:
+        """Whether every process's devices hold exactly its own rows of the step's batch in
+        the trainer's layout (its rows split over the data axes, process after process): then
+        each places and reads its rows alone. A collective."""
+        layout = self.cluster.actor.layout
+        if layout is None:
+            return False
+        first, total = span
+        own = holds_rows(rows_sharding(layout, (total,)), (total,), first, first + count)
+        if not self._told:
+            self._told = True
+            log.info(
+                "the step's batch: %s", f"each process holds its own {count} of {total} rows"
+                if own else f"gathered to every process ({total} rows; the processes' devices "
+                "do not hold their own rows)",
+            )  # fmt: skip
+        return own
 
     def _gathered(self, conversations: list | None) -> list | None:
         """Several processes: the agent loop's conversations of every process's rows when
@@ -284,6 +331,8 @@ class _Scored:
     extra: dict[str, list]
     reward_metrics: dict[str, float]
     conversations: list[dict[str, Any]] | None
+    span: tuple[int, int] | None = None  # `rows` this process's own (Experience.span)
+    index: dict[str, Any] | None = None  # with span: every row's lengths and teacher
 
 
 def gather_processes(
@@ -300,9 +349,36 @@ def gather_processes(
     `reward/timeouts`)."""
     rows = gather_rows({**batch, "__group_ids": group_ids})
     group_ids = rows.pop("__group_ids")
-    every = allgather_objects((len(batch["responses"]), extra, reward_metrics))
+    extra, reward_metrics = gather_scorer_info(len(batch["responses"]), extra, reward_metrics)
+    return rows, group_ids, extra, reward_metrics
+
+
+def gather_scorer_info(
+    count: int, extra: dict[str, list], reward_metrics: dict[str, float]
+) -> tuple[dict[str, list], dict[str, float]]:
+    """The scorer's extra info of every process's rows (process order; None for the rows of
+    a process whose scorer did not return a key) and the reward manager's metrics summed,
+    on every process (`count`: this process's rows)."""
+    every = allgather_objects((count, extra, reward_metrics))
     keys = sorted({k for _, e, _ in every for k in e})
-    extra = {k: [v for count, e, _ in every for v in e.get(k, [None] * count)] for k in keys}
+    extra = {k: [v for n, e, _ in every for v in e.get(k, [None] * n)] for k in keys}
     names = sorted({k for _, _, m in every for k in m})
     reward_metrics = {k: float(sum(m.get(k, 0.0) for _, _, m in every)) for k in names}
-    return rows, group_ids, extra, reward_metrics
+    return extra, reward_metrics
+
+
+def _row_index(rows: dict[str, np.ndarray]) -> dict[str, Any]:
+    """What the step needs of every process's rows besides its own (one small gather):
+    their (prompt, response) lengths, which plan the micro-batches, and their distillation
+    teacher (several teachers)."""
+    index = {
+        "prompt": rows["prompt_mask"].sum(-1).astype(np.int32),
+        "response": rows["response_mask"].sum(-1).astype(np.int32),
+    }
+    if ROUTE in rows:
+        index[ROUTE] = np.asarray(rows[ROUTE])
+    every = gather_rows(index)
+    out: dict[str, Any] = {"lengths": (every["prompt"], every["response"])}
+    if ROUTE in every:
+        out[ROUTE] = every[ROUTE]
+    return out

@@ -11,20 +11,18 @@ b (as uint32) at flat position i of leaf l are mixed and summed modulo 2^32:
 
 Integer addition modulo 2^32 is associative and commutative, so the sum is bit-identical however
 the arrays are sharded or reduced (any mesh, any process count), while a change of any bit, or
-of an element's position, changes it (with probability ~1 - 2^-32). The inputs hash is a sha256
-of the step's host arrays (prompt and response tokens, masks, scores), which every process holds
-whole.
+of an element's position, changes it (with probability ~1 - 2^-32). The inputs hash is the same
+reduction over the step's prompt and response tokens, masks and scores on the devices (their
+rows split over the data axes; no process reads them for it).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl.sharding.processes import to_host
 
@@ -61,24 +59,12 @@ def tree_hash(tree: Any) -> jax.Array:
     return total
 
 
-def host_hash(arrays: Mapping[str, Any]) -> str:
-    """8 hex digits of sha256 over the named host arrays (dtype, shape and bytes each)."""
-    digest = hashlib.sha256()
-    for key in sorted(arrays):
-        value = np.ascontiguousarray(np.asarray(arrays[key]))
-        if value.dtype == object:
-            continue
-        digest.update(f"{key}:{value.dtype}:{value.shape};".encode())
-        digest.update(value.tobytes())
-    return digest.hexdigest()[:8]
-
-
 def step_fingerprints(
-    batch: Mapping[str, Any], param_hashes: Mapping[str, jax.Array]
+    inputs: Mapping[str, jax.Array], param_hashes: Mapping[str, jax.Array]
 ) -> dict[str, str]:
-    """`fingerprint/inputs` of the step's batch and `fingerprint/<role>` of each role's
-    parameters after the step (`tree_hash`es, on the devices), as 8 hex digits."""
-    out = {"fingerprint/inputs": host_hash({k: batch[k] for k in INPUT_KEYS if k in batch})}
-    hashes = to_host(dict(param_hashes))  # one read
-    out.update({f"fingerprint/{role}": f"{int(value):08x}" for role, value in hashes.items()})
-    return out
+    """`fingerprint/inputs` of the step's batch (`tree_hash` of its `INPUT_KEYS` fields, on
+    the devices where they are) and `fingerprint/<role>` of each role's parameters after the
+    step (`tree_hash`es), as 8 hex digits; one read of 4 bytes each."""
+    hashes = {"inputs": tree_hash({k: inputs[k] for k in INPUT_KEYS if k in inputs})}
+    hashes = to_host({**hashes, **param_hashes})
+    return {f"fingerprint/{name}": f"{int(value):08x}" for name, value in hashes.items()}

@@ -25,14 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jaxtyping import Array, Bool, Float
 
-from jaxrl.core_algos.aggregation import global_batch_info
+from jaxrl.core_algos.aggregation import batch_info
 from jaxrl.data.batch import bucket
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.lora import merge
 from jaxrl.sharding.layouts import Layout, placed_abstract, use_layout
 from jaxrl.sharding.processes import to_host
-from jaxrl.trainer.batch import RLBatch, moved_to, scatter, take, take_abstract
+from jaxrl.trainer.batch import RLBatch, moved_to, scatter, take, take_abstract, whole
 from jaxrl.trainer.microbatch import MicroBatch, pad_to, plan_micro_batches
 from jaxrl.trainer.update import UpdateState, apply_gradients, state_shardings
 
@@ -81,7 +82,7 @@ def infer(
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
     over the batch's rows `row_ids` (None: all), as [N, R, ...] arrays (float32; int32 for integer
-    results) replicated in `layout` (zeros past each micro-batch's trimmed width and on the
+    results) in `layout`, rows split (zeros past each micro-batch's trimmed width and on the
     rows not asked for). A subset is padded with empty rows to a bucket size (at most N), so
     subsets of varying sizes share a handful of compiled programs."""
     n, r = batch.responses.shape
@@ -142,6 +143,8 @@ class Learner:
         self.version = 0
 
         def accumulate(params, acc, mb, info, base):
+            info = _mini_batch_info(info)
+
             def loss(trained, mb, info):
                 return loss_fn(trained if base is None else merge(base, trained), mb, info)
 
@@ -156,12 +159,14 @@ class Learner:
             self._accumulate = jax.jit(accumulate, donate_argnums=1)
             self._apply = jax.jit(apply, donate_argnums=0)
             self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
+            self._counts = jax.jit(mini_batch_counts)
         else:
             shardings = state_shardings(state, optimizer, layout, shardings_of(state.params))
             grads_sh = shardings.params
             self._accumulate = jax.jit(accumulate, donate_argnums=1, out_shardings=(grads_sh, None))
             self._apply = jax.jit(apply, donate_argnums=0, out_shardings=(shardings, None))
             self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=grads_sh)
+            self._counts = jax.jit(mini_batch_counts, out_shardings=layout.replicated())
 
     @property
     def params(self) -> Any:
@@ -198,25 +203,25 @@ class Learner:
         (`UpdateMetrics`), so an update on another device group can run meanwhile."""
         n = batch.num_rows
         arrays = moved_to(batch.fields((*batch.forward_fields(), *fields)), self.layout)
-        rng = np.random.RandomState(seed)
+        mini_batches = _mini_batches(n, mini_batch_rows, epochs, shuffle, seed)
+        # every mini-batch's global counts, in one program (`mini_batch_counts`)
+        members = whole(_membership(mini_batches, n), self.layout)
+        counts = self._counts(arrays["loss_mask"], members)
         # Device metrics of every micro-batch and optimizer step, read back once at the end:
         # no host sync inside the loop.
         steps: list[tuple[list[dict], dict]] = []
-        for _ in range(epochs):
-            order = rng.permutation(n) if shuffle else np.arange(n)
-            for start in range(0, n, mini_batch_rows):
-                row_ids = order[start : start + mini_batch_rows]
-                mb_info = {**_mini_batch_info(arrays["loss_mask"], row_ids), **(info or {})}
-                acc = self._zeros(self.state.params)
-                micro_metrics = []
-                for mb in plan(batch, row_ids, self.layout, micro_rows, token_budget, balance):
-                    acc, m = self._accumulate(
-                        self.state.params, acc, take(arrays, mb, self.layout), mb_info, self.base
-                    )
-                    micro_metrics.append(m)
-                self.state, applied = self._apply(self.state, acc)
-                self.version += 1
-                steps.append((micro_metrics, applied))
+        for i, row_ids in enumerate(mini_batches):
+            mb_info = {**_counts_info(counts, i, arrays["loss_mask"].shape[1]), **(info or {})}
+            acc = self._zeros(self.state.params)
+            micro_metrics = []
+            for mb in plan(batch, row_ids, self.layout, micro_rows, token_budget, balance):
+                acc, m = self._accumulate(
+                    self.state.params, acc, take(arrays, mb, self.layout), mb_info, self.base
+                )
+                micro_metrics.append(m)
+            self.state, applied = self._apply(self.state, acc)
+            self.version += 1
+            steps.append((micro_metrics, applied))
         return UpdateMetrics(steps)
 
     def compile_update(
@@ -232,18 +237,20 @@ class Learner:
         shuffle: bool = False,
         seed: int = 0,
     ) -> dict[str, jax.stages.Compiled]:
-        """The programs `update` (same arguments; `epochs`, `shuffle` and `seed` change no
-        shape) runs for `batch`'s first mini-batch, compiled but not run: "micro-batch"
-        (gradients of its widest micro-batch) and "optimizer" (clip and apply), for their
-        memory analysis. The state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
-        del epochs, shuffle, seed
+        """The programs `update` (same arguments; `shuffle` and `seed` change no shape) runs
+        for `batch`'s first mini-batch, compiled but not run: "micro-batch" (gradients of its
+        widest micro-batch) and "optimizer" (clip and apply), for their memory analysis. The
+        state and the batch may be abstract (`jax.ShapeDtypeStruct`s)."""
         arrays = batch.fields((*batch.forward_fields(), *fields))
-        rows = np.arange(min(mini_batch_rows, batch.num_rows))
+        mini_batches = _mini_batches(batch.num_rows, mini_batch_rows, epochs, shuffle, seed)
+        rows = mini_batches[0]
         plans = plan(batch, rows, self.layout, micro_rows, token_budget, balance)
         mb = take_abstract(arrays, _largest(plans), self.layout)
         grads = jax.eval_shape(self._zeros, self.state.params)
         grads = placed_abstract(grads, shardings_of(self.state.params))
-        info = jax.eval_shape(_mini_batch_info, arrays["loss_mask"], rows)
+        membership = jax.ShapeDtypeStruct((len(mini_batches), batch.num_rows), jnp.bool_)
+        counts = jax.eval_shape(mini_batch_counts, arrays["loss_mask"], membership)
+        info = _counts_info(counts, 0, arrays["loss_mask"].shape[1])
         return {
             "micro-batch": self._accumulate.lower(
                 self.state.params, grads, mb, info, self.base
@@ -252,13 +259,55 @@ class Learner:
         }
 
 
-def _mini_batch_info(loss_mask: jax.Array, rows: np.ndarray) -> dict[str, Any]:
-    """`global_batch_info` of the mini-batch `rows` for the micro-batch losses."""
-    info = global_batch_info(loss_mask[jnp.asarray(rows)].astype(jnp.float32))
+def _mini_batches(
+    n: int, mini_batch_rows: int, epochs: int, shuffle: bool, seed: int
+) -> list[np.ndarray]:
+    """The update's mini-batches in order: `epochs` passes over rows [0, n) (each a fresh
+    permutation from `seed` when `shuffle`), cut into runs of `mini_batch_rows`."""
+    rng = np.random.RandomState(seed)
+    orders = [rng.permutation(n) if shuffle else np.arange(n) for _ in range(epochs)]
+    starts = range(0, n, mini_batch_rows)
+    return [order[s : s + mini_batch_rows] for order in orders for s in starts]
+
+
+def _membership(mini_batches: list[np.ndarray], n: int) -> np.ndarray:
+    """bool [M, n]: whether row j is in mini-batch i."""
+    member = np.zeros((len(mini_batches), n), bool)
+    for i, rows in enumerate(mini_batches):
+        member[i, rows] = True
+    return member
+
+
+def mini_batch_counts(
+    loss_mask: Float[Array, "n r"], membership: Bool[Array, "m n"]
+) -> dict[str, Float[Array, " m"]]:
+    """Each mini-batch's global counts (`global_batch_info`): its tokens, sum of the loss mask
+    over its rows, and its rows with a token. Sums of selected rows, not a matmul: exact in
+    float32 on any backend (a matmul may run at reduced precision on an accelerator)."""
+    tokens = jnp.sum(loss_mask.astype(jnp.float32), axis=-1)  # [n]
+    zero = jnp.zeros_like(tokens)
+    return {
+        "batch_num_tokens": jnp.sum(jnp.where(membership, tokens, zero), axis=-1),
+        "global_batch_size": jnp.sum(membership & (tokens > 0), axis=-1).astype(jnp.float32),
+    }
+
+
+def _counts_info(counts: dict[str, Any], index: int, width: int) -> dict[str, Any]:
+    """A micro-batch loss's `info` entries for mini-batch `index` of the update's `counts`,
+    picked inside the jitted program (`_mini_batch_info`)."""
     # seq-mean-token-sum-norm's default divisor: the batch's response length, not a trimmed
     # micro-batch's (as verl's padded tensors have it)
-    info["loss_scale_factor"] = loss_mask.shape[1]
-    return info
+    return {"mini_batch_counts": counts, "mini_batch": np.int32(index), "loss_scale_factor": width}
+
+
+def _mini_batch_info(info: dict[str, Any]) -> dict[str, Any]:
+    """`info` with the update's counts replaced by its mini-batch's `global_batch_info`."""
+    info = dict(info)
+    counts, i = info.pop("mini_batch_counts"), info.pop("mini_batch")
+    own = batch_info(
+        counts["batch_num_tokens"][i], counts["global_batch_size"][i], info.pop("loss_scale_factor")
+    )
+    return {**own, **info}
 
 
 def compile_infer(

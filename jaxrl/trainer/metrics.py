@@ -1,4 +1,4 @@
-"""Step metrics with verl's names (`verl.trainer.ppo.metric_utils`), from host arrays.
+"""Step metrics with verl's names (`verl.trainer.ppo.metric_utils`), from a few numbers per row.
 
     critic/score/{mean,max,min}       sequence sums of token_level_scores (non-empty responses)
     critic/rewards/{mean,max,min}     the same of token_level_rewards (after KL in reward)
@@ -12,8 +12,9 @@
                               the device kind's dense bf16 FLOP/s (`PEAK_FLOPS`), or the
                               `JAXRL_PEAK_FLOPS` environment variable (CPUs: no default)
 
-The figures are computed from the step's global batch, which every process holds from the reward
-on (`experience.gather_processes`); timings are each process's own.
+The figures are computed from every row's summary (`row_summaries`: its sums, counts, maxima and
+minima, in float64), which each process makes of its own rows; the summaries of all rows, not
+the batch, cross the processes. Timings are each process's own.
 """
 
 from __future__ import annotations
@@ -47,58 +48,118 @@ def device_peak_flops() -> float | None:
     return None
 
 
-def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
-    if x.size == 0:
+def _stats(prefix: str, total: float, count: float, high: float, low: float) -> dict[str, float]:
+    if count == 0:
         return {f"{prefix}/mean": float("nan"), f"{prefix}/max": float("nan"),
                 f"{prefix}/min": float("nan")}  # fmt: skip
+    return {f"{prefix}/mean": total / count, f"{prefix}/max": high, f"{prefix}/min": low}
+
+
+def _row_stats(prefix: str, x: np.ndarray) -> dict[str, float]:
+    """Mean, max and min of one value per row."""
+    return _stats(prefix, float(x.sum()), x.size, float(x.max(initial=-np.inf)),
+                  float(x.min(initial=np.inf)))  # fmt: skip
+
+
+def _token_stats(prefix: str, s: dict[str, np.ndarray], name: str) -> dict[str, float]:
+    """Mean, max and min over the tokens the rows' summaries of `name` cover."""
+    return _stats(prefix, float(s[f"{name}/sum"].sum()), float(s[f"{name}/count"].sum()),
+                  float(s[f"{name}/max"].max(initial=-np.inf)),
+                  float(s[f"{name}/min"].min(initial=np.inf)))  # fmt: skip
+
+
+def _masked(name: str, x: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    """Per row: the float64 sum, count, max and min of `x` [N, R] over `mask` (-inf and +inf
+    for a row with none)."""
+    x = x.astype(np.float64)
     return {
-        f"{prefix}/mean": float(x.mean()),
-        f"{prefix}/max": float(x.max()),
-        f"{prefix}/min": float(x.min()),
+        f"{name}/sum": np.where(mask, x, 0.0).sum(-1),
+        f"{name}/count": mask.sum(-1).astype(np.float64),
+        f"{name}/max": np.where(mask, x, -np.inf).max(-1, initial=-np.inf),
+        f"{name}/min": np.where(mask, x, np.inf).min(-1, initial=np.inf),
     }
 
 
-def data_metrics(batch: dict[str, np.ndarray], use_critic: bool) -> dict[str, float]:
-    """verl's `compute_data_metrics` for a batch of host arrays: lengths over the attended
-    response tokens, advantages, returns and values over the trained ones (`loss_mask`:
-    verl's multi-turn `response_mask`)."""
+def row_summaries(batch: dict[str, np.ndarray], use_critic: bool) -> dict[str, np.ndarray]:
+    """What the step's metrics need of each row, float64 [N] per name: its score and reward
+    sums, prompt and response lengths, the sum, count, max and min of its advantages and
+    returns (and values) over its trained tokens, and with a critic the sums of its
+    residuals G - V, their squares and the returns' squares. Several processes: each
+    summarises its own rows, and the summaries of every row (a few numbers per row, not the
+    batch) make the metrics (`data_metrics`)."""
     mask = batch["response_mask"] > 0
     trained = batch.get("loss_mask", batch["response_mask"]) > 0
-    response_length = mask.sum(-1).astype(np.float64)
-    prompt_length = batch["prompt_mask"].sum(-1).astype(np.float64)
-    max_response = batch["responses"].shape[-1]
-    max_prompt = batch["prompts"].shape[-1]
-    alive = response_length > 0
-    score = batch["token_level_scores"].sum(-1)[alive]
-    reward = batch["token_level_rewards"].sum(-1)[alive]
     out = {
-        **_stats("critic/score", score),
-        **_stats("critic/rewards", reward),
-        **_stats("critic/advantages", batch["advantages"][trained]),
-        **_stats("critic/returns", batch["returns"][trained]),
+        "score": batch["token_level_scores"].astype(np.float64).sum(-1),
+        "reward": batch["token_level_rewards"].astype(np.float64).sum(-1),
+        "response_length": mask.sum(-1).astype(np.float64),
+        "prompt_length": (batch["prompt_mask"] > 0).sum(-1).astype(np.float64),
+        **_masked("advantages", batch["advantages"], trained),
+        **_masked("returns", batch["returns"], trained),
     }
     if use_critic:
-        values, returns = batch["values"][trained], batch["returns"][trained]
-        out.update(_stats("critic/values", values))
-        explained = 1.0 - np.var(returns - values, ddof=1) / (np.var(returns, ddof=1) + 1e-5)
-        out["critic/vf_explained_var"] = float(explained) if values.size > 1 else float("nan")
-    out.update(_stats("response_length", response_length))
+        returns = batch["returns"].astype(np.float64)
+        residual = returns - batch["values"]
+        out.update(_masked("values", batch["values"], trained))
+        out["residual/sum"] = np.where(trained, residual, 0.0).sum(-1)
+        out["residual/squares"] = np.where(trained, residual**2, 0.0).sum(-1)
+        out["returns/squares"] = np.where(trained, returns**2, 0.0).sum(-1)
+    return out
+
+
+def _variance(total: float, squares: float, count: float) -> float:
+    """The sample variance (ddof 1) of `count` values from their sum and sum of squares."""
+    return (squares - total * total / count) / (count - 1)
+
+
+def data_metrics(
+    s: dict[str, np.ndarray], widths: tuple[int, int], use_critic: bool
+) -> dict[str, float]:
+    """verl's `compute_data_metrics` from the rows' summaries (`row_summaries`) and the
+    batch's (prompt, response) columns: lengths over the attended response tokens,
+    advantages, returns and values over the trained ones (`loss_mask`: verl's multi-turn
+    `response_mask`)."""
+    max_prompt, max_response = widths
+    response_length, prompt_length = s["response_length"], s["prompt_length"]
+    alive = response_length > 0
+    out = {
+        **_row_stats("critic/score", s["score"][alive]),
+        **_row_stats("critic/rewards", s["reward"][alive]),
+        **_token_stats("critic/advantages", s, "advantages"),
+        **_token_stats("critic/returns", s, "returns"),
+    }
+    if use_critic:
+        out.update(_token_stats("critic/values", s, "values"))
+        count = float(s["returns/count"].sum())
+        if count > 1:
+            residual = _variance(s["residual/sum"].sum(), s["residual/squares"].sum(), count)
+            returns = _variance(s["returns/sum"].sum(), s["returns/squares"].sum(), count)
+            out["critic/vf_explained_var"] = 1.0 - residual / (returns + 1e-5)
+        else:
+            out["critic/vf_explained_var"] = float("nan")
+    out.update(_row_stats("response_length", response_length))
     out["response_length/clip_ratio"] = float(np.mean(response_length == max_response))
-    out.update(_stats("response_length_non_aborted", response_length[alive]))
+    out.update(_row_stats("response_length_non_aborted", response_length[alive]))
     clipped = response_length[alive] == max_response
     out["response_length_non_aborted/clip_ratio"] = (
         float(np.mean(clipped)) if clipped.size else float("nan")
     )
     out["response/aborted_ratio"] = float(np.mean(~alive))
-    out.update(_stats("prompt_length", prompt_length))
+    out.update(_row_stats("prompt_length", prompt_length))
     out["prompt_length/clip_ratio"] = float(np.mean(prompt_length == max_prompt))
     return out
 
 
-def timing_metrics(batch: dict[str, np.ndarray], timing: dict[str, float]) -> dict[str, float]:
-    """`timing_s/*` and `timing_per_token_ms/*` (verl's `compute_timing_metrics`)."""
-    response_tokens = float(batch["response_mask"].sum())
-    all_tokens = response_tokens + float(batch["prompt_mask"].sum())
+def _tokens(s: dict[str, np.ndarray]) -> tuple[float, float]:
+    """(response tokens, all tokens) of the rows' summaries."""
+    response = float(s["response_length"].sum())
+    return response, response + float(s["prompt_length"].sum())
+
+
+def timing_metrics(s: dict[str, np.ndarray], timing: dict[str, float]) -> dict[str, float]:
+    """`timing_s/*` and `timing_per_token_ms/*` (verl's `compute_timing_metrics`), from the
+    rows' summaries."""
+    response_tokens, all_tokens = _tokens(s)
     per_token = {"gen": response_tokens}
     per_token.update(
         {k: all_tokens for k in ("ref", "values", "adv", "update_critic", "update_actor")}
@@ -111,10 +172,10 @@ def timing_metrics(batch: dict[str, np.ndarray], timing: dict[str, float]) -> di
 
 
 def throughput_metrics(
-    batch: dict[str, np.ndarray], step_seconds: float, devices: int
+    s: dict[str, np.ndarray], step_seconds: float, devices: int
 ) -> dict[str, float]:
-    """`perf/*` (verl's `compute_throughout_metrics`)."""
-    tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+    """`perf/*` (verl's `compute_throughout_metrics`), from the rows' summaries."""
+    tokens = _tokens(s)[1]
     return {
         "perf/total_num_tokens": tokens,
         "perf/time_per_step": step_seconds,
@@ -123,14 +184,14 @@ def throughput_metrics(
 
 
 def mfu_metrics(
-    batch: dict[str, np.ndarray], timing: dict[str, float], params: int, epochs: int, devices: int
+    s: dict[str, np.ndarray], timing: dict[str, float], params: int, epochs: int, devices: int
 ) -> dict[str, float]:
     """`perf/mfu/actor` (and `perf/mfu/actor_infer` for the old-log-prob pass) where the
     device peak is known."""
     peak = device_peak_flops()
     if peak is None:
         return {}
-    tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+    tokens = _tokens(s)[1]
     out = {}
     if timing.get("update_actor"):
         out["perf/mfu/actor"] = 6 * params * tokens * epochs / timing["update_actor"]

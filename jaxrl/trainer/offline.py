@@ -38,7 +38,7 @@ from jaxrl.data.supervised import PreferenceLimits
 from jaxrl.sharding.layouts import Layout, train_mesh
 from jaxrl.sharding.processes import allgather_objects, gather_rows, to_host
 from jaxrl.trainer import losses
-from jaxrl.trainer.batch import RLBatch
+from jaxrl.trainer.batch import RLBatch, place_rows
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.fit import Run
 from jaxrl.trainer.learner import infer
@@ -174,10 +174,6 @@ class OfflineTrainer:
 @functools.cache
 def _log_prob_fn(config, layout, chunk_size):
     return log_prob_fn(config, layout, temperature=1.0, chunk_size=chunk_size)
-
-
-def _replicated(x: jax.Array, layout: Layout | None) -> jax.Array:
-    return x if layout is None else jax.device_put(x, layout.replicated())
 
 
 @jax.jit
@@ -344,11 +340,11 @@ class PreferenceTrainer(OfflineTrainer):
     def reference_sums(self, rl: RLBatch, row_ids: np.ndarray, split: str = "train") -> jax.Array:
         """The reference's sequence log-probs [N] of the batch's rows (of dataset `split`)."""
         if self.reference_free:
-            return _replicated(jnp.zeros((rl.num_rows,), jnp.float32), self.layout)
+            return place_rows(np.zeros((rl.num_rows,), np.float32), self.layout)
         if split in self.ref_tables:
             k = self.rows_per_example
             values = self.ref_tables[split][row_ids, np.arange(len(row_ids)) % k]
-            return _replicated(jnp.asarray(values, jnp.float32), self.layout)
+            return place_rows(np.asarray(values, np.float32), self.layout)
         ref = self.cluster.ref
         with self.cluster.on_device("ref"):
             lp = self.log_probs(ref.params, rl, ref.config)

@@ -19,15 +19,20 @@
       update_critic, update_actor (after `critic_warmup` steps), dispatched without waiting
                     for each other; their metrics stay on the devices
 
-From the reward on, the step's data is one `RLBatch` on the trainer's devices: the passes
-gather their micro-batches from it and write their results into it on the devices, and the
-host reads back only the responses (for the reward) and, once, the finished batch with the
-updates' and the passes' device metrics (for the step's metrics, fingerprints and dumps).
-With several processes, each generates (one program over the whole rollout mesh) and scores
-the responses to its own prompts; then `gather_processes` gives every process the rows of
-all of them (through the host), in the global batch's order, and the rest of the step (KL,
-advantages and their group statistics, the passes, the metrics) computes on every process
-exactly what one process holding the whole batch computes.
+From the reward on, the step's data is one `RLBatch` on the trainer's devices, its rows split
+over the data axes: the passes gather their micro-batches from it and write their results
+into it on the devices, and the host reads back only the responses (for the reward) and, once,
+the finished batch's rows with the updates' and the passes' device metrics (the step's
+metrics are made from a few numbers per row, `row_summaries`; the fingerprints are hashed on
+the devices). With several processes, each generates (one program over the whole rollout
+mesh) and scores the responses to its own prompts, places its own rows on its own devices
+(the ones that hold them in the trainer's layout) and reads back only those; what crosses
+the hosts is every row's lengths (the micro-batch plan), the scorer's extra info and the
+rows' summaries. KL, the advantages and their group statistics and the passes run over the
+split rows on the devices, exactly what one process computes. Where the processes' devices
+do not hold their own rows (rows that do not divide by the data shards), and after dynamic
+sampling (whose pool is host data), every process gets the rows of all of them
+(`gather_processes`) as before.
 """
 
 from __future__ import annotations
@@ -55,14 +60,14 @@ from jaxrl.data.iterator import PromptIterator
 from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.layouts import placed_abstract
-from jaxrl.sharding.processes import to_host
+from jaxrl.sharding.processes import gather_rows, read_rows, to_host
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import (
     compute_advantage,
     gdpo_components,
     kl_in_reward,
 )
-from jaxrl.trainer.batch import RLBatch, moved_to
+from jaxrl.trainer.batch import RLBatch, moved_to, place_rows, rows_sharding
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.compiles import compile_totals, compiles_since
 from jaxrl.trainer.experience import Experience, ExperienceProducer, RewardFn, timer
@@ -73,6 +78,7 @@ from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
 from jaxrl.trainer.metrics import (
     data_metrics,
     mfu_metrics,
+    row_summaries,
     throughput_metrics,
     timing_metrics,
 )
@@ -351,7 +357,9 @@ class PPOTrainer:
         # and no metric or dump reads it), with the updates' metrics
         arrays = {k: v for k, v in batch.present().items() if k not in DEVICE_ONLY_FIELDS}
         steps = {role: pending.steps for role, pending in updates.items()}
-        host, scalars, steps = to_host((arrays, scalars, steps))
+        fingerprints = step_fingerprints(batch.present(), self.cluster.param_hashes())
+        summaries, host = self._read_back(arrays, experience)
+        scalars, steps = to_host((scalars, steps))
         for role, role_steps in steps.items():
             metrics.update(_prefixed(average(role_steps), role))
         if "actor" in updates:
@@ -366,18 +374,37 @@ class PPOTrainer:
             self.kl_ctrl.update(current_kl=current_kl, n_steps=batch.num_rows)
             metrics["actor/reward_kl_penalty"] = current_kl
             metrics["actor/reward_kl_penalty_coeff"] = float(beta)
-        metrics.update(data_metrics(host, use_critic=critic is not None))
-        metrics.update(timing_metrics(host, timing))
-        metrics.update(throughput_metrics(host, timing["step"], self.devices))
+        widths = (batch.prompts.shape[1], batch.responses.shape[1])
+        metrics.update(data_metrics(summaries, widths, use_critic=critic is not None))
+        metrics.update(timing_metrics(summaries, timing))
+        metrics.update(throughput_metrics(summaries, timing["step"], self.devices))
         metrics.update(
-            mfu_metrics(host, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
+            mfu_metrics(summaries, timing, self._actor_size, actor_cfg.ppo_epochs, self.devices)
         )
         metrics["training/global_step"] = global_step
-        metrics.update(step_fingerprints(host, self.cluster.param_hashes()))
+        metrics.update(fingerprints)
         if cfg.trainer.rollout_data_dir:
             self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir, conversations)
         metrics.update(compiles_since(compiles))
         return metrics
+
+    def _read_back(
+        self, arrays: dict[str, jax.Array], experience: Experience
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        """The rows' summaries for the step's metrics (`row_summaries`, of every row) and the
+        batch on the host where the rollout dump needs it (`trainer.rollout_data_dir`; else
+        None). A process that holds its own rows (`experience.span`) reads only those from
+        its devices and gathers the summaries (a few numbers per row); otherwise the batch is
+        read whole."""
+        use_critic = self.cluster.critic is not None
+        if experience.span is None:
+            host = to_host(arrays)
+            return row_summaries(host, use_critic), host
+        first, count = experience.span[0], len(experience.rows["responses"])
+        own = read_rows(arrays, first, first + count)
+        summaries = gather_rows(row_summaries(own, use_critic))
+        host = to_host(arrays) if self.cfg.trainer.rollout_data_dir else None
+        return summaries, host
 
     def _updates(self, batch: RLBatch, global_step: int, spans: Spans) -> dict[str, UpdateMetrics]:
         """The critic's update, then (past `critic_warmup`) the actor's, each dispatched
@@ -471,7 +498,8 @@ class PPOTrainer:
             batch, corr_metrics = self._rollout_correction(batch)
             scalars.update(corr_metrics)
         inputs = {k: v for k, v in batch.present().items() if k in ADVANTAGE_INPUTS}
-        components = gdpo_components(self.cfg.algorithm, extra)
+        components = gdpo_components(self.cfg.algorithm, extra)  # every row's, on each host
+        components = {k: place_rows(v, self.cluster.actor.layout) for k, v in components.items()}
         adv, ret = self._advantage(inputs, components)
         return batch.replace(advantages=adv, returns=ret), beta, scalars
 
@@ -696,13 +724,13 @@ class PPOTrainer:
             arguments[program] = resident.get("rollout")
         groups["weight sync"] = groups["actor"]
         programs = self.compile_step(val_prompts)
-        # The step's batch, replicated on the trainer's devices (and copied to a placed
-        # role's) from scoring through the updates: not during generation.
+        # The step's batch, its rows split over the trainer's data axes (and copied to a
+        # placed role's) from scoring through the updates: not during generation.
         fields = {k: v for k, v in vars(self._worst_batch(held=True)).items()
                   if isinstance(v, jax.ShapeDtypeStruct)}  # fmt: skip
         layout = cluster.actor.layout
         held = fields if layout is None else placed_abstract(
-            fields, {k: layout.replicated() for k in fields}
+            fields, {k: rows_sharding(layout, v.shape) for k, v in fields.items()}
         )  # fmt: skip
         during = tuple(name for name in programs if "generate" not in name)
         return memory_plan(
@@ -735,11 +763,13 @@ class PPOTrainer:
 
 
 def _batch(experience: Experience, layout) -> RLBatch:
-    """The step's batch on the trainer's devices from its experience."""
+    """The step's batch on the trainer's devices from its experience (each process placing
+    its own rows when it holds only those)."""
     rows, log_probs = dict(experience.rows), experience.rollout_log_probs
+    where = {"span": experience.span, "lengths": experience.lengths}
     if log_probs is None or isinstance(log_probs, jax.Array):
-        return RLBatch.from_host(rows, layout, rollout_log_probs=log_probs)
-    return RLBatch.from_host({**rows, "rollout_log_probs": log_probs}, layout)
+        return RLBatch.from_host(rows, layout, **where, rollout_log_probs=log_probs)
+    return RLBatch.from_host({**rows, "rollout_log_probs": log_probs}, layout, **where)
 
 
 def _prefixed(metrics: dict[str, float], role: str) -> dict[str, float]:

@@ -191,3 +191,9 @@ def test_host_data_across_processes_and_generation_per_process(procs):
         assert "Scheduler(engine.local())" in errors["spanning"]
         assert "has devices of processes [0, 1]" in errors["tp"]
         assert "split along `dp`" in errors["split"]
+        # a role's arrays between the processes' device groups, device to device: the
+        # shards each process holds of the target, each the right block
+        held = {"alike": 4 * i, "whole": 4 * i, "4 to 2": 2 * i,
+                "back 2 to 4, whole": 4 * (1 - i), "onto both": 4}  # fmt: skip
+        assert row["moves"] == {k: [n, True, True] for k, n in held.items()}, row["moves"]
+        assert row["holds_own"] and not row["holds_other"] and row["read_own"]

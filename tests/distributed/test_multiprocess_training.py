@@ -128,6 +128,7 @@ def runs(tmp_path_factory):
 def test_two_processes_train_like_one(runs):
     single, multi, logs = runs
     assert "2 processes x 4 CPU devices" in logs
+    assert "the step's batch: each process holds its own 128 of 256 rows" in logs
     want, got = _metrics(single), _metrics(multi)
     assert sorted(want) == list(range(STEPS + 1))  # step 0: validation before training
     assert sorted(got) == sorted(want)
@@ -170,6 +171,29 @@ def test_dynamic_sampling_over_two_processes_equals_one(runs, streaming):
             for effort in EFFORT:  # how many groups ran past the cut: each process's slots
                 got[step].pop(effort, None), want[step].pop(effort, None)
         _assert_same(got[step], want[step], f"dynamic sampling, step {step}")
+    assert compare([str(one), str(two), "--only", "inputs"]) == 0
+
+
+def test_placed_roles_over_two_processes_equal_one(runs):
+    """PPO with the rollout, the reference and the critic on device groups of their own
+    (2 devices each, the trainer the other 2): on 2 processes each group takes one device of
+    each (`role_layouts`), so the weight push, the passes' inputs and their results cross
+    between the processes' device groups device to device (`reshard.moved`); every metric
+    equals one process's with the same groups on its 8 devices, and the inputs bit for bit.
+    (Placed against colocated in one process: tests/trainer/test_placement.py.)"""
+    single, _, _ = runs
+    extra = ("critic.enable=true", "actor_rollout_ref.actor.use_kl_loss=true",
+             *(f"mesh.placement.{role}.devices=2" for role in ("rollout", "ref", "critic")),
+             "trainer.val_before_train=false")  # fmt: skip
+    one, two = single.parent / "placed_single", single.parent / "placed_multi"
+    _train(one, 1, steps=2, extra=extra)
+    logs = _train(two, 2, steps=2, extra=extra)
+    assert "critic mesh:  {'dp': 1, 'fsdp': 2, 'tp': 1, 'sp': 1} on devices 3-2051" in logs
+    want, got = _metrics(one), _metrics(two)
+    assert sorted(want) == sorted(got) == [1, 2]
+    for step in want:
+        _assert_same(got[step], want[step], f"placed roles, step {step}")
+    assert any(k.startswith("val-core/") for k in got[2])
     assert compare([str(one), str(two), "--only", "inputs"]) == 0
 
 

@@ -136,6 +136,7 @@ def processes() -> None:
     local = _local_engine(config, params, ids)
     row = dict(
         **local,
+        **_moves(),
         rows_x=rows["x"].tolist(),
         rows_y=rows["y"].tolist(),
         rows_y_dtype=str(rows["y"].dtype),
@@ -203,6 +204,56 @@ def _local_engine(config, params, ids) -> dict:
         span=list(row_span(jax.process_index() + 1)),
         local_errors=errors,
     )
+
+
+def _moves() -> dict:
+    """`reshard.moved` between the processes' device groups (process 0: devices 0-3, process
+    1: 4-7), device to device (no host transfer allowed), and a batch's own rows placed and
+    read back by each process (`holds_rows`, `read_rows`): per case, how many target shards
+    this process holds and whether each holds the right block."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl.sharding.processes import holds_rows, read_rows
+    from jaxrl.sharding.reshard import moved
+
+    devices = jax.devices()
+    value = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)  # 40 rows: split 2, 4 or 8
+
+    def sharding(group, spec):
+        return NamedSharding(Mesh(np.asarray(group), ("x",)), spec)
+
+    cases = {
+        "alike": ((devices[:4], P("x")), (devices[4:], P("x"))),
+        "whole": ((devices[:4], P()), (devices[4:], P())),
+        "4 to 2": ((devices[:4], P("x")), (devices[4:6], P("x"))),
+        "back 2 to 4, whole": ((devices[4:6], P("x")), (devices[:4], P())),
+        "onto both": ((devices[4:], P()), (devices, P("x"))),
+    }
+    out = {}
+    for name, (source, target) in cases.items():
+        x = jax.make_array_from_callback(
+            value.shape, sharding(*source), lambda i: value[i], dtype=value.dtype
+        )
+        with (
+            jax.transfer_guard_device_to_host("disallow"),
+            jax.transfer_guard_host_to_device("disallow"),
+        ):
+            y = moved(x, sharding(*target))
+        right = [bool(np.array_equal(np.asarray(s.data), value[s.index])) for s in
+                 y.addressable_shards]  # fmt: skip
+        out[name] = [len(right), all(right), y.sharding == sharding(*target)]
+    rows = sharding(devices, P("x"))
+    mine = (20 * jax.process_index(), 20 * jax.process_index() + 20)
+    own = jax.make_array_from_process_local_data(rows, value[mine[0] : mine[1]], value.shape)
+    return {
+        "moves": out,
+        "holds_own": holds_rows(rows, value.shape, *mine),
+        "holds_other": holds_rows(rows, value.shape, 0, 20),  # process 1 does not
+        "read_own": bool(np.array_equal(read_rows(own, *mine), value[mine[0] : mine[1]])),
+    }
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from jaxrl.sharding import (
     Layout,
     free,
     layouts_from_config,
+    moved,
     offload,
     reload,
     reshard,
@@ -253,6 +254,33 @@ def test_reshard_to_disjoint_devices(params):
     )
 
 
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ((0, 2, P("x")), (2, 6, P("x"))),  # other devices, another cut: whole, copied, cut
+        ((0, 4, P("x")), (4, 8, P("x"))),  # other devices, the same cut: shard for shard
+        ((0, 2, P()), (2, 6, P("x"))),  # whole on 2, split over 4 others
+        ((0, 4, P("x")), (4, 6, P("x"))),  # 4 to 2: the whole copy from 2 of the 4
+        ((0, 3, P()), (3, 8, P())),  # 3 to 5: whole copies in two turns (3, then 2)
+        ((0, 4, P()), (0, 4, P("x"))),  # the same devices: a jitted identity
+    ],
+)
+def test_moved_reaches_any_devices_without_the_host(source, target):
+    """A batch array moved between device groups (a placed role's results) arrives in the
+    target sharding with its values, device to device."""
+    devices = jax.devices()
+
+    def sharding(start, stop, spec):
+        return jax.sharding.NamedSharding(jax.sharding.Mesh(devices[start:stop], ("x",)), spec)
+
+    value = np.arange(60 * 3, dtype=np.float32).reshape(60, 3)  # 60 rows: split 2, 3, 4, 5
+    x = jax.device_put(value, sharding(*source))
+    with jax.transfer_guard("disallow"):
+        out = moved(x, sharding(*target))
+    assert out.sharding == sharding(*target)
+    np.testing.assert_array_equal(np.asarray(out), value)
+
+
 def test_reshard_report_bounds_peak_by_bucket(params):
     train, rollout = train_layout(1, 8, 1, 1), rollout_layout(2)
     p = jax.device_put(params, param_shardings(CONFIG, train))
@@ -299,6 +327,25 @@ def test_layouts_from_config():
     assert dict(train.mesh.shape) == {"dp": 1, "fsdp": 4, "tp": 2, "sp": 1}
     assert dict(rollout.mesh.shape) == {"dp": 2, "tp": 4}
     assert param_shardings(CONFIG, train)["embed"]["tokens_vd"].spec == P(None, "fsdp")
+
+
+def test_several_processes_give_every_role_a_share_of_their_devices():
+    """With 2 processes of 4 devices the trainer takes the first 2 of each and each placed
+    role its slice of each; one process keeps the ranges; a count that does not divide by
+    the processes is an error naming its key."""
+    from types import SimpleNamespace
+
+    from jaxrl.sharding.layouts import _group_devices
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    groups = {"train": range(4), "rollout": range(4, 6), "critic": range(6, 8)}
+    on = _group_devices(groups, devices)
+    assert {k: [d.id for d in v] for k, v in on.items()} == {
+        "train": [0, 1, 4, 5], "rollout": [2, 6], "critic": [3, 7]}  # fmt: skip
+    alone = _group_devices(groups, [SimpleNamespace(id=i, process_index=0) for i in range(8)])
+    assert [d.id for d in alone["critic"]] == [6, 7]
+    with pytest.raises(ValueError, match=r"mesh.placement.critic.devices \(1\) a multiple of 2"):
+        _group_devices({"train": range(7), "critic": range(7, 8)}, devices)
 
 
 def test_shard_is_a_no_op_without_layout():

@@ -10,11 +10,12 @@ import pytest
 from _batches import rl_batch
 
 from jaxrl.config import load_config
+from jaxrl.core_algos import global_batch_info
 from jaxrl.models.params import param_shardings
 from jaxrl.sharding import TRAIN_RULES, Layout, train_mesh
 from jaxrl.trainer import losses
-from jaxrl.trainer.batch import RLBatch
-from jaxrl.trainer.learner import Learner
+from jaxrl.trainer.batch import RLBatch, place_rows, whole
+from jaxrl.trainer.learner import Learner, _membership, _mini_batches, mini_batch_counts
 from jaxrl.trainer.microbatch import plan_micro_batches
 from jaxrl.trainer.update import init_state
 
@@ -82,6 +83,23 @@ def test_update_does_not_depend_on_micro_batches(model, mode):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss", "grad_norm"):
             np.testing.assert_allclose(metrics[key], m_whole[key], rtol=1e-5, err_msg=key)
+
+
+def test_mini_batch_counts_are_each_mini_batch_s():
+    """The update's one counts program, over rows split on 4 devices, gives every mini-batch
+    (shuffled, 2 epochs, the last of each epoch short) `global_batch_info` of its own rows,
+    a row without tokens included: integer counts, so exactly."""
+    mask = (np.random.default_rng(0).random((16, 6)) < 0.4).astype(np.float32)
+    mask[3] = 0
+    layout = Layout.create(train_mesh({"dp": 2, "fsdp": 2, "tp": 2}), TRAIN_RULES)
+    mini_batches = _mini_batches(16, 5, epochs=2, shuffle=True, seed=3)
+    assert [len(m) for m in mini_batches] == [5, 5, 5, 1] * 2
+    members = whole(_membership(mini_batches, 16), layout)
+    counts = jax.device_get(jax.jit(mini_batch_counts)(place_rows(mask, layout), members))
+    for i, rows in enumerate(mini_batches):
+        want = global_batch_info(mask[rows])
+        assert counts["batch_num_tokens"][i] == want["batch_num_tokens"], i
+        assert counts["global_batch_size"][i] == want["global_batch_size"], i
 
 
 def test_micro_batch_plans():

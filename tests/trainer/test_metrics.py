@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl.testing.reference import import_reference
-from jaxrl.trainer.metrics import data_metrics, mfu_metrics, timing_metrics
+from jaxrl.trainer.metrics import data_metrics, mfu_metrics, row_summaries, timing_metrics
 
 
 def host_batch(n=6, p=5, r=7, seed=0):
@@ -46,13 +46,26 @@ def verl_batch(batch):
 def test_data_metrics_equal_verl(use_critic):
     utils = import_reference("verl.trainer.ppo.metric_utils")
     batch = host_batch()
-    ours = data_metrics(batch, use_critic=use_critic)
+    widths = (batch["prompts"].shape[1], batch["responses"].shape[1])
+    ours = data_metrics(row_summaries(batch, use_critic), widths, use_critic=use_critic)
     ref = utils.compute_data_metrics(verl_batch(batch), use_critic=use_critic)
     assert set(ours) == {k for k in ref if not k.startswith("num_turns")}
     for key, value in ref.items():
-        # means, maxima and clip fractions of float32 batches in numpy and torch: one
-        # reduction each, ~1e-7 relative (1e-6 absolute for means near 0)
+        # means, maxima and clip fractions of float32 batches, from float64 row sums here
+        # and torch's float32 reductions: ~1e-7 relative (1e-6 absolute for means near 0)
         np.testing.assert_allclose(ours[key], float(value), rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_metrics_of_rows_split_over_processes_equal_the_whole():
+    """Each process summarises its own rows; the metrics of the gathered summaries are those
+    of the whole batch, exactly (the same float64 per-row numbers, summed in the same order)."""
+    batch = host_batch()
+    parts = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    gathered = {k: np.concatenate([row_summaries(p, True)[k] for p in parts])
+                for k in row_summaries(batch, True)}  # fmt: skip
+    widths = (batch["prompts"].shape[1], batch["responses"].shape[1])
+    whole = data_metrics(row_summaries(batch, True), widths, use_critic=True)
+    assert data_metrics(gathered, widths, use_critic=True) == whole
 
 
 def test_timing_metrics_equal_verl():
@@ -60,7 +73,7 @@ def test_timing_metrics_equal_verl():
     batch = host_batch()
     timing = {"gen": 1.5, "ref": 0.25, "update_actor": 2.0, "step": 4.0}
     ref = utils.compute_timing_metrics(verl_batch(batch), timing)
-    ours = timing_metrics(batch, timing)
+    ours = timing_metrics(row_summaries(batch, False), timing)
     assert set(ours) == set(ref)
     for key, value in ref.items():
         # ratios of the same float64 figures: rounding only
@@ -71,10 +84,11 @@ def test_mfu_needs_a_known_peak(monkeypatch):
     batch = host_batch()
     timing = {"update_actor": 2.0, "old_log_prob": 0.5}
     monkeypatch.delenv("JAXRL_PEAK_FLOPS", raising=False)
-    assert mfu_metrics(batch, timing, params=1000, epochs=1, devices=8) == {}  # CPU: unknown
+    summaries = row_summaries(batch, False)
+    assert mfu_metrics(summaries, timing, params=1000, epochs=1, devices=8) == {}  # CPU: unknown
     monkeypatch.setenv("JAXRL_PEAK_FLOPS", "1e6")
     tokens = batch["prompt_mask"].sum() + batch["response_mask"].sum()
-    out = mfu_metrics(batch, timing, params=1000, epochs=2, devices=8)
+    out = mfu_metrics(summaries, timing, params=1000, epochs=2, devices=8)
     # float64 arithmetic on the same figures (approx: 1e-6 relative)
     assert out["perf/mfu/actor"] == pytest.approx(6 * 1000 * tokens * 2 / 2.0 / 8e6)
     assert out["perf/mfu/actor_infer"] == pytest.approx(2 * 1000 * tokens / 0.5 / 8e6)
