@@ -294,15 +294,11 @@ def scatter(
     dtype = jnp.int32 if jnp.issubdtype(first.dtype, jnp.integer) else jnp.float32
     shape = (rows, width, *first.shape[2:])
     sharding = None if layout is None else rows_sharding(layout, shape)
-    out = _zeros(shape, dtype, sharding)  # made on the devices (no host array to agree on)
+    out = _zeros_program(shape, dtype, sharding)()  # on the devices: no host array to agree on
     for part, mb in zip(parts, plans, strict=True):
         idx = np.where(mb.row_ids >= 0, mb.row_ids, rows).astype(np.int32)  # row N: dropped
         out = _scatter(out, part, whole(idx, layout))
     return out
-
-
-def _zeros(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
-    return _zeros_program(shape, dtype, sharding)()
 
 
 @functools.cache

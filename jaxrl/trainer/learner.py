@@ -285,9 +285,8 @@ def mini_batch_counts(
     over its rows, and its rows with a token. Sums of selected rows, not a matmul: exact in
     float32 on any backend (a matmul may run at reduced precision on an accelerator)."""
     tokens = jnp.sum(loss_mask.astype(jnp.float32), axis=-1)  # [n]
-    zero = jnp.zeros_like(tokens)
     return {
-        "batch_num_tokens": jnp.sum(jnp.where(membership, tokens, zero), axis=-1),
+        "batch_num_tokens": jnp.sum(jnp.where(membership, tokens, 0.0), axis=-1),
         "global_batch_size": jnp.sum(membership & (tokens > 0), axis=-1).astype(jnp.float32),
     }
 
