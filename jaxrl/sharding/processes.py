@@ -1,6 +1,7 @@
 """Host data across the processes of a multi-process run (each process drives its own devices).
 
     rows = gather_rows({"scores": scores_n})           # [N] per process -> [P*N] everywhere
+    received_bytes()                                   # what has crossed to this host so far
     every = allgather_objects(extra_info)              # [obj of process 0, obj of 1, ...]
     first, total = row_span(len(rows))                 # where this process's rows start
     x = global_array(batch_np, sharding)               # the same host rows on every process
@@ -36,13 +37,29 @@ from jax.sharding import NamedSharding
 
 from jaxrl.sharding.reshard import same_buffers
 
+_RECEIVED = [0]  # bytes of the other processes' host data received (`received_bytes`)
+
+
+def received_bytes() -> int:
+    """Bytes of the other processes' data this process has received through the hosts so
+    far: the all-gathers of this module (`gather_rows`, `allgather_objects`, `row_span`, and
+    `to_host` of split arrays), (P - 1) / P of each gathered buffer; 0 with one process."""
+    return _RECEIVED[0]
+
+
+def _count_received(gathered: Any) -> None:
+    p = jax.process_count()
+    _RECEIVED[0] += sum(np.asarray(x).nbytes for x in jax.tree.leaves(gathered)) * (p - 1) // p
+
 
 def _allgather(x: np.ndarray) -> np.ndarray:
     """[P, ...]: `x` (the same shape everywhere, at most 32-bit) of every process, in process
     order."""
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+    out = np.asarray(multihost_utils.process_allgather(x, tiled=False))
+    _count_received(out)
+    return out
 
 
 def _allgather_bytes(rows: np.ndarray) -> list[np.ndarray]:
@@ -142,6 +159,7 @@ def to_host(tree: Any) -> Any:
     out = jax.device_get(out)
     if split:  # one collective for all of them
         gathered = multihost_utils.process_allgather([leaves[i] for i in split], tiled=True)
+        _count_received(gathered)
         for i, x in zip(split, gathered, strict=True):
             out[i] = np.asarray(x)
     return jax.tree.unflatten(treedef, out)

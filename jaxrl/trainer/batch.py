@@ -23,6 +23,7 @@ read back): the micro-batch planner's only input.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl.sharding.layouts import Layout
-from jaxrl.sharding.processes import global_array
+from jaxrl.sharding.processes import global_array, holds_rows
 from jaxrl.sharding.reshard import moved
 from jaxrl.trainer.microbatch import MicroBatch
 
@@ -114,6 +115,7 @@ class RLBatch:
         layout: Layout | None,
         *,
         span: tuple[int, int] | None = None,
+        owners: RowOwners | None = None,
         lengths: tuple[np.ndarray, np.ndarray] | None = None,
         **device: jax.Array,
     ) -> RLBatch:
@@ -128,14 +130,20 @@ class RLBatch:
             span: (first, total): `arrays` are rows [first, first + n) of a batch of
                 `total`, and this process's devices hold exactly those rows
                 (`jaxrl.sharding.processes.holds_rows`): each process places its own.
-            lengths: With `span`: every row's (prompt, response) lengths, int [total] each.
+            owners: `arrays` are this process's own rows, anywhere in the batch: where each
+                row of the batch comes from (`place_owned`; `owned_placeable` holds).
+            lengths: With `span` or `owners`: every row's (prompt, response) lengths, int
+                [total] each.
         """
         n = len(arrays["responses"])
         first, total = span or (0, n)
         arrays = {"loss_mask": arrays["response_mask"], **arrays}
         arrays.setdefault("group_ids", np.arange(first, first + n))
         arrays["group_ids"] = np.asarray(arrays["group_ids"], np.int32)
-        placed = {k: place_rows(np.asarray(v), layout, total) for k, v in arrays.items()}
+        if owners is not None:
+            placed = place_owned(arrays, layout, owners)
+        else:
+            placed = {k: place_rows(np.asarray(v), layout, total) for k, v in arrays.items()}
         if lengths is None:
             lengths = tuple(np.asarray(arrays[k]).sum(-1) for k in ("prompt_mask", "response_mask"))
         return cls(
@@ -215,6 +223,71 @@ def place_rows(x: np.ndarray, layout: Layout | None, total: int | None = None) -
         return global_array(x, rows_sharding(layout, x.shape))
     shape = (total, *x.shape[1:])
     return jax.make_array_from_process_local_data(rows_sharding(layout, shape), x, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOwners:
+    """Where each row of a batch of N comes from when every process holds some of its rows,
+    any of them: row j is row `local[j]` of process `owner[j]`'s own rows (int [N] each)."""
+
+    owner: np.ndarray
+    local: np.ndarray
+
+    @property
+    def total(self) -> int:
+        return len(self.owner)
+
+    def staged(self, layout: Layout) -> int:
+        """K: the rows per process of the staging array (`place_owned`): the most any
+        process owns, rounded up to whole rows per data shard of a process."""
+        processes = jax.process_count()
+        per_process = max(layout.batch_shards() // processes, 1)
+        most = int(np.bincount(self.owner, minlength=processes).max())
+        return -(-max(most, 1) // per_process) * per_process
+
+    def held(self) -> tuple[int, int]:
+        """(first, count): the rows of the batch this process's devices hold once placed,
+        when `owned_placeable`: its equal share, process after process."""
+        count = self.total // jax.process_count()
+        return jax.process_index() * count, count
+
+
+def owned_placeable(layout: Layout | None, owners: RowOwners) -> bool:
+    """Whether `place_owned` can place the batch with `layout`: each process's devices hold
+    exactly its share of the staging array ([P x K] rows, K per process) and of the batch
+    (N / P rows each). A collective."""
+    if layout is None or owners.total % jax.process_count():
+        return False
+    k, me = owners.staged(layout), jax.process_index()
+    staging = (jax.process_count() * k,)
+    first, count = owners.held()
+    return holds_rows(rows_sharding(layout, staging), staging, me * k, (me + 1) * k) and holds_rows(
+        rows_sharding(layout, (owners.total,)), (owners.total,), first, first + count
+    )
+
+
+def place_owned(
+    arrays: dict[str, np.ndarray], layout: Layout, owners: RowOwners
+) -> dict[str, jax.Array]:
+    """The batch of every process's own rows (`arrays`: this process's, each [n_p, ...]; the
+    same keys, dtypes and widths everywhere) in `layout`, rows split: each process places its
+    rows on its own devices, in a staging array of K rows per process (zeros past its n_p),
+    and one jitted gather on the devices puts row j of the batch at its place (XLA moves
+    each row between the devices; no row crosses a host)."""
+    k = owners.staged(layout)
+    staging = {}
+    for name, x in arrays.items():
+        x = np.asarray(x)
+        padded = np.zeros((k, *x.shape[1:]), x.dtype)
+        padded[: len(x)] = x
+        shape = (jax.process_count() * k, *x.shape[1:])
+        sharding = rows_sharding(layout, shape)
+        staging[name] = jax.make_array_from_process_local_data(sharding, padded, shape)
+    order = (owners.owner * k + owners.local).astype(np.int32)
+    shardings = {
+        name: rows_sharding(layout, (owners.total, *x.shape[1:])) for name, x in staging.items()
+    }
+    return jax.jit(_select, out_shardings=shardings)(staging, whole(order, layout))
 
 
 def whole(x: np.ndarray, layout: Layout | None) -> jax.Array:

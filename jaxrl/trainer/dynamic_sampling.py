@@ -21,10 +21,17 @@ generation batches, in order, until `train_batch_size` of them exist; the first
 `max_num_gen_batches > 0`, a step that has generated that many batches without enough groups
 stops the run with verl's message; 0 or less: no limit.
 
-`GroupPool` holds the kept rows on the host (the step's rows are host arrays until the batch is
-built), padding prompts on the left and responses on the right to a common width. As in verl's
-recipe, a step's timings add up over its generation batches, while the reward manager's and
-the agent loop's metrics are the last batch's.
+`GroupPool` holds the kept groups on the host (`KeptGroup`: the step's rows are host arrays
+until the batch is built), and `assemble` makes the step's rows of them: the first
+`train_batch_size` groups in order (generation batch, then prompt), padding prompts on the
+left and responses on the right to a common width. With several processes each process
+generates, scores and judges its own slice of every batch and keeps its own groups' rows;
+only the counts (to decide when to stop) and, at the end, each kept group's key, size,
+widths, row lengths and extra info cross the hosts. The batch is then placed on the devices
+from each process's own rows (`jaxrl.trainer.batch.place_owned`: the rows move between the
+devices, not the hosts), and the kept set, its order and its padding are one process's. As in
+verl's recipe, a step's timings add up over its generation batches, while the reward
+manager's and the agent loop's metrics are the last batch's.
 
 A run takes `trainer.total_training_steps` steps (default: generation batches per epoch x
 `total_epochs`), each drawing as many generation batches as it needs from the endless loader:
@@ -55,15 +62,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout.streaming import GroupRollout, StreamStats
-from jaxrl.sharding.processes import allgather_objects
-from jaxrl.trainer.batch import PROMPT_FIELDS
+from jaxrl.sharding.processes import allgather_objects, gather_rows
+from jaxrl.trainer.batch import PROMPT_FIELDS, RowOwners
 
 # the per-response values of `filter_groups.metric` computed from the batch, not read from the
 # reward function's extra info
@@ -105,25 +112,15 @@ def kept_rows(group_ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, in
     return rows, len(keep)
 
 
-def _by_appearance(group_ids: np.ndarray) -> np.ndarray:
-    """Group ids renumbered 0, 1, ... in the order the groups first appear."""
-    _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
-    rank = np.argsort(np.argsort(first))
-    return rank[inverse]
-
-
 def select_rows(rows: Mapping[str, np.ndarray], index: np.ndarray) -> dict[str, np.ndarray]:
     """Every host array's rows `index`."""
     return {k: np.asarray(v)[index] for k, v in rows.items()}
 
 
-def merged_extra(
-    rows: Sequence[Mapping[str, np.ndarray]], extra: Sequence[Mapping[str, list]]
-) -> dict[str, list]:
-    """The parts' extra info, row after row; a key one part's reward function did not return
-    is None on its rows."""
+def merged_extra(sizes: Sequence[int], extra: Sequence[Mapping[str, list]]) -> dict[str, list]:
+    """The parts' extra info (`sizes[i]` rows each), row after row; a key one part's reward
+    function did not return is None on its rows."""
     keys = sorted({k for part in extra for k in part})
-    sizes = [len(part["group_ids"]) for part in rows]
     return {k: [v for size, part in zip(sizes, extra, strict=True)
                 for v in part.get(k, [None] * size)] for k in keys}  # fmt: skip
 
@@ -134,40 +131,191 @@ NO_MORE_PROMPTS = (
 )
 
 
-def concat_rows(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Row-wise concatenation of host batches whose columns may differ in width: prompt
-    fields are padded on the left, [N, R] fields on the right (with 0)."""
+def concat_rows(
+    parts: Sequence[Mapping[str, np.ndarray]], widths: Mapping[str, int] | None = None
+) -> dict[str, np.ndarray]:
+    """Row-wise concatenation of host batches whose columns may differ in width, padded to
+    the widest (at least `widths[key]`): prompt fields on the left, [N, R, ...] fields on the
+    right (with 0)."""
     out = {}
     for key in parts[0]:
         arrays = [np.asarray(p[key]) for p in parts]
-        if arrays[0].ndim == 2:
-            width = max(a.shape[1] for a in arrays)
+        if arrays[0].ndim >= 2:
+            width = max([a.shape[1] for a in arrays] + [(widths or {}).get(key, 0)])
             left = key in PROMPT_FIELDS
-            arrays = [
-                np.pad(a, ((0, 0), (width - a.shape[1], 0) if left else (0, width - a.shape[1])))
-                for a in arrays
-            ]
+            pads = [(width - a.shape[1], 0) if left else (0, width - a.shape[1]) for a in arrays]
+            arrays = [np.pad(a, [(0, 0), pad] + [(0, 0)] * (a.ndim - 2))
+                      for a, pad in zip(arrays, pads, strict=True)]  # fmt: skip
         out[key] = np.concatenate(arrays)
     return out
 
 
 @dataclasses.dataclass
-class GroupPool:
-    """The kept groups of a step's generation batches (module doc).
+class KeptGroup:
+    """One kept group, on the process that generated and judged it.
 
     Attributes:
-        rows: Host arrays per part (prompts, masks, responses, scores, group ids, ...).
-        extra: The reward function's extra info per part ({name: per-row list}).
-        conversations: The agent loop's conversations per part (None: batch generation).
+        key: Its place in the step's order: (generation batch, its prompt's place in the
+            global batch), or (its prompt's place in the stream's global order,).
+        rows: Its rows' host arrays (one row per response, in order).
+        extra: The reward function's extra info of its rows ({name: per-row list}).
+        conversations: The agent loop's conversations of its rows (None: batch generation).
+    """
+
+    key: tuple[int, ...]
+    rows: dict[str, np.ndarray]
+    extra: dict[str, list]
+    conversations: list | None = None
+
+
+@dataclasses.dataclass
+class KeptRows:
+    """The step's kept groups (`assemble`), numbered 0, 1, ... in their order.
+
+    Attributes:
+        rows: This process's rows of them (one process: the batch), in order; `group_ids`
+            the global numbers.
+        owners: Several processes: where each row of the batch comes from (process, its
+            row in `rows` there); None: `rows` are the batch.
+        extra: Every row's extra info, in batch order (None where a group's reward function
+            did not return the key).
+        conversations: Every row's conversation in batch order (one process; several, when
+            asked for), else None.
+        lengths: Every row's (prompt, response) lengths, int32 [N] each.
+        whole: Every row's values of the `whole_fields` asked for ({name: [N]}).
+        metrics: The reward manager's metrics, summed over the processes.
+    """
+
+    rows: dict[str, np.ndarray]
+    owners: RowOwners | None
+    extra: dict[str, list]
+    conversations: list | None
+    lengths: tuple[np.ndarray, np.ndarray]
+    whole: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+    def batch_rows(self) -> dict[str, np.ndarray]:
+        """The whole batch's rows on every process (the processes' own rows gathered through
+        the hosts, then put in order): where the batch cannot be placed from each process's
+        own rows (`owned_placeable`)."""
+        if self.owners is None:
+            return self.rows
+        every = gather_rows(self.rows)
+        counts = np.bincount(self.owners.owner, minlength=jax.process_count())
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return select_rows(every, offsets[self.owners.owner] + self.owners.local)
+
+
+class _Summary(NamedTuple):
+    """What the other processes learn of a kept group (`assemble`)."""
+
+    key: tuple[int, ...]
+    size: int
+    widths: dict[str, int]
+    lengths: tuple[np.ndarray, np.ndarray]
+    whole: dict[str, np.ndarray]
+    extra: dict[str, list]
+    conversations: list | None
+
+
+def assemble(
+    groups: Sequence[KeptGroup],
+    limit: int | None = None,
+    *,
+    widths: Mapping[str, int] | None = None,
+    conversations: bool = False,
+    metrics: Mapping[str, float] | None = None,
+    whole_fields: Sequence[str] = (),
+) -> KeptRows:
+    """The first `limit` (None: all) of every process's kept `groups` in key order, each
+    process keeping its own rows (`KeptRows`). What crosses the hosts: per group its key,
+    size, column widths, extra info and per row its lengths and `whole_fields`; the reward
+    `metrics` (summed); the conversations only when `conversations` (one process has them
+    all anyway). Columns are padded to the widest kept group's, at least `widths` (prompt
+    fields on the left, others on the right). One collective with several processes."""
+    single = jax.process_count() == 1
+    mine = sorted(groups, key=lambda g: g.key)
+    summaries = [_Summary(
+        g.key, len(g.rows["response_mask"]), _widths(g.rows), _row_lengths(g.rows),
+        {k: np.asarray(g.rows[k]) for k in whole_fields if k in g.rows}, g.extra,
+        g.conversations if single or conversations else None,
+    ) for g in mine]  # fmt: skip
+    spec = {k: (np.asarray(v).dtype.str, np.asarray(v).shape[1:]) for k, v in
+            (mine[0].rows.items() if mine else ())}  # fmt: skip
+    every = allgather_objects((summaries, spec, dict(widths or {}), dict(metrics or {})))
+    order = sorted(
+        ((s.key, p, i) for p, part in enumerate(every) for i, s in enumerate(part[0])),
+        key=lambda x: x[0],
+    )[:limit]
+    chosen = [every[p][0][i] for _, p, i in order]
+    width: dict[str, int] = {}
+    for w in [part[2] for part in every] + [s.widths for s in chosen]:
+        for k, v in w.items():
+            width[k] = max(width.get(k, 0), v)
+    owner, local, counts = [], [], [0] * len(every)
+    for (_, p, _), s in zip(order, chosen, strict=True):
+        owner += [p] * s.size
+        local += range(counts[p], counts[p] + s.size)
+        counts[p] += s.size
+    me = jax.process_index()
+    own = [(rank, mine[i]) for rank, (_, p, i) in enumerate(order) if p == me]
+    spec = next((part[1] for part in every if part[1]), {})
+    talks = [s.conversations for s in chosen]
+    names = sorted({k for part in every for k in part[3]})
+    lengths = [np.concatenate([s.lengths[j] for s in chosen] + [np.zeros(0, np.int32)])
+               for j in (0, 1)]  # fmt: skip
+    whole = {k: np.concatenate([s.whole[k] for s in chosen])
+             for k in whole_fields if chosen and k in chosen[0].whole}  # fmt: skip
+    return KeptRows(
+        rows=_own_rows(own, spec, width),
+        owners=None if single else RowOwners(np.asarray(owner), np.asarray(local)),
+        extra=merged_extra([s.size for s in chosen], [s.extra for s in chosen]),
+        conversations=[c for t in talks for c in t] if talks and talks[0] is not None else None,
+        lengths=(lengths[0], lengths[1]),
+        whole=whole,
+        metrics={k: float(sum(part[3].get(k, 0.0) for part in every)) for k in names},
+    )
+
+
+def _widths(rows: Mapping[str, np.ndarray]) -> dict[str, int]:
+    return {k: np.asarray(v).shape[1] for k, v in rows.items() if np.asarray(v).ndim >= 2}
+
+
+def _row_lengths(rows: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    return tuple(np.asarray(rows[k]).sum(-1).astype(np.int32)
+                 for k in ("prompt_mask", "response_mask"))  # fmt: skip
+
+
+def _own_rows(
+    own: list[tuple[int, KeptGroup]], spec: Mapping[str, tuple], width: Mapping[str, int]
+) -> dict[str, np.ndarray]:
+    """This process's kept groups' rows (`own`: (global rank, group) in order), group ids
+    the ranks, each column padded to `width`; empty arrays of `spec`'s (dtype, trailing
+    shape) when it has none."""
+    if not own:
+        return {k: np.zeros((0, width.get(k, 0), *shape[1:]) if len(shape) else (0,), dtype)
+                for k, (dtype, shape) in spec.items()}  # fmt: skip
+    parts = [{**g.rows, "group_ids": np.full(len(g.rows["response_mask"]), rank, np.int32)}
+             for rank, g in own]  # fmt: skip
+    return concat_rows(parts, width)
+
+
+@dataclasses.dataclass
+class GroupPool:
+    """The kept groups of a step's generation batches (module doc). With several processes
+    each pool holds its own process's groups; the counts are every process's.
+
+    Attributes:
+        kept: This process's kept groups (`KeptGroup`, keyed by (batch, group id)).
+        widths: The widest columns of the batches so far ({field: width}).
         groups: Groups kept so far.
         generated: Groups generated so far.
         batches: Generation batches so far.
         tokens: Response tokens generated so far (kept or not).
     """
 
-    rows: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
-    extra: list[dict[str, list]] = dataclasses.field(default_factory=list)
-    conversations: list[list | None] = dataclasses.field(default_factory=list)
+    kept: list[KeptGroup] = dataclasses.field(default_factory=list)
+    widths: dict[str, int] = dataclasses.field(default_factory=dict)
     groups: int = 0
     generated: int = 0
     batches: int = 0
@@ -180,20 +328,25 @@ class GroupPool:
         conversations: list | None,
         values: np.ndarray,
     ) -> None:
-        """Keep the groups of one generation batch (`rows["group_ids"]`, `values` [N]) that
-        pass the rule; their group ids are renumbered after the pool's."""
-        self.batches += 1
-        self.tokens += int(np.asarray(rows["response_mask"]).sum())
+        """Keep the groups of one generation batch (this process's rows: `group_ids`
+        numbering the batch's prompts in order, `values` [N]) that pass the rule. With
+        several processes, one small collective (the counts)."""
         group_ids = np.asarray(rows["group_ids"])
-        self.generated += len(np.unique(group_ids))
         index, kept = kept_rows(group_ids, values)
-        part = select_rows(rows, index)
-        part["group_ids"] = (_by_appearance(part["group_ids"]) + self.groups).astype(np.int32)
-        self.rows.append(part)
-        self.extra.append({k: [v[i] for i in index] for k, v in extra.items()})
-        self.conversations.append(None if conversations is None else
-                                  [conversations[i] for i in index])  # fmt: skip
-        self.groups += kept
+        for g in dict.fromkeys(group_ids[index].tolist()):  # kept groups, in order
+            own = index[group_ids[index] == g]
+            self.kept.append(KeptGroup(
+                (self.batches, g), select_rows(rows, own),
+                {k: [v[i] for i in own] for k, v in extra.items()},
+                None if conversations is None else [conversations[i] for i in own],
+            ))  # fmt: skip
+        for k, w in _widths(rows).items():
+            self.widths[k] = max(self.widths.get(k, 0), w)
+        counts = (kept, len(np.unique(group_ids)), int(np.asarray(rows["response_mask"]).sum()))
+        kept, generated, tokens = np.sum(allgather_objects(counts), axis=0)
+        self.batches += 1
+        self.groups, self.generated = self.groups + int(kept), self.generated + int(generated)
+        self.tokens += int(tokens)
 
     def full(self, groups: int, max_num_gen_batches: int) -> bool:
         """Whether `groups` groups are kept (the step can train); raises
@@ -204,20 +357,9 @@ class GroupPool:
             raise DynamicSamplingError(too_many_batches_message(self.batches, max_num_gen_batches))
         return False
 
-    def take(self, groups: int) -> tuple[dict[str, np.ndarray], dict[str, list], list | None]:
-        """The first `groups` kept groups: (rows, extra info, conversations or None)."""
-        rows = concat_rows(self.rows)
-        keep = np.flatnonzero(rows["group_ids"] < groups)
-        extra = merged_extra(self.rows, self.extra)
-        conversations = None
-        if self.conversations[0] is not None:
-            everything = [c for part in self.conversations for c in part]
-            conversations = [everything[i] for i in keep]
-        return (
-            select_rows(rows, keep),
-            {k: [v[i] for i in keep] for k, v in extra.items()},
-            (conversations),
-        )
+    def take(self, groups: int, **kwargs: Any) -> KeptRows:
+        """The first `groups` kept groups (`assemble`, which takes `kwargs`)."""
+        return assemble(self.kept, groups, widths=self.widths, **kwargs)
 
     def metrics(self, groups: int) -> dict[str, float]:
         """verl's `train/num_gen_batches` and v1's filter counts (in groups), and jaxrl's
@@ -251,8 +393,7 @@ class GroupJudge:
         self.reward_fn, self.metric, self.timing = reward_fn, metric, timing
         self.host_fields = host_fields or (lambda prompts: {})
         self.sources: list[PromptBatch] = []
-        self.kept: list[tuple[int, dict[str, np.ndarray], dict[str, list]]] = []  # by group:
-        # (its prompt's place in the global order, its rows, its extra info)
+        self.kept: list[KeptGroup] = []  # keyed by their prompt's place in the global order
         self.reward_metrics: dict[str, float] = {}
         self._more: Iterator[PromptBatch] | None = None
         self._states: list[Any] = []  # the source's state before each batch drawn from it
@@ -315,7 +456,7 @@ class GroupJudge:
         for k, group in enumerate(groups):
             if verdicts[k]:
                 prompts, scores, extra = scored[k]
-                self.kept.append((group.sequence, {
+                self.kept.append(KeptGroup((group.sequence,), {
                     "prompts": prompts.input_ids, "prompt_mask": prompts.attention_mask,
                     "responses": group.responses, "response_mask": group.response_mask,
                     "token_level_scores": np.asarray(scores, np.float32),
@@ -325,20 +466,12 @@ class GroupJudge:
         self.timing["reward"] = self.timing.get("reward", 0.0) + time.perf_counter() - start
         return [verdicts[k] for k in range(len(groups))]
 
-    def take(self, cut: int | None) -> tuple[dict[str, np.ndarray], dict[str, list], dict]:
-        """The kept groups' rows before `cut` (None: all), of every process, in prompt order
-        (group ids numbering them), their extra info, and the reward manager's metrics summed
-        over every process (the surplus past the cut is dropped)."""
-        every = allgather_objects(([g for g in self.kept if cut is None or g[0] < cut],
-                                   self.reward_metrics))  # fmt: skip
-        groups = sorted((g for part, _ in every for g in part), key=lambda g: g[0])
-        rows = [{**r, "group_ids": np.full(len(r["responses"]), i, np.int32)}
-                for i, (_, r, _) in enumerate(groups)]  # fmt: skip
-        names = sorted({k for _, m in every for k in m})
-        metrics = {k: float(sum(m.get(k, 0.0) for _, m in every)) for k in names}
-        if not rows:
-            return {}, {}, metrics
-        return concat_rows(rows), merged_extra(rows, [e for _, _, e in groups]), metrics
+    def take(self, cut: int | None, **kwargs: Any) -> KeptRows:
+        """The kept groups before `cut` (None: all) in prompt order (`assemble`, which takes
+        `kwargs`), with the reward manager's metrics summed over every process's judged
+        groups (the surplus past the cut is dropped)."""
+        before = [g for g in self.kept if cut is None or g.key[0] < cut]
+        return assemble(before, metrics=self.reward_metrics, **kwargs)
 
 
 def _state(source: Iterator) -> Any:

@@ -19,7 +19,8 @@
               streamed through the engine's scheduler, judged as they end
     gather    several processes: every row's lengths (and teacher), the scorer's extra info
               and metrics; each process keeps its own rows when its devices hold exactly
-              those of the step's batch (`span`), else (and after dynamic sampling) every
+              those of the step's batch (`span`), or, after dynamic sampling, its own kept
+              groups' rows, which the devices put in their places (`owners`); else every
               process gets the rows of all of them (`gather_processes`)
 
 The trainer's step consumes an `Experience` and only runs passes and updates.
@@ -49,13 +50,14 @@ from jaxrl.sharding.processes import (
     row_span,
     to_host,
 )
-from jaxrl.trainer.batch import moved_to, rows_sharding
+from jaxrl.trainer.batch import RowOwners, moved_to, owned_placeable, rows_sharding
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.dynamic_sampling import (
     NO_MORE_PROMPTS,
     DynamicSamplingError,
     GroupJudge,
     GroupPool,
+    KeptRows,
     metric_values,
     stream_metrics,
     too_many_batches_message,
@@ -74,9 +76,10 @@ class Experience:
     """What one step trains on: the global batch's generated and scored rows.
 
     Attributes:
-        rows: Host arrays, the same on every process: `prompts`, `prompt_mask`,
-            `responses`, `response_mask`, `token_level_scores`, `group_ids`, and
-            `loss_mask` (the agent loop's) and `reward_baselines` (ReMax) when there are.
+        rows: Host arrays: `prompts`, `prompt_mask`, `responses`, `response_mask`,
+            `token_level_scores`, `group_ids`, and `loss_mask` (the agent loop's) and
+            `reward_baselines` (ReMax) when there are; the global batch's (the same on every
+            process), or this process's own rows (`span`, `owners`).
         rollout_log_probs: The rollout's log-probs [N, R]: on the devices in the actor's
             layout (one process, no filtering), on the host otherwise; None when the
             rollout returned none.
@@ -90,7 +93,11 @@ class Experience:
         span: (first, total) when `rows` are this process's own rows [first, first + n) of
             the global batch of `total` (several processes, whose devices each hold their
             own rows of the step's batch); None when `rows` are the global batch.
-        lengths: With `span`: every row's (prompt, response) lengths, int [total] each.
+        owners: After dynamic sampling over several processes, when `rows` are this
+            process's own kept rows: where each row of the batch comes from (its devices
+            hold `owners.held()` of the batch once placed); else None.
+        lengths: With `span` or `owners`: every row's (prompt, response) lengths, int
+            [total] each.
     """
 
     rows: dict[str, np.ndarray]
@@ -102,7 +109,15 @@ class Experience:
     timing: dict[str, float]
     metrics: dict[str, float]
     span: tuple[int, int] | None = None
+    owners: RowOwners | None = None
     lengths: tuple[np.ndarray, np.ndarray] | None = None
+
+    def held(self) -> tuple[int, int] | None:
+        """(first, count): the rows of the batch this process's devices hold, when they are
+        its own share (`span` or `owners`); None when every process holds the batch."""
+        if self.owners is not None:
+            return self.owners.held()
+        return None if self.span is None else (self.span[0], len(self.rows["responses"]))
 
 
 @contextlib.contextmanager
@@ -161,7 +176,7 @@ class ExperienceProducer:
         lengths = None if scored.index is None else scored.index["lengths"]
         return Experience(
             rows, log_probs, scored.extra, routes, scored.conversations, version, timing,
-            metrics, scored.span, lengths,
+            metrics, scored.span, scored.owners, lengths,
         )  # fmt: skip
 
     # ---- the ways a step's rows are made -------------------------------------------------
@@ -173,11 +188,13 @@ class ExperienceProducer:
         timing: dict[str, float],
         metrics: dict[str, float],
         *,
-        on_host: bool = False,
+        own: bool = False,
     ) -> _Scored:
         """Generate `rollout.n` responses per prompt and score them (and ReMax's greedy
-        baselines): the global batch's rows, on every process (`gather_processes`). The
-        rollout's log-probs stay on the devices (one process) unless `on_host`."""
+        baselines): the global batch's rows, on every process (`gather_processes`), or each
+        process's own rows where its devices hold them (`span`). The rollout's log-probs
+        stay on the devices (one process). `own` (dynamic sampling's pool): this process's
+        rows, log-probs and scorer output as they are, all on the host, nothing gathered."""
         n = self.sampling.n
         with timer("gen", timing):
             generated = self.rollout.generate(prompts, self.sampling, rng)
@@ -203,6 +220,11 @@ class ExperienceProducer:
                 rows["reward_baselines"] = np.repeat(base_scores.sum(-1), n, axis=0)
         on_devices = None
         conversations = generated.conversations
+        if own:
+            if log_probs is not None:
+                rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
+            rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
+            return _Scored(rows, None, extra, reward_metrics, conversations)
         if jax.process_count() > 1:
             with timer("gather", timing):
                 if log_probs is not None:
@@ -210,16 +232,15 @@ class ExperienceProducer:
                 rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
                 conversations = self._gathered(conversations)
                 span = row_span(len(group_ids))
-                if not on_host and self._holds_own_rows(span, len(group_ids)):
+                if self._holds_own_rows(span, len(group_ids)):
                     index = _row_index(rows)  # every row's lengths (and teacher), not the rows
                     extra, reward_metrics = gather_scorer_info(len(group_ids), extra,
                                                                reward_metrics)  # fmt: skip
-                    return _Scored(rows, None, extra, reward_metrics, conversations, span, index)
+                    return _Scored(rows, None, extra, reward_metrics, conversations, span,
+                                   index=index)  # fmt: skip
                 rows, group_ids, extra, reward_metrics = gather_processes(
                     rows, group_ids, extra, reward_metrics
                 )
-        elif log_probs is not None and on_host:
-            rows["rollout_log_probs"] = np.asarray(to_host(log_probs))
         elif log_probs is not None:
             on_devices = moved_to(log_probs, self.cluster.actor.layout)
         rows = {**rows, "group_ids": np.asarray(group_ids, np.int32)}
@@ -278,7 +299,7 @@ class ExperienceProducer:
         pool = GroupPool()
         while True:
             key = rng if pool.batches == 0 else jax.random.fold_in(extra_key, pool.batches)
-            scored = self._scored_rows(prompts, key, timing, metrics, on_host=True)
+            scored = self._scored_rows(prompts, key, timing, metrics, own=True)
             values = metric_values(fg.metric, scored.rows["token_level_scores"], scored.extra)
             pool.add(scored.rows, scored.extra, scored.conversations, values)
             if pool.full(target, fg.max_num_gen_batches):
@@ -286,9 +307,8 @@ class ExperienceProducer:
             if self.prompt_source is None:
                 raise ValueError(NO_MORE_PROMPTS)
             prompts = next(self.prompt_source)
-        rows, extra, conversations = pool.take(target)
         metrics.update(pool.metrics(target))
-        return _Scored(rows, None, extra, scored.reward_metrics, conversations)
+        return self._kept(pool.take(target, metrics=scored.reward_metrics, **self._kept_args()))
 
     def _streamed_sampling(
         self,
@@ -316,9 +336,33 @@ class ExperienceProducer:
         if result.cut is None:
             raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
         judge.settle(result.stats.batches)
-        rows, extra, reward_metrics = judge.take(result.cut)
         metrics.update(stream_metrics(result.stats, target))
-        return _Scored(rows, None, extra, reward_metrics, None)
+        return self._kept(judge.take(result.cut, **self._kept_args()))
+
+    def _kept_args(self) -> dict[str, Any]:
+        """What dynamic sampling's `assemble` gathers besides the rows' lengths: each row's
+        teacher, and the conversations where the rollout dump needs them."""
+        return {"whole_fields": (ROUTE,), "conversations": bool(self.cfg.trainer.rollout_data_dir)}
+
+    def _kept(self, kept: KeptRows) -> _Scored:
+        """Dynamic sampling's kept rows as the step's: one process, the batch; several, each
+        process's own rows with their places in the batch (`owners`), when the trainer's
+        layout lets each place its own (`owned_placeable`), else the batch gathered to every
+        process."""
+        if kept.owners is None:
+            return _Scored(dict(kept.rows), None, kept.extra, kept.metrics, kept.conversations)
+        rows = {k: v for k, v in kept.rows.items() if k != ROUTE}
+        index = {"lengths": kept.lengths, **kept.whole}
+        own = owned_placeable(self.cluster.actor.layout, kept.owners)
+        if not self._told:
+            self._told = True
+            log.info("the step's batch: %s", "each process places its own kept rows" if own else
+                     f"gathered to every process ({kept.owners.total} rows)")  # fmt: skip
+        if own:
+            return _Scored(rows, None, kept.extra, kept.metrics, kept.conversations,
+                           owners=kept.owners, index=index)  # fmt: skip
+        rows = {k: v for k, v in kept.batch_rows().items() if k != ROUTE}
+        return _Scored(rows, None, kept.extra, kept.metrics, kept.conversations, index=index)
 
 
 @dataclasses.dataclass
@@ -332,7 +376,8 @@ class _Scored:
     reward_metrics: dict[str, float]
     conversations: list[dict[str, Any]] | None
     span: tuple[int, int] | None = None  # `rows` this process's own (Experience.span)
-    index: dict[str, Any] | None = None  # with span: every row's lengths and teacher
+    owners: RowOwners | None = None  # `rows` this process's own kept rows (Experience.owners)
+    index: dict[str, Any] | None = None  # with span or owners: every row's lengths, teacher
 
 
 def gather_processes(

@@ -60,7 +60,7 @@ from jaxrl.data.iterator import PromptIterator
 from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.layouts import placed_abstract
-from jaxrl.sharding.processes import gather_rows, read_rows, to_host
+from jaxrl.sharding.processes import gather_rows, read_rows, received_bytes, to_host
 from jaxrl.trainer import losses
 from jaxrl.trainer.advantage import (
     compute_advantage,
@@ -335,6 +335,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         self.spans = spans = Spans()  # the device phases, none waited for on its own
         compiles = compile_totals()  # the whole step's, read-back and fingerprints included
+        received = received_bytes()
         rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
         with timer("step", timing):
             experience = self.producer.produce(prompts, global_step, rng)
@@ -386,6 +387,7 @@ class PPOTrainer:
         if cfg.trainer.rollout_data_dir:
             self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir, conversations)
         metrics.update(compiles_since(compiles))
+        metrics["perf/host_bytes_received"] = float(received_bytes() - received)
         return metrics
 
     def _read_back(
@@ -393,14 +395,15 @@ class PPOTrainer:
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
         """The rows' summaries for the step's metrics (`row_summaries`, of every row) and the
         batch on the host where the rollout dump needs it (`trainer.rollout_data_dir`; else
-        None). A process that holds its own rows (`experience.span`) reads only those from
+        None). A process that holds its own rows (`experience.held`) reads only those from
         its devices and gathers the summaries (a few numbers per row); otherwise the batch is
         read whole."""
         use_critic = self.cluster.critic is not None
-        if experience.span is None:
+        held = experience.held()
+        if held is None:
             host = to_host(arrays)
             return row_summaries(host, use_critic), host
-        first, count = experience.span[0], len(experience.rows["responses"])
+        first, count = held
         own = read_rows(arrays, first, first + count)
         summaries = gather_rows(row_summaries(own, use_critic))
         host = to_host(arrays) if self.cfg.trainer.rollout_data_dir else None
@@ -766,7 +769,7 @@ def _batch(experience: Experience, layout) -> RLBatch:
     """The step's batch on the trainer's devices from its experience (each process placing
     its own rows when it holds only those)."""
     rows, log_probs = dict(experience.rows), experience.rollout_log_probs
-    where = {"span": experience.span, "lengths": experience.lengths}
+    where = {"span": experience.span, "owners": experience.owners, "lengths": experience.lengths}
     if log_probs is None or isinstance(log_probs, jax.Array):
         return RLBatch.from_host(rows, layout, **where, rollout_log_probs=log_probs)
     return RLBatch.from_host({**rows, "rollout_log_probs": log_probs}, layout, **where)

@@ -144,8 +144,9 @@ def test_two_processes_train_like_one(runs):
 def test_dynamic_sampling_over_two_processes_equals_one(runs, streaming):
     """DAPO dynamic sampling (generation batches of 4 prompts for steps of 16) over 2
     processes equals one process's: the kept groups, the extra batches drawn from the loader
-    and every metric. Batches: each generation batch is gathered from both and filtered on
-    each. Streaming (groups of 4 through 16 slots, 8 per process; `acc` drops most groups):
+    and every metric; each process keeps its own kept rows, and the devices put them in the
+    batch's order. Batches: each process filters its slice of every generation batch, the
+    counts summed over both. Streaming (groups of 4 through 16 slots, 8 per process; `acc` drops most groups):
     each process streams its own slice of every batch, and the kept set is the first 16 kept
     in prompt order, whichever process judged them first."""
     single, _, _ = runs
@@ -161,7 +162,8 @@ def test_dynamic_sampling_over_two_processes_equals_one(runs, streaming):
     name = "stream" if streaming else "dapo"
     one, two = single.parent / f"{name}_single", single.parent / f"{name}_multi"
     _train(one, 1, steps=2, extra=tuple(extra))
-    _train(two, 2, steps=2, extra=tuple(extra))
+    logs = _train(two, 2, steps=2, extra=tuple(extra))
+    assert "the step's batch: each process places its own kept rows" in logs
     want, got = _metrics(one), _metrics(two)
     assert sorted(want) == sorted(got) == [1, 2]
     for step in want:

@@ -10,15 +10,19 @@ first-appearance order, keep their rows in row order, append to the batch, and o
 
 from collections import defaultdict
 
+import jax
 import numpy as np
 import pytest
 
+import jaxrl.trainer.dynamic_sampling as dynamic_sampling
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout.streaming import GroupRollout, StreamStats
 from jaxrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     GroupJudge,
     GroupPool,
+    KeptGroup,
+    assemble,
     kept_rows,
     metric_values,
     stream_metrics,
@@ -58,16 +62,21 @@ def gen_batch(seed, prompts=4, n=3, tie_rate=0.5):
     return uids, group_ids, values.ravel(), [(seed, i) for i in range(prompts * n)]
 
 
+def masked(rows):
+    """`rows` with the prompt mask every step's rows have (one prompt token) if they lack it."""
+    return {"prompt_mask": np.ones((len(rows["group_ids"]), 1), np.int32), **rows}
+
+
 def jaxrl_step(batches, train_batch_size, n, max_num_gen_batches):
     """The trainer's loop (`PPOTrainer._dynamic_sampling`) over fixed generation batches."""
     pool = GroupPool()
     for _, group_ids, values, labels in batches:
-        rows = {"group_ids": group_ids, "label": np.asarray(labels),
-                "response_mask": np.ones((len(group_ids), 2), np.int32)}  # fmt: skip
+        rows = masked({"group_ids": group_ids, "label": np.asarray(labels),
+                       "response_mask": np.ones((len(group_ids), 2), np.int32)})  # fmt: skip
         pool.add(rows, {"value": list(values)}, None, values)
         if pool.full(train_batch_size, max_num_gen_batches):
-            rows, extra, _ = pool.take(train_batch_size)
-            return [tuple(x) for x in rows["label"]], pool, rows, extra
+            kept = pool.take(train_batch_size)
+            return [tuple(x) for x in kept.rows["label"]], pool, kept.rows, kept.extra
     raise AssertionError("ran out of generation batches")
 
 
@@ -124,26 +133,27 @@ def test_surplus_and_eviction_counts():
     values = np.array([0, 1, 1, 1, 0, 1, 0, 1], np.float64)  # group 1 tied
     lengths = np.array([1, 2, 3, 3, 1, 1, 2, 2])  # 15 tokens, every group's
     mask = (np.arange(3) < lengths[:, None]).astype(np.int32)
-    pool.add({"group_ids": group_ids, "response_mask": mask}, {},
+    pool.add(masked({"group_ids": group_ids, "response_mask": mask}), {},
              [{"i": i} for i in range(8)], values)  # fmt: skip
-    rows, _, conversations = pool.take(2)
-    np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
+    kept = pool.take(2)
+    np.testing.assert_array_equal(kept.rows["group_ids"], [0, 0, 1, 1])
+    np.testing.assert_array_equal(kept.lengths[1], [1, 2, 1, 1])
+    assert kept.owners is None  # one process: the rows are the batch
     assert pool.metrics(2) == {
         "train/num_gen_batches": 1.0,
         "training/filter_groups/evicted_samples": 1.0,
         "training/filter_groups/discarded_surplus_samples": 1.0,
         "training/filter_groups/sampled_tokens_per_group": 15 / 2,  # over the trained groups
     }
-    assert [c["i"] for c in conversations] == [0, 1, 4, 5]
+    assert [c["i"] for c in kept.conversations] == [0, 1, 4, 5]
 
 
 def test_extra_info_keys_missing_in_a_batch_are_none():
     pool = GroupPool()
-    two = {"group_ids": np.array([0, 0]), "response_mask": np.ones((2, 1), np.int32)}
+    two = masked({"group_ids": np.array([0, 0]), "response_mask": np.ones((2, 1), np.int32)})
     pool.add(two, {"acc": [0, 1]}, None, np.array([0.0, 1.0]))
     pool.add(dict(two), {"pred": ["a", "b"]}, None, np.array([0.0, 1.0]))
-    _, extra, _ = pool.take(2)
-    assert extra == {"acc": [0, 1, None, None], "pred": [None, None, "a", "b"]}
+    assert pool.take(2).extra == {"acc": [0, 1, None, None], "pred": [None, None, "a", "b"]}
 
 
 def test_metric_values():
@@ -157,13 +167,15 @@ def test_metric_values():
 
 def test_rows_of_different_widths_concatenate_with_their_padding():
     pool = GroupPool()
-    a = {"prompts": np.array([[0, 5], [0, 6]]), "responses": np.array([[7], [8]]),
-         "response_mask": np.array([[1], [1]]), "group_ids": np.array([0, 0])}  # fmt: skip
-    b = {"prompts": np.array([[9], [9]]), "responses": np.array([[1, 2], [3, 0]]),
-         "response_mask": np.array([[1, 1], [1, 0]]), "group_ids": np.array([0, 0])}  # fmt: skip
+    a = {"prompts": np.array([[0, 5], [0, 6]]), "prompt_mask": np.array([[0, 1], [0, 1]]),
+         "responses": np.array([[7], [8]]), "response_mask": np.array([[1], [1]]),
+         "group_ids": np.array([0, 0])}  # fmt: skip
+    b = {"prompts": np.array([[9], [9]]), "prompt_mask": np.array([[1], [1]]),
+         "responses": np.array([[1, 2], [3, 0]]), "response_mask": np.array([[1, 1], [1, 0]]),
+         "group_ids": np.array([0, 0])}  # fmt: skip
     pool.add(a, {}, None, np.array([0.0, 1.0]))
     pool.add(b, {}, None, np.array([1.0, 0.0]))
-    rows, _, _ = pool.take(2)
+    rows = pool.take(2).rows
     np.testing.assert_array_equal(rows["prompts"], [[0, 5], [0, 6], [0, 9], [0, 9]])
     np.testing.assert_array_equal(rows["responses"], [[7, 0], [8, 0], [1, 2], [3, 0]])
     np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
@@ -215,15 +227,17 @@ def test_group_judge_scores_keeps_and_concatenates():
     ]
     # each group's own prompt, n times; batch 0's groups scored together
     assert calls == [[12, 12], [1, 1, 0, 0], [10, 10]]
-    rows, extra, metrics = judge.take(None)  # in prompt order: prompt 0, then prompt 5
+    kept = judge.take(None, whole_fields=("teacher_route",))  # prompt order: 0, then 5
+    rows, extra, metrics = kept.rows, kept.extra, kept.metrics
     np.testing.assert_array_equal(rows["group_ids"], [0, 0, 1, 1])
     np.testing.assert_array_equal(rows["prompts"][0], np.concatenate([[0], first_ids[0]]))
     np.testing.assert_array_equal(rows["prompts"][2], second_ids[2])
     np.testing.assert_array_equal(rows["token_level_scores"][:, 0], [1, 0, 1, 0])
     np.testing.assert_array_equal(rows["teacher_route"], [0, 0, 12, 12])  # each group's prompt
+    np.testing.assert_array_equal(kept.whole["teacher_route"], rows["teacher_route"])
     assert extra == {"first": [5, 6, 3, 4]}
     assert metrics == {"reward/errors": 3.0} and timing["reward"] > 0
-    one, _, _ = judge.take(1)  # the kept before the cut only: a surplus past it is dropped
+    one = judge.take(1).rows  # the kept before the cut only: a surplus past it is dropped
     np.testing.assert_array_equal(one["responses"], rows["responses"][:2])
 
 
@@ -277,3 +291,84 @@ def test_stream_metrics():
         "training/filter_groups/aborted_groups": 2.0,
         "training/filter_groups/sampled_tokens_per_group": 15.0,
     }
+
+
+def random_group(rng, key):
+    """A kept group of 1-4 rows with random column widths, extra info and conversations."""
+    size, p, r = rng.integers(1, 5, 3)
+    rows = {
+        "prompts": rng.integers(2, 99, (size, p)), "prompt_mask": rng.integers(0, 2, (size, p)),
+        "responses": rng.integers(2, 99, (size, r)), "response_mask": rng.integers(0, 2, (size, r)),
+        "token_level_scores": rng.random((size, r)).astype(np.float32),
+        "teacher_route": rng.integers(0, 3, size).astype(np.int32),
+        "group_ids": np.zeros(size, np.int32),
+    }  # fmt: skip
+    extra = {
+        k: [f"{k}{key}{i}" for i in range(size)] for k in ("acc", "pred") if rng.random() < 0.7
+    }
+    return KeptGroup(key, rows, extra, [{"row": (key, i)} for i in range(size)])
+
+
+class _Captured(Exception):
+    pass
+
+
+def assemble_on_processes(monkeypatch, own, limit, widths, metrics, **kw):
+    """`assemble` on each of len(own) simulated processes (`own[p]`: process p's groups,
+    `widths[p]`, `metrics[p]` its arguments), with its all-gather answered by every process's
+    payload: each process's result."""
+    payloads = []
+
+    def call(p, gather):
+        monkeypatch.setattr(jax, "process_index", lambda: p)
+        monkeypatch.setattr(dynamic_sampling, "allgather_objects", gather)
+        return assemble(own[p], limit, widths=widths[p], metrics=metrics[p], **kw)
+
+    def capture(obj):
+        payloads.append(obj)
+        raise _Captured
+
+    monkeypatch.setattr(jax, "process_count", lambda: len(own))
+    for p in range(len(own)):
+        with pytest.raises(_Captured):
+            call(p, capture)
+    got = [call(p, lambda obj: list(payloads)) for p in range(len(own))]
+    monkeypatch.undo()
+    return got
+
+
+def test_kept_groups_of_several_processes_assemble_to_the_one_process_batch(monkeypatch):
+    """Property: kept groups of random sizes, widths and extra keys, spread at random over 2
+    or 3 (simulated) processes. Each process's `assemble` keeps only its own rows, and those
+    rows put at `owners`' places are the one process's batch (padding included); the extra
+    info, lengths, teachers, conversations and summed metrics every process gets are the one
+    process's too."""
+    rng = np.random.default_rng(0)
+    kw = {"whole_fields": ("teacher_route",), "conversations": True}
+    for _ in range(25):
+        processes = int(rng.integers(2, 4))
+        keys = sorted({(int(rng.integers(0, 3)), int(rng.integers(0, 40))) for _ in range(8)})
+        groups = [random_group(rng, tuple(key)) for key in rng.permutation(np.array(keys))]
+        owner = rng.integers(0, processes, len(groups))
+        limit = int(rng.integers(1, len(groups) + 1))
+        widths = [{"responses": int(rng.integers(0, 6))} for _ in range(processes)]
+        metrics = [{"reward/errors": float(p + 1)} for p in range(processes)]
+        widest = {"responses": max(w["responses"] for w in widths)}
+        total = {"reward/errors": float(sum(range(1, processes + 1)))}
+        want = assemble(groups, limit, widths=widest, metrics=total, **kw)
+        own = [[g for g, o in zip(groups, owner, strict=True) if o == p] for p in range(processes)]
+        got = assemble_on_processes(monkeypatch, own, limit, widths, metrics, **kw)
+        owners = got[0].owners
+        assert len(owners.owner) == len(want.rows["responses"])
+        for name, value in want.rows.items():
+            batch = [got[p].rows[name][i] for p, i in zip(owners.owner, owners.local, strict=True)]
+            np.testing.assert_array_equal(np.stack(batch), value, err_msg=name)
+        for p in range(processes):  # the rows a process holds are its own groups' only
+            assert len(got[p].rows["responses"]) == (owners.owner == p).sum()
+            assert got[p].extra == want.extra and got[p].conversations == want.conversations
+            assert got[p].metrics == want.metrics
+            np.testing.assert_array_equal(got[p].owners.owner, owners.owner)
+            for j in (0, 1):
+                np.testing.assert_array_equal(got[p].lengths[j], want.lengths[j])
+            np.testing.assert_array_equal(got[p].whole["teacher_route"],
+                                          want.whole["teacher_route"])  # fmt: skip
