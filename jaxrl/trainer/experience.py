@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -308,7 +309,8 @@ class ExperienceProducer:
                 raise ValueError(NO_MORE_PROMPTS)
             prompts = next(self.prompt_source)
         metrics.update(pool.metrics(target))
-        return self._kept(pool.take(target, metrics=scored.reward_metrics, **self._kept_args()))
+        return self._kept(functools.partial(pool.take, target, metrics=scored.reward_metrics),
+                          timing)  # fmt: skip
 
     def _streamed_sampling(
         self,
@@ -337,18 +339,18 @@ class ExperienceProducer:
             raise DynamicSamplingError(too_many_batches_message(result.stats.batches, limit))
         judge.settle(result.stats.batches)
         metrics.update(stream_metrics(result.stats, target))
-        return self._kept(judge.take(result.cut, **self._kept_args()))
+        return self._kept(functools.partial(judge.take, result.cut), timing)
 
-    def _kept_args(self) -> dict[str, Any]:
-        """What dynamic sampling's `assemble` gathers besides the rows' lengths: each row's
-        teacher, and the conversations where the rollout dump needs them."""
-        return {"whole_fields": (ROUTE,), "conversations": bool(self.cfg.trainer.rollout_data_dir)}
-
-    def _kept(self, kept: KeptRows) -> _Scored:
-        """Dynamic sampling's kept rows as the step's: one process, the batch; several, each
-        process's own rows with their places in the batch (`owners`), when the trainer's
-        layout lets each place its own (`owned_placeable`), else the batch gathered to every
-        process."""
+    def _kept(self, take: Callable[..., KeptRows], timing: dict[str, float]) -> _Scored:
+        """Dynamic sampling's kept rows (`take`: the pool's or the judge's, given what
+        `assemble` gathers besides the rows' lengths: each row's teacher, and the
+        conversations where the rollout dump needs them) as the step's: one process, the
+        batch; several, each process's own rows with their places in the batch (`owners`),
+        when the trainer's layout lets each place its own (`owned_placeable`), else the
+        batch gathered to every process (timed as `gather`)."""
+        start = time.perf_counter()
+        dump = bool(self.cfg.trainer.rollout_data_dir)
+        kept = take(whole_fields=(ROUTE,), conversations=dump)
         if kept.owners is None:
             return _Scored(dict(kept.rows), None, kept.extra, kept.metrics, kept.conversations)
         rows = {k: v for k, v in kept.rows.items() if k != ROUTE}
@@ -358,11 +360,11 @@ class ExperienceProducer:
             self._told = True
             log.info("the step's batch: %s", "each process places its own kept rows" if own else
                      f"gathered to every process ({kept.owners.total} rows)")  # fmt: skip
-        if own:
-            return _Scored(rows, None, kept.extra, kept.metrics, kept.conversations,
-                           owners=kept.owners, index=index)  # fmt: skip
-        rows = {k: v for k, v in kept.batch_rows().items() if k != ROUTE}
-        return _Scored(rows, None, kept.extra, kept.metrics, kept.conversations, index=index)
+        if not own:
+            rows = {k: v for k, v in kept.batch_rows().items() if k != ROUTE}
+        timing["gather"] = timing.get("gather", 0.0) + time.perf_counter() - start
+        return _Scored(rows, None, kept.extra, kept.metrics, kept.conversations,
+                       owners=kept.owners if own else None, index=index)  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -146,9 +146,9 @@ def test_dynamic_sampling_over_two_processes_equals_one(runs, streaming):
     processes equals one process's: the kept groups, the extra batches drawn from the loader
     and every metric; each process keeps its own kept rows, and the devices put them in the
     batch's order. Batches: each process filters its slice of every generation batch, the
-    counts summed over both. Streaming (groups of 4 through 16 slots, 8 per process; `acc` drops most groups):
-    each process streams its own slice of every batch, and the kept set is the first 16 kept
-    in prompt order, whichever process judged them first."""
+    counts summed over both. Streaming (groups of 4 through 16 slots, 8 per process; `acc`
+    drops most groups): each process streams its own slice of every batch, and the kept set
+    is the first 16 kept in prompt order, whichever process judged them first."""
     single, _, _ = runs
     extra = ["algorithm.filter_groups.enable=true", "data.gen_batch_size=4",
              "trainer.val_before_train=false", "trainer.test_freq=-1",

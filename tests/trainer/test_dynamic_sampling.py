@@ -363,6 +363,14 @@ def test_kept_groups_of_several_processes_assemble_to_the_one_process_batch(monk
         for name, value in want.rows.items():
             batch = [got[p].rows[name][i] for p, i in zip(owners.owner, owners.local, strict=True)]
             np.testing.assert_array_equal(np.stack(batch), value, err_msg=name)
+        # where the devices cannot place them, every process gathers the rows (the same batch)
+        monkeypatch.setattr(jax, "process_count", lambda processes=processes: processes)
+        every = {k: np.concatenate([part.rows[k] for part in got]) for k in want.rows}
+        monkeypatch.setattr(dynamic_sampling, "gather_rows", lambda rows, every=every: every)
+        gathered = got[1].batch_rows()
+        monkeypatch.undo()
+        for name, value in want.rows.items():
+            np.testing.assert_array_equal(gathered[name], value, err_msg=name)
         for p in range(processes):  # the rows a process holds are its own groups' only
             assert len(got[p].rows["responses"]) == (owners.owner == p).sum()
             assert got[p].extra == want.extra and got[p].conversations == want.conversations
