@@ -54,6 +54,9 @@ class RolloutEngine(ConversationSlots):
         stop_check_tokens: Tokens sampled between two stop-string checks.
         decode_backend: How the decode step runs (`rollout.decode_backend`: "auto", "xla"
             or "cpu_kernels"; `jaxrl.rollout.backends`).
+        every_process: Whether every process calls its batch generation (`generate`'s):
+            True for an engine on some processes' devices that every process generates on;
+            None: when its mesh has devices of other processes than the caller's.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class RolloutEngine(ConversationSlots):
         tokenizer: Any = None,
         stop_check_tokens: int = 16,
         decode_backend: str = "auto",
+        every_process: bool | None = None,
     ):
         if layout is None:
             layout = Layout.create(rollout_mesh(1, jax.devices()[:1]), ROLLOUT_RULES)
@@ -83,7 +87,7 @@ class RolloutEngine(ConversationSlots):
         self.max_model_len = max_model_len or context
         self.tokenizer, self.stop_check_tokens = tokenizer, stop_check_tokens
         self.shardings = param_shardings(config, layout)
-        self.decode_backend = decode_backend
+        self.decode_backend, self.every_process = decode_backend, every_process
         self.backend = choose_backend(decode_backend, config, layout)
         self.weights = RolloutWeights(config, self.shardings, per_layer=self.backend.name == "xla")
         self._local: RolloutEngine | None = None  # this process's share (`local`)
@@ -184,6 +188,7 @@ class RolloutEngine(ConversationSlots):
             max_prompt_length=self.max_prompt_length,
             max_num_seqs=self.max_num_seqs,
             decode_backend=self.decode_backend,
+            every_process=self.every_process,
         )
 
     def compile(self, like: Any, prompts: int, prompt_len: int, sampling: SamplingParams):

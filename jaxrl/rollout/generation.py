@@ -31,6 +31,7 @@ import dataclasses
 import fractions
 import functools
 import logging
+import math
 from typing import Any
 
 import flax.struct
@@ -49,9 +50,12 @@ from jaxrl.sharding.layouts import Layout, use_layout
 from jaxrl.sharding.processes import (
     allgather_objects,
     global_array,
+    mesh_processes,
+    one_device_each,
     process_rows,
     spans_processes,
 )
+from jaxrl.sharding.reshard import moved
 
 log = logging.getLogger("jaxrl.rollout")
 
@@ -364,6 +368,7 @@ def generate(
     max_num_seqs: int | None = None,
     prefix_sharing: bool = True,
     decode_backend: str = "auto",
+    every_process: bool | None = None,
 ) -> GenerationOutput:
     """Generate responses for left-padded prompts.
 
@@ -388,8 +393,13 @@ def generate(
 
     Several processes: every process calls `generate` with its own prompts (numpy, the same
     number on each), the same rng and the rollout `layout`; one program generates for all of
-    them, and each process gets back the rows of its own prompts as numpy arrays. On one
-    process's share of the mesh (`RolloutEngine.local`) it runs as in one process.
+    them, and each process gets back the rows of its own prompts as numpy arrays. The mesh
+    may be on some processes' devices only (the rollout placed there): the others' prompts
+    reach it and their rows come back device to device (`reshard.moved`). On one process's
+    share of the mesh (`RolloutEngine.local`) it runs as in one process.
+
+    `every_process`: whether every process calls it (the mesh's owners and the others);
+    None: when the mesh has devices of other processes than this one.
 
     Raises:
         ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
@@ -410,7 +420,9 @@ def generate(
             f"generate() in a run of {jax.process_count()} processes needs the rollout "
             "layout (layout=...): the whole rollout mesh's, or one process's share of it"
         )
-    spanning = layout is not None and spans_processes(layout.mesh)  # one program, N processes
+    spanning = layout is not None and (
+        spans_processes(layout.mesh) if every_process is None else every_process
+    )  # one program, every process calling
     if spanning and (isinstance(input_ids, jax.Array) or isinstance(attention_mask, jax.Array)):
         raise TypeError(
             "generate() over several processes' devices takes this process's prompts as host "
@@ -541,7 +553,9 @@ def _generate_processes(
     are block p of the global batch (`make_array_from_process_local_data`); the queue takes
     the real rows of every block before any padding row, so padding is never decoded; the
     outputs come back replicated. The rng must be the same on every process (it is one
-    program).
+    program). A mesh on some processes' devices only: each process puts its block on its
+    first device, `reshard.moved` takes the batch to the mesh's devices, and the replicated
+    outputs come back the same way onto one device of each process.
     """
     processes = jax.process_count()
     b, p = input_ids.shape
@@ -553,7 +567,8 @@ def _generate_processes(
         )
     layout = plan.layout
     dp = int(layout.mesh.shape.get("dp", 1))
-    if dp % processes:
+    everywhere = mesh_processes(layout.mesh) == set(range(processes))
+    if everywhere and dp % processes:
         raise ValueError(
             f"the rollout mesh has dp={dp}, not a multiple of the {processes} processes: each "
             "process must hold whole tensor-parallel groups (rollout."
@@ -561,22 +576,30 @@ def _generate_processes(
             f"{jax.local_device_count()})"
         )
     rows = b * sp.n
-    dp_local = dp // processes
-    local_rows = -(-bucket(rows, 1) // dp_local) * dp_local
+    unit = dp // processes if everywhere else dp // math.gcd(dp, processes)
+    local_rows = -(-bucket(rows, 1) // unit) * unit
     padded_len = bucket(max(width for _, width in shapes))
     pad = ((0, local_rows - rows), (padded_len - p, 0))
     ids = np.pad(np.repeat(input_ids.astype(np.int32), sp.n, axis=0), pad)
     mask = np.pad(np.repeat(attention_mask.astype(np.int32), sp.n, axis=0), pad)
     global_rows = local_rows * processes
-    sharding = layout.tokens((global_rows, padded_len))
-    start, stop = process_rows(sharding, (global_rows, padded_len))
-    if stop - start != local_rows:
-        raise ValueError(
-            f"the rollout mesh gives this process rows [{start}, {stop}) of {global_rows}, not "
-            f"one block of {local_rows}: its devices are not one contiguous part of the dp axis"
-        )
-    ids = jax.make_array_from_process_local_data(sharding, ids, (global_rows, padded_len))
-    mask = jax.make_array_from_process_local_data(sharding, mask, (global_rows, padded_len))
+    shape = (global_rows, padded_len)
+    sharding = layout.tokens(shape)
+    start = jax.process_index() * local_rows  # its block (on one of its devices, staged)
+    if everywhere:  # each process's block on its own rollout devices
+        start, stop = process_rows(sharding, shape)
+        if stop - start != local_rows:
+            raise ValueError(
+                f"the rollout mesh gives this process rows [{start}, {stop}) of {global_rows}, "
+                f"not one block of {local_rows}: its devices are not one contiguous part of the "
+                "dp axis"
+            )
+        ids = jax.make_array_from_process_local_data(sharding, ids, shape)
+        mask = jax.make_array_from_process_local_data(sharding, mask, shape)
+    else:  # on one device of each process, then device to device onto the rollout's
+        staging = one_device_each(split=True)
+        ids = moved(jax.make_array_from_process_local_data(staging, ids, shape), sharding)
+        mask = moved(jax.make_array_from_process_local_data(staging, mask, shape), sharding)
     slots = _num_slots(plan.max_num_seqs, global_rows, dp)
     fn = _compiled(
         config, sp, layout, global_rows, padded_len, slots, plan.backend, True, plan.prefix_sharing
@@ -587,5 +610,7 @@ def _generate_processes(
     order = np.concatenate([blocks[:, :rows].ravel(), blocks[:, rows:].ravel()]).astype(np.int32)
     order = global_array(order, layout.replicated())
     out = fn(params, ids, mask, rng, jnp.int32(rows * processes), order)
+    if not everywhere:  # a whole copy onto one device of each process
+        out = jax.tree.map(lambda x: moved(x, one_device_each()), out)
     host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
     return _rows(host, slice(start, start + rows))

@@ -10,6 +10,7 @@
     if holds_rows(sharding, shape, first, first + n):  # each process's own rows on its devices
         own = read_rows(tree_of_global_arrays, first, first + n)  # from its shards alone
     mesh = local_mesh(rollout_mesh)                    # this process's rows of a (dp, ...) mesh
+    whole = one_device_each()                          # one device of each process
     local = local_view(params, mesh)                   # its shards of them, no copy
 
 Rows of a step are split by process: process p of P holds the contiguous slice p of the global
@@ -33,7 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.sharding.reshard import same_buffers
 
@@ -163,6 +164,20 @@ def to_host(tree: Any) -> Any:
         for i, x in zip(split, gathered, strict=True):
             out[i] = np.asarray(x)
     return jax.tree.unflatten(treedef, out)
+
+
+def mesh_processes(mesh: jax.sharding.Mesh) -> set[int]:
+    """The processes whose devices are in `mesh`."""
+    return {d.process_index for d in mesh.devices.flat}
+
+
+def one_device_each(split: bool = False) -> NamedSharding:
+    """A sharding over the first device of every process, in process order: whole on each,
+    or with `split` its rows (axis 0) split, process p's block on process p's device."""
+    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+              for p in range(jax.process_count())]  # fmt: skip
+    mesh = jax.sharding.Mesh(np.asarray(firsts), ("process",))
+    return NamedSharding(mesh, PartitionSpec("process") if split else PartitionSpec())
 
 
 def spans_processes(mesh: jax.sharding.Mesh) -> bool:

@@ -143,8 +143,9 @@ def test_slurm_tasks_are_detected_without_jaxrl_variables(tmp_path):
 def test_host_data_across_processes_and_generation_per_process(procs):
     """`jaxrl.sharding.processes` over 2 processes, and `generate` with each process's own
     prompts: one program over the 8 devices, each process gets its own rows back, equal to
-    a single-process generation of the same prompts; and each process's share of the
-    engine (`RolloutEngine.local`) runs its rows on its own slots alike."""
+    a single-process generation of the same prompts; each process's share of the engine
+    (`RolloutEngine.local`) runs its rows on its own slots alike; and an engine on process
+    1's devices only generates both processes' rows alike."""
     import jax
     import numpy as np
 
@@ -185,6 +186,8 @@ def test_host_data_across_processes_and_generation_per_process(procs):
         assert row["local_slots"] == 4 and row["local_version"] == [1, 2]
         alone = generate(config, params, ids, np.ones_like(ids), greedy)
         np.testing.assert_array_equal(row["local_responses"], np.asarray(alone.responses))
+        # an engine on process 1's devices only: both generate on it, each its own rows
+        np.testing.assert_array_equal(row["placed_responses"], np.asarray(alone.responses))
         np.testing.assert_array_equal(row["local_again"], np.asarray(alone.responses))
         assert row["local_released"] and row["span"] == [i, 3]
         errors = row["local_errors"]

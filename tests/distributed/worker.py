@@ -134,8 +134,10 @@ def processes() -> None:
     except ValueError as e:
         count_error = str(e)
     local = _local_engine(config, params, ids)
+    placed = _placed_engine(config, params, ids, greedy)
     row = dict(
         **local,
+        placed_responses=placed,
         **_moves(),
         rows_x=rows["x"].tolist(),
         rows_y=rows["y"].tolist(),
@@ -204,6 +206,24 @@ def _local_engine(config, params, ids) -> dict:
         span=list(row_span(jax.process_index() + 1)),
         local_errors=errors,
     )
+
+
+def _placed_engine(config, params, ids, greedy) -> list:
+    """An engine on process 1's 4 devices only that both processes generate on
+    (`every_process=True`): its weights pushed from the 8 devices to process 1's, process
+    0's prompts and rows crossing device to device. This process's greedy responses."""
+    import jax
+    import numpy as np
+
+    from jaxrl.rollout import RolloutEngine
+    from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
+
+    theirs = [d for d in jax.devices() if d.process_index == 1]
+    layout = Layout.create(rollout_mesh(1, theirs), ROLLOUT_RULES)
+    engine = RolloutEngine(config, layout, every_process=True)
+    engine.load_weights(params)
+    out = engine.generate(ids, np.ones_like(ids), greedy, jax.random.key(0))
+    return np.asarray(out.responses).tolist()
 
 
 def _moves() -> dict:
