@@ -881,9 +881,17 @@ class PlacementConfig:
     with the mesh `mesh.dp/fsdp/tp/sp`. Weights move between groups with the jitted
     reshard; each role's passes take the batch in their own layout. With several processes
     each group takes the same share of every process's devices (the counts must divide by
-    the processes).
+    the processes), unless `spread` is false.
 
     Attributes:
+        spread: *jaxrl*. With several processes, true: every group takes the same share of
+            each process's devices (every process holds part of every role, as one process
+            holds all of them); false: each group is a range of the devices in process
+            order, as in one process, so a role may sit on some processes' devices only
+            (verl's resource pools of whole nodes: a teacher or a reference on a node of its
+            own). The trainer and a placed critic need devices on every process (their
+            checkpoints), and the agent loop and streamed dynamic sampling a rollout on
+            every process.
         rollout: Generation on its own devices (the actor's weights are copied there each step
             and kept between steps).
         ref: The reference policy's log-prob passes.
@@ -893,6 +901,7 @@ class PlacementConfig:
             `distillation.n_gpus_per_node`).
     """
 
+    spread: bool = True
     rollout: RolePlacementConfig = field(default_factory=RolePlacementConfig)
     ref: RolePlacementConfig = field(default_factory=RolePlacementConfig)
     critic: RolePlacementConfig = field(default_factory=RolePlacementConfig)

@@ -50,7 +50,6 @@ from jaxrl.sharding.layouts import Layout, use_layout
 from jaxrl.sharding.processes import (
     allgather_objects,
     global_array,
-    mesh_processes,
     one_device_each,
     process_rows,
     spans_processes,
@@ -536,6 +535,18 @@ def _rows(out: GenerationOutput, index: slice) -> GenerationOutput:
     )
 
 
+def _block_per_process(mesh: jax.sharding.Mesh, processes: int) -> bool:
+    """Whether the mesh's `dp` rows (each a tensor-parallel group) are each on one process,
+    process p holding the p-th of `processes` equal blocks of them: then each process places
+    its prompts on its own rows of the mesh."""
+    rows = mesh.devices.reshape(mesh.devices.shape[0], -1)
+    owners = [{d.process_index for d in row} for row in rows]
+    if any(len(o) != 1 for o in owners) or len(rows) % processes:
+        return False
+    per = len(rows) // processes
+    return [o.pop() for o in owners] == [p for p in range(processes) for _ in range(per)]
+
+
 def _generate_processes(
     config: DecoderConfig,
     params: Any,
@@ -553,9 +564,10 @@ def _generate_processes(
     are block p of the global batch (`make_array_from_process_local_data`); the queue takes
     the real rows of every block before any padding row, so padding is never decoded; the
     outputs come back replicated. The rng must be the same on every process (it is one
-    program). A mesh on some processes' devices only: each process puts its block on its
-    first device, `reshard.moved` takes the batch to the mesh's devices, and the replicated
-    outputs come back the same way onto one device of each process.
+    program). A mesh whose `dp` rows are not an equal block of each process's (on some
+    processes' devices only, or in unequal shares): each process puts its block on its first
+    device, `reshard.moved` takes the batch to the mesh's devices, and the replicated outputs
+    come back the same way onto one device of each process.
     """
     processes = jax.process_count()
     b, p = input_ids.shape
@@ -567,14 +579,7 @@ def _generate_processes(
         )
     layout = plan.layout
     dp = int(layout.mesh.shape.get("dp", 1))
-    everywhere = mesh_processes(layout.mesh) == set(range(processes))
-    if everywhere and dp % processes:
-        raise ValueError(
-            f"the rollout mesh has dp={dp}, not a multiple of the {processes} processes: each "
-            "process must hold whole tensor-parallel groups (rollout."
-            "tensor_model_parallel_size must divide the devices of one process, "
-            f"{jax.local_device_count()})"
-        )
+    everywhere = _block_per_process(layout.mesh, processes)
     rows = b * sp.n
     unit = dp // processes if everywhere else dp // math.gcd(dp, processes)
     local_rows = -(-bucket(rows, 1) // unit) * unit
@@ -609,7 +614,12 @@ def _generate_processes(
     blocks = np.arange(global_rows).reshape(processes, local_rows)
     order = np.concatenate([blocks[:, :rows].ravel(), blocks[:, rows:].ravel()]).astype(np.int32)
     order = global_array(order, layout.replicated())
-    out = fn(params, ids, mask, rng, jnp.int32(rows * processes), order)
+    count = np.int32(rows * processes)
+    if not everywhere:  # the key and count placed too: a process may hold none of the devices
+        data = global_array(np.asarray(jax.random.key_data(rng)), layout.replicated())
+        rng = jax.random.wrap_key_data(data, impl=jax.random.key_impl(rng))
+        count = global_array(count, layout.replicated())
+    out = fn(params, ids, mask, rng, count, order)
     if not everywhere:  # a whole copy onto one device of each process
         out = jax.tree.map(lambda x: moved(x, one_device_each()), out)
     host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)

@@ -115,7 +115,8 @@ def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, 
     devices), and each other placed role (`ref`, `critic`, `reward`, `teacher`: a mesh of its
     `mesh.placement.<role>` sizes with the train rules)."""
     devices = list(jax.devices() if devices is None else devices)
-    on = _group_devices(role_devices(cfg, len(devices)), devices)
+    on = _group_devices(role_devices(cfg, len(devices)), devices, cfg.mesh.placement.spread)
+    _check_owners(cfg, on)
     train_rules = cfg.mesh.train_rules or TRAIN_RULES
     sizes = {a: getattr(cfg.mesh, a) for a in AXES}
     layouts = {"train": Layout.create(make_mesh(sizes, on["train"]), train_rules)}
@@ -131,18 +132,22 @@ def role_layouts(cfg, devices: Sequence[jax.Device] | None = None) -> dict[str, 
     return layouts
 
 
-def _group_devices(groups: Mapping[str, range], devices: list) -> dict[str, list]:
-    """Each group's devices. One process: the ranges of `devices` as they are. Several: each
-    group takes the same share of every process's devices (the trainer the first of each
-    process's, then each placed role its slice), so every process holds part of every role,
-    as one process would hold all of them.
+def _group_devices(
+    groups: Mapping[str, range], devices: list, spread: bool = True
+) -> dict[str, list]:
+    """Each group's devices. One process, or `spread` false: the ranges of `devices` in
+    process order, as they are. Several and `spread`: each group takes the same share of
+    every process's devices (the trainer the first of each process's, then each placed role
+    its slice), so every process holds part of every role, as one process would hold all of
+    them.
 
     Raises:
-        ValueError: for a group whose device count does not divide by the processes.
+        ValueError: spread, for a group whose device count does not divide by the processes.
     """
     owners = sorted({d.process_index for d in devices})
-    if len(owners) == 1:
-        return {role: [devices[i] for i in group] for role, group in groups.items()}
+    if len(owners) == 1 or not spread:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return {role: [ordered[i] for i in group] for role, group in groups.items()}
     local = {p: [d for d in devices if d.process_index == p] for p in owners}
     out = {}
     for role, group in sorted(groups.items(), key=lambda kv: kv[0] == "train"):  # train last
@@ -150,11 +155,37 @@ def _group_devices(groups: Mapping[str, range], devices: list) -> dict[str, list
             raise ValueError(
                 f"with {len(owners)} processes every placed role takes the same number of each "
                 f"process's devices: make mesh.placement.{role}.devices ({len(group)}) a "
-                f"multiple of {len(owners)}"
+                f"multiple of {len(owners)}, or set mesh.placement.spread=false (each role a "
+                "range of the devices in process order)"
             )
         first, share = group.start // len(owners), len(group) // len(owners)
         out[role] = [d for p in owners for d in local[p][first : first + share]]
     return out
+
+
+def _check_owners(cfg, on: Mapping[str, list]) -> None:
+    """`mesh.placement.spread=false` with several processes: the groups that must hold
+    devices on every process do (the trainer's and a placed critic's checkpoints; the
+    rollout's conversations for the agent loop and streamed dynamic sampling).
+
+    Raises:
+        ValueError: naming the role, the processes it misses and the keys to change.
+    """
+    every = sorted({d.process_index for group in on.values() for d in group})
+    need = {"train": "the actor's checkpoint", "critic": "the critic's checkpoint"}
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        need["rollout"] = "the agent loop runs each process's rows on its own rollout devices"
+    if cfg.algorithm.filter_groups.streaming:
+        need["rollout"] = "streamed dynamic sampling runs on each process's rollout devices"
+    for role, why in need.items():
+        missing = sorted(set(every) - {d.process_index for d in on.get(role, ())})
+        if role in on and missing:
+            name = "the trainer (the devices no role is placed on)" if role == "train" else role
+            raise ValueError(
+                f"{name} has no device on process(es) {missing} with mesh.placement.spread="
+                f"false: {why} needs one on every process; place fewer devices elsewhere, "
+                "or set mesh.placement.spread=true"
+            )
 
 
 def layouts_from_config(cfg, devices: Sequence[jax.Device] | None = None) -> tuple[Layout, Layout]:

@@ -166,11 +166,6 @@ def to_host(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def mesh_processes(mesh: jax.sharding.Mesh) -> set[int]:
-    """The processes whose devices are in `mesh`."""
-    return {d.process_index for d in mesh.devices.flat}
-
-
 def one_device_each(split: bool = False) -> NamedSharding:
     """A sharding over the first device of every process, in process order: whole on each,
     or with `split` its rows (axis 0) split, process p's block on process p's device."""

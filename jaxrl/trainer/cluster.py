@@ -204,6 +204,7 @@ class Cluster:
             max_model_len=max_model_len,
             tokenizer=tokenizer,
             decode_backend=rollout_cfg.decode_backend,
+            every_process=jax.process_count() > 1,  # its devices may be some processes' only
         )
         cluster = cls(
             specs, layouts, learners, frozen, rollout, reward_model, shared_ref=shared_ref

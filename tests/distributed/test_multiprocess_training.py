@@ -115,6 +115,17 @@ def _assert_same(got: dict[str, float], want: dict[str, float], where: str) -> N
     )
 
 
+def _assert_two_steps_alike(one, two, where: str) -> None:
+    """Runs `one` (1 process) and `two` (2) of 2 steps with validation at step 2: every
+    metric alike (`_assert_same`), and the inputs bit for bit."""
+    want, got = _metrics(one), _metrics(two)
+    assert sorted(want) == sorted(got) == [1, 2]
+    for step in want:
+        _assert_same(got[step], want[step], f"{where}, step {step}")
+    assert any(k.startswith("val-core/") for k in got[2])
+    assert compare([str(one), str(two), "--only", "inputs"]) == 0
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process x 8 devices, and 2 processes x 4 devices, each STEPS steps."""
@@ -191,12 +202,27 @@ def test_placed_roles_over_two_processes_equal_one(runs):
     _train(one, 1, steps=2, extra=extra)
     logs = _train(two, 2, steps=2, extra=extra)
     assert "critic mesh:  {'dp': 1, 'fsdp': 2, 'tp': 1, 'sp': 1} on devices 3-2051" in logs
-    want, got = _metrics(one), _metrics(two)
-    assert sorted(want) == sorted(got) == [1, 2]
-    for step in want:
-        _assert_same(got[step], want[step], f"placed roles, step {step}")
-    assert any(k.startswith("val-core/") for k in got[2])
-    assert compare([str(one), str(two), "--only", "inputs"]) == 0
+    _assert_two_steps_alike(one, two, "placed roles")
+
+
+def test_roles_on_one_process_s_devices_equal_one_process(runs):
+    """`mesh.placement.spread=false`: the rollout and the reference each on one device of
+    process 1 only, the trainer on the other 6 (4 of process 0, 2 of process 1). Process 0's
+    prompts reach the rollout and its rows come back device to device, the weight push and
+    the reference's pass cross the processes, the step's batch is gathered (the shares are
+    unequal), and the checkpoints are written: every metric equals one process's with the
+    same groups on its 8 devices, and the inputs bit for bit."""
+    single, _, _ = runs
+    extra = ("mesh.placement.spread=false", "mesh.placement.rollout.devices=1",
+             "mesh.placement.ref.devices=1", "actor_rollout_ref.actor.use_kl_loss=true",
+             "data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+             "trainer.val_before_train=false")  # fmt: skip
+    one, two = single.parent / "unspread_single", single.parent / "unspread_multi"
+    _train(one, 1, steps=2, extra=extra)
+    logs = _train(two, 2, steps=2, extra=extra)
+    assert "rollout mesh: {'dp': 1, 'tp': 1} on devices 2050-2050" in logs
+    assert "ref mesh:     {'dp': 1, 'fsdp': 1, 'tp': 1, 'sp': 1} on devices 2051-2051" in logs
+    _assert_two_steps_alike(one, two, "roles on one process")
 
 
 def test_a_killed_process_stops_the_run_and_a_restart_resumes_identically(runs):

@@ -346,6 +346,54 @@ def test_several_processes_give_every_role_a_share_of_their_devices():
     assert [d.id for d in alone["critic"]] == [6, 7]
     with pytest.raises(ValueError, match=r"mesh.placement.critic.devices \(1\) a multiple of 2"):
         _group_devices({"train": range(7), "critic": range(7, 8)}, devices)
+    # spread=false: ranges of the devices in process order, as one process: the critic on
+    # process 1's last device, the rollout on 2 of process 1's
+    ranged = _group_devices({"train": range(5), "rollout": range(5, 7), "critic": range(7, 8)},
+                            devices[::-1], spread=False)  # fmt: skip
+    assert {k: [d.id for d in v] for k, v in ranged.items()} == {
+        "train": [0, 1, 2, 3, 4], "rollout": [5, 6], "critic": [7]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "placed, extra, message",
+    [
+        (
+            {"ref": 4},
+            ("actor_rollout_ref.actor.use_kl_loss=true",),
+            r"the trainer .* no device on process\(es\) \[1\]",
+        ),
+        (
+            {"critic": 2},
+            ("critic.enable=true", "mesh.fsdp=2", "mesh.tp=3"),
+            r"critic has no device on process\(es\) \[0\]",
+        ),
+        (
+            {"rollout": 2},
+            (
+                "mesh.fsdp=2",
+                "mesh.tp=3",
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=acc",
+                "algorithm.filter_groups.streaming=true",
+            ),
+            r"rollout has no device on process\(es\) \[0\]",
+        ),
+    ],
+)
+def test_unspread_roles_that_need_every_process_are_refused(placed, extra, message):
+    """With mesh.placement.spread=false a group may sit on some processes' devices only,
+    except the trainer and a placed critic (checkpoints) and a rollout the agent loop or
+    streamed dynamic sampling runs on: each is refused by name, with the keys to change."""
+    from types import SimpleNamespace
+
+    from jaxrl.sharding.layouts import role_layouts
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "mesh.placement.spread=false",
+                             *(f"mesh.placement.{r}.devices={n}" for r, n in placed.items()),
+                             *extra], num_devices=8)  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        role_layouts(cfg, devices)
 
 
 def test_shard_is_a_no_op_without_layout():
