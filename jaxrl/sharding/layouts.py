@@ -175,7 +175,7 @@ def _check_owners(cfg, on: Mapping[str, list]) -> None:
     need = {"train": "the actor's checkpoint", "critic": "the critic's checkpoint"}
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         need["rollout"] = "the agent loop runs each process's rows on its own rollout devices"
-    if cfg.algorithm.filter_groups.streaming:
+    elif cfg.algorithm.filter_groups.streaming:
         need["rollout"] = "streamed dynamic sampling runs on each process's rollout devices"
     for role, why in need.items():
         missing = sorted(set(every) - {d.process_index for d in on.get(role, ())})

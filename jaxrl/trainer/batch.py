@@ -35,7 +35,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl.sharding.layouts import Layout
-from jaxrl.sharding.processes import global_array, holds_rows
+from jaxrl.sharding.processes import allgather_objects, global_array, process_rows
 from jaxrl.sharding.reshard import moved
 from jaxrl.trainer.microbatch import MicroBatch
 
@@ -255,15 +255,15 @@ class RowOwners:
 def owned_placeable(layout: Layout | None, owners: RowOwners) -> bool:
     """Whether `place_owned` can place the batch with `layout`: each process's devices hold
     exactly its share of the staging array ([P x K] rows, K per process) and of the batch
-    (N / P rows each). A collective."""
+    (N / P rows each). One small collective."""
     if layout is None or owners.total % jax.process_count():
         return False
     k, me = owners.staged(layout), jax.process_index()
-    staging = (jax.process_count() * k,)
+    staging, batch = (jax.process_count() * k,), (owners.total,)
     first, count = owners.held()
-    return holds_rows(rows_sharding(layout, staging), staging, me * k, (me + 1) * k) and holds_rows(
-        rows_sharding(layout, (owners.total,)), (owners.total,), first, first + count
-    )
+    mine = process_rows(rows_sharding(layout, staging), staging) == (me * k, (me + 1) * k)
+    mine &= process_rows(rows_sharding(layout, batch), batch) == (first, first + count)
+    return all(allgather_objects(mine))
 
 
 def place_owned(

@@ -205,7 +205,7 @@ def test_placed_roles_over_two_processes_equal_one(runs):
     _assert_two_steps_alike(one, two, "placed roles")
 
 
-def test_roles_on_one_process_s_devices_equal_one_process(runs):
+def test_roles_on_some_processes_devices_equal_one_process(runs):
     """`mesh.placement.spread=false`: the rollout and the reference each on one device of
     process 1 only, the trainer on the other 6 (4 of process 0, 2 of process 1). Process 0's
     prompts reach the rollout and its rows come back device to device, the weight push and
