@@ -203,10 +203,15 @@ class AgentLoop:
         rng: jax.Array,
         *,
         first: int = 0,
+        indices: Sequence[int] | None = None,
     ) -> list[Trajectory]:
         """Every request's trajectory, in order (see the module doc). `first`: the index of
         `requests[0]` in the whole batch (its sampling keys'; each process of a multi-process
-        run runs its own rows, `first` their offset, and samples as one process would)."""
+        run runs its own rows, `first` their offset, and samples as one process would);
+        `indices`: each request's index instead (a process running other processes' rows
+        too)."""
+        if indices is not None and len(indices) != len(requests):
+            raise ValueError(f"{len(indices)} indices for {len(requests)} requests")
         for i, request in enumerate(requests):
             if request.agent_name not in AGENTS:
                 raise ValueError(
@@ -221,7 +226,7 @@ class AgentLoop:
         done: dict[int, Trajectory] = {}
         scheduler = Scheduler(self.engine, chunk=self.limits.decode_chunk)
         self._by_request: dict[int, int] = {}  # a scheduler request's trajectory
-        self._first = first
+        self._index = list(range(first, first + len(requests)) if indices is None else indices)
         # Without tools an empty runner answers every call ("unknown tool", or the parse error).
         self._active_runner = self.runner or ToolRunner({})
         try:
@@ -298,7 +303,7 @@ class AgentLoop:
         first = self._turn_sampling(sampling, 0)
         for i, schemas, prompt in zip(take, tools, prompts, strict=True):
             record = Trajectory(prompt=prompt, messages=[dict(m) for m in requests[i].messages])
-            key = jax.random.fold_in(rng, self._first + i)  # copy 0: the first turn's
+            key = jax.random.fold_in(rng, self._index[i])  # copy 0: the first turn's
             [handle] = scheduler.submit(prompt, first, key, keep_open=True)
             running[i] = _Running(i, requests[i], record, schemas, handle)
             self._by_request[handle.id] = i
@@ -389,7 +394,7 @@ class AgentLoop:
                 continue
             record.add_tool_turn(ids)
             turn = self._turn_sampling(sampling, len(record.response))
-            key = jax.random.fold_in(rng, self._first + index)
+            key = jax.random.fold_in(rng, self._index[index])
             key = jax.random.fold_in(key, record.assistant_turns)
             state.handle = scheduler.resume(state.handle, ids, turn, key)
             self._by_request[state.handle.id] = index

@@ -889,9 +889,9 @@ class PlacementConfig:
             holds all of them); false: each group is a range of the devices in process
             order, as in one process, so a role may sit on some processes' devices only
             (verl's resource pools of whole nodes: a teacher or a reference on a node of its
-            own). The trainer and a placed critic need devices on every process (their
-            checkpoints), and the agent loop and streamed dynamic sampling a rollout on
-            every process.
+            own, or the actor on one node and the rollout on another). Streamed dynamic
+            sampling needs a rollout on every process; the agent loop runs the
+            conversations of a process without rollout devices on one with some.
         rollout: Generation on its own devices (the actor's weights are copied there each step
             and kept between steps).
         ref: The reference policy's log-prob passes.

@@ -25,6 +25,7 @@ from jaxrl.config.checks import role_devices
 from jaxrl.config.mesh import AXES, ROLLOUT_RULES, TRAIN_RULES, resolve_axis_sizes
 from jaxrl.sharding.logical import partition_spec, tree_shardings
 from jaxrl.sharding.mesh import make_mesh
+from jaxrl.sharding.reshard import copy_groups
 
 # The KV cache [L, B, S, K, H] and the token batch [B, T].
 TOKEN_AXES = ("batch", "seq")
@@ -164,28 +165,28 @@ def _group_devices(
 
 
 def _check_owners(cfg, on: Mapping[str, list]) -> None:
-    """`mesh.placement.spread=false` with several processes: the groups that must hold
-    devices on every process do (the trainer's and a placed critic's checkpoints; the
-    rollout's conversations for the agent loop and streamed dynamic sampling).
+    """`mesh.placement.spread=false` with several processes: the trainer and a placed
+    critic on some processes only have devices outside them for their checkpoint's copies
+    (`reshard.copy_groups`), and a placed rollout holds devices on every process for
+    streamed dynamic sampling (each process streams its groups on its own rollout devices;
+    the agent loop routes the conversations of a process without any to one with some).
 
     Raises:
-        ValueError: naming the role, the processes it misses and the keys to change.
+        ValueError: naming the role or feature, the processes it misses and the keys.
     """
-    every = sorted({d.process_index for group in on.values() for d in group})
-    need = {"train": "the actor's checkpoint", "critic": "the critic's checkpoint"}
-    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        need["rollout"] = "the agent loop runs each process's rows on its own rollout devices"
-    elif cfg.algorithm.filter_groups.streaming:
-        need["rollout"] = "streamed dynamic sampling runs on each process's rollout devices"
-    for role, why in need.items():
-        missing = sorted(set(every) - {d.process_index for d in on.get(role, ())})
-        if role in on and missing:
-            name = "the trainer (the devices no role is placed on)" if role == "train" else role
-            raise ValueError(
-                f"{name} has no device on process(es) {missing} with mesh.placement.spread="
-                f"false: {why} needs one on every process; place fewer devices elsewhere, "
-                "or set mesh.placement.spread=true"
-            )
+    every_device = [d for group in on.values() for d in group]
+    for role in ("train", "critic"):
+        if role in on:
+            copy_groups(on[role], every_device)
+    every = {d.process_index for d in every_device}
+    missing = sorted(every - {d.process_index for d in on.get("rollout", ())})
+    if cfg.algorithm.filter_groups.streaming and "rollout" in on and missing:
+        raise ValueError(
+            f"the rollout has no device on process(es) {missing} with mesh.placement.spread="
+            "false: algorithm.filter_groups.streaming runs each process's groups on its own "
+            "rollout devices; place fewer devices elsewhere, or set "
+            "mesh.placement.spread=true"
+        )
 
 
 def layouts_from_config(cfg, devices: Sequence[jax.Device] | None = None) -> tuple[Layout, Layout]:

@@ -28,15 +28,17 @@ each process's own pace.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl.sharding.reshard import same_buffers
+from jaxrl.sharding.reshard import moved, same_buffers
 
 _RECEIVED = [0]  # bytes of the other processes' host data received (`received_bytes`)
 
@@ -144,15 +146,25 @@ def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array
 
 def to_host(tree: Any) -> Any:
     """numpy values of a tree of arrays (host, single-process or multi-process, sharded or
-    replicated) on every process: what `jax.device_get` gives with one process."""
+    replicated) on every process: what `jax.device_get` gives with one process.
+
+    With several processes every process passes the same arrays (global ones: each the
+    output of one program on every process; a process-local array is read with
+    `np.asarray`). An array split over every process is all-gathered through the hosts; one
+    on some processes' devices only (a role placed with `mesh.placement.spread=false`)
+    reaches the others device to device (`_from_some_processes`).
+    """
     if jax.process_count() == 1:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree.flatten(tree)
-    out, split = [], []
+    out, split, some = [], [], []
     for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if isinstance(x, jax.Array) and len(_owners(x)) < jax.process_count():
+            some.append(i)
+            x = None
+        elif isinstance(x, jax.Array) and not x.is_fully_addressable:
             if not x.is_fully_replicated:
                 split.append(i)
             x = x.addressable_data(0) if x.is_fully_replicated else None
@@ -163,7 +175,72 @@ def to_host(tree: Any) -> Any:
         _count_received(gathered)
         for i, x in zip(split, gathered, strict=True):
             out[i] = np.asarray(x)
+    for i, x in zip(some, _from_some_processes([leaves[i] for i in some]), strict=True):
+        out[i] = x
     return jax.tree.unflatten(treedef, out)
+
+
+def _owners(x: jax.Array) -> set[int]:
+    """The processes whose devices hold part of `x`."""
+    return {d.process_index for d in x.sharding.device_set}
+
+
+def _from_some_processes(xs: Sequence[jax.Array]) -> list[np.ndarray]:
+    """numpy values of arrays on some processes' devices only, on every process. The arrays
+    of each device group are packed into one byte buffer on their devices (one program),
+    copied whole onto one device of each process (`reshard.moved`), and cut apart on the
+    host: one transfer per group, whatever the number of arrays.
+
+    Raises:
+        ValueError: on every process, when the processes pass different arrays (a
+            process-local one: each process's own devices), naming them.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        mesh = getattr(x.sharding, "mesh", None)  # its order: one program's devices
+        by_id = sorted(x.sharding.device_set, key=lambda d: d.id)
+        order = mesh.devices.flat if mesh is not None else by_id
+        groups.setdefault(tuple(order), []).append(i)
+    passed = [([d.id for d in devices], [xs[i].shape for i in members])
+              for devices, members in groups.items()]  # fmt: skip
+    every = allgather_objects(passed)  # a small collective: a mismatch would hang the copies
+    if any(p != every[0] for p in every):
+        raise ValueError(
+            "to_host: the processes pass different arrays (device ids and shapes per "
+            f"process: {every}); a process-local array is read with np.asarray"
+        )
+    out: list[Any] = [None] * len(xs)
+    for devices, members in groups.items():
+        parts = [xs[i] for i in members]
+        whole = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), PartitionSpec())
+        packed = moved(_pack(whole)(*parts), one_device_each())
+        data = np.asarray(packed.addressable_data(0))
+        if jax.process_index() not in _owners(parts[0]):
+            _RECEIVED[0] += data.nbytes
+        start = 0
+        for i, x in zip(members, parts, strict=True):
+            size = x.size * np.dtype(x.dtype).itemsize
+            out[i] = data[start : start + size].view(x.dtype).reshape(x.shape)
+            start += size
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _pack(whole: NamedSharding):
+    """A program: its arrays' bytes, one after the other, as one uint8 vector whole on each
+    of `whole`'s devices."""
+
+    def pack(*xs: jax.Array) -> jax.Array:
+        return jnp.concatenate([_bytes(x) for x in xs])
+
+    return jax.jit(pack, out_shardings=whole)
+
+
+def _bytes(x: jax.Array) -> jax.Array:
+    """uint8 [x.nbytes]: `x`'s bytes in C order (a bool is one byte, as in numpy)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
 def one_device_each(split: bool = False) -> NamedSharding:
@@ -237,7 +314,7 @@ def local_view(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 
 def process_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[int, int]:
     """[start, stop) of the rows (axis 0) of a `shape` array in `sharding` that this process's
-    devices hold (the whole range when the rows are not split)."""
+    devices hold (the whole range when the rows are not split; (0, 0) when it holds none)."""
     index_map = sharding.addressable_devices_indices_map(tuple(shape))
     starts, stops = [], []
     for index in index_map.values():
@@ -245,7 +322,7 @@ def process_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple
         start, stop, _ = rows.indices(shape[0])
         starts.append(start)
         stops.append(stop)
-    return min(starts), max(stops)
+    return (min(starts), max(stops)) if starts else (0, 0)
 
 
 def holds_rows(

@@ -191,13 +191,66 @@ def _whole_sharding(devices: list) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+def spanning(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding | None:
+    """For a sharding whose devices miss some processes (a role placed on some processes'
+    devices only): the same cut on k copies of its mesh, a leading `copies` axis over its
+    own devices (copy 0) and groups of other devices that together reach every process
+    (`copy_groups`); None when its devices are on every process already. What a
+    multi-process save needs (orbax refuses an array that is all one process's) at the
+    least memory: copy 0 is the array itself and writes it, the others hold its shards
+    while it is written."""
+    mesh = sharding.mesh
+    groups = copy_groups(list(mesh.devices.flat), jax.devices())
+    if not groups:
+        return None
+    grid = [mesh.devices] + [np.asarray(g).reshape(mesh.devices.shape) for g in groups]
+    wide = jax.sharding.Mesh(np.stack(grid), ("copies", *mesh.axis_names))
+    return jax.sharding.NamedSharding(wide, sharding.spec)
+
+
+def copy_groups(own: Sequence[Any], everywhere: Sequence[Any]) -> list[list[Any]]:
+    """Groups of len(own) devices outside `own`, together holding a device of every process
+    of `everywhere` that `own` misses (each such process's first device first, then the
+    rest in process order), as few as can; [] when `own` is on every process.
+
+    Raises:
+        ValueError: when the devices outside `own` are too few, naming the counts and keys.
+    """
+    mine = {d.process_index for d in own}
+    missing = sorted({d.process_index for d in everywhere} - mine)
+    if not missing:
+        return []
+    others = sorted((d for d in everywhere if d not in own), key=lambda d: (d.process_index, d.id))
+    firsts = [next(d for d in others if d.process_index == p) for p in missing]
+    ordered = firsts + [d for d in others if d not in firsts]
+    size = len(own)
+    copies = -(-len(missing) // size)
+    if copies * size > len(ordered):
+        raise ValueError(
+            f"a role on {size} devices of process(es) {sorted(mine)} only is checkpointed "
+            f"through a copy of its state on {copies * size} devices that reach process(es) "
+            f"{missing}, and only {len(ordered)} are outside it: place fewer devices on it "
+            "(mesh.placement.<role>.devices; the trainer has the rest), or set "
+            "mesh.placement.spread=true"
+        )
+    return [ordered[i * size : (i + 1) * size] for i in range(copies)]
+
+
+def onto_copies(x: jax.Array, target: jax.sharding.NamedSharding) -> jax.Array:
+    """`x` in `spanning(x.sharding)`: copy 0 its own buffers, each other copy's device gets
+    the shard of the device at its place in copy 0 (device to device, every process)."""
+    at = list(x.sharding.mesh.devices.flat)
+    return _device_copies(x, target, lambda i, device: at[i % len(at)])
+
+
 def same_buffers(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """`x` as an array in `sharding`, over `x`'s own device buffers (no copy): `sharding`
     must put on each of its addressable devices the shard `x` has there (an equivalent
     sharding, or one over a subset of `x`'s devices holding whole copies of it)."""
     shards = {s.device: s.data for s in x.addressable_shards}
     devices = sharding.addressable_devices_indices_map(x.shape)
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, [shards[d] for d in devices])
+    mine = [shards[d] for d in devices]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, mine, dtype=x.dtype)
 
 
 def free(tree: Any) -> None:

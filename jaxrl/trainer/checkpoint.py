@@ -52,6 +52,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl.sharding.processes import allgather_objects
+from jaxrl.sharding.reshard import onto_copies, same_buffers, spanning
 
 log = logging.getLogger("jaxrl.train")
 
@@ -70,6 +71,38 @@ class CheckpointError(RuntimeError):
 def abstract(tree: Any) -> Any:
     """ShapeDtypeStructs (with the current shardings) of a tree of arrays: a restore target."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _spanned(tree: Any) -> Any:
+    """`tree` (arrays or restore targets) with each leaf on some processes' devices only
+    (a role placed there) on `reshard.spanning` copies that reach every process: orbax
+    writes and reads only arrays that span the processes of a multi-process run."""
+
+    def span(x: Any) -> Any:
+        wide = spanning(x.sharding) if _placed(x) else None
+        if wide is None:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=wide)
+        return onto_copies(x, wide)
+
+    return jax.tree.map(span, tree)
+
+
+def _unspanned(tree: Any, targets: Any) -> Any:
+    """Restored `tree` back in its targets' shardings: copy 0's buffers (no transfer)."""
+
+    def back(x: Any, target: Any) -> Any:
+        moved = _placed(target) and x.sharding != target.sharding
+        return same_buffers(x, target.sharding) if moved else x
+
+    return jax.tree.map(back, tree, targets)
+
+
+def _placed(x: Any) -> bool:
+    """Whether `x` is an array (or a target) in a NamedSharding, in a multi-process run."""
+    sharding = getattr(x, "sharding", None)
+    return jax.process_count() > 1 and isinstance(sharding, jax.sharding.NamedSharding)
 
 
 def _sha256(path: Path) -> str:
@@ -199,7 +232,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"{self.step_dir(step)} exists already; move it away (set_aside_after) first"
             )
-        items = {name: ocp.args.StandardSave(tree) for name, tree in state.items()}
+        items = {name: ocp.args.StandardSave(_spanned(tree)) for name, tree in state.items()}
         try:
             if jax.process_index() == 0:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -392,7 +425,7 @@ class Checkpoints:
     def restore(self, step: int, targets: dict[str, Any]) -> tuple[dict[str, Any], dict]:
         """(state, meta) of `step` after checking it against its manifest, each tree laid out
         like its target (see `abstract`)."""
-        items = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
+        items = {name: ocp.args.StandardRestore(_spanned(t)) for name, t in targets.items()}
         try:
             out = self._restore(step, meta=ocp.args.JsonRestore(), **items)
         except (ValueError, OSError, KeyError) as e:
@@ -401,11 +434,12 @@ class Checkpoints:
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); was it "
                 "written with another model or trainer configuration?"
             ) from e
-        return {name: out[name] for name in targets}, dict(out["meta"])
+        return {name: _unspanned(out[name], t) for name, t in targets.items()}, dict(out["meta"])
 
     def restore_item(self, step: int, name: str, target: Any) -> Any:
         """One item (e.g. `actor_params`) of a verified step."""
-        return self._restore(step, **{name: ocp.args.StandardRestore(target)})[name]
+        out = self._restore(step, **{name: ocp.args.StandardRestore(_spanned(target))})[name]
+        return _unspanned(out, target)
 
     def read_meta(self, step: int) -> dict[str, Any]:
         return dict(self._restore(step, meta=ocp.args.JsonRestore())["meta"])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -34,9 +34,12 @@ import numpy as np
 
 from jaxrl.agent import (
     AgentLoop,
+    AgentRequest,
     ChatTokens,
     Limits,
+    LoopStats,
     ToolRunner,
+    Trajectory,
     agent_metrics,
     agent_requests,
     conversation_rows,
@@ -47,7 +50,7 @@ from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch, object_array
 from jaxrl.rollout import SamplingParams, Scheduler
 from jaxrl.rollout.streaming import GroupRollout, Share, StreamResult, stream_groups
-from jaxrl.sharding.processes import row_span, to_host
+from jaxrl.sharding.processes import allgather_objects, row_span, to_host
 from jaxrl.trainer.cluster import Cluster
 
 log = logging.getLogger("jaxrl.train")
@@ -207,24 +210,81 @@ class StepRollout:
         default = self.cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         requests = agent_requests(prompts.repeat(sampling.n), default)
         p = prompts.input_ids.shape[1]
-        loop = AgentLoop(
-            self.cluster.rollout.local(),  # this process's share: its rows, at its pace
-            self.chat,
-            self.runner,
-            Limits.from_config(self.multi_turn),
-            response_length=sampling.max_tokens,
-            max_prompt_length=p,
-        )
-        trajectories = loop.run(requests, sampling, rng, first=row_span(len(requests))[0])
+        first = row_span(len(requests))[0]
+        holders = sorted({d.process_index for d in self.cluster.rollout.layout.mesh.devices.flat})
+        if len(holders) == jax.process_count():
+            indices = range(first, first + len(requests))
+            trajectories, stats = self._run_agent(requests, indices, sampling, rng, p)
+        else:
+            trajectories, stats = self._routed(requests, first, holders, sampling, rng, p)
         rows = trajectory_rows(
             trajectories, prompt_length=p, response_length=sampling.max_tokens, pad_id=self.pad_id
         )
         return Generated(
             rows,
-            metrics=agent_metrics(trajectories, loop.stats),
+            metrics=agent_metrics(trajectories, stats),
             conversations=conversation_rows(trajectories),
             extra_info=[
                 {"num_turns": t.num_turns, "tool_rewards": t.tool_rewards, "turn_scores": []}
                 for t in trajectories
             ],
         )
+
+    def _run_agent(
+        self,
+        requests: Sequence[AgentRequest],
+        indices: Sequence[int],
+        sampling: SamplingParams,
+        rng: jax.Array,
+        prompt_length: int,
+    ) -> tuple[list[Trajectory], LoopStats]:
+        """The agent loop over `requests` (each sampling as row `indices[i]` of the batch)
+        on this process's share of the rollout, with its tools."""
+        loop = AgentLoop(
+            self.cluster.rollout.local(),  # this process's share: its rows, at its pace
+            self.chat,
+            self.runner,
+            Limits.from_config(self.multi_turn),
+            response_length=sampling.max_tokens,
+            max_prompt_length=prompt_length,
+        )
+        return loop.run(requests, sampling, rng, indices=indices), loop.stats
+
+    def _routed(
+        self,
+        requests: Sequence[AgentRequest],
+        first: int,
+        holders: Sequence[int],
+        sampling: SamplingParams,
+        rng: jax.Array,
+        prompt_length: int,
+    ) -> tuple[list[Trajectory], LoopStats]:
+        """This process's trajectories when the rollout is on some processes only
+        (`mesh.placement.spread=false`): every process's requests cross the hosts, each
+        process holding rollout devices runs its own and those of the processes `route`
+        gives it (each request sampling as its row of the batch, so the rows are one
+        process's), and the trajectories go back to the processes whose rows they are (one
+        gather). A process without rollout devices runs no tools and reports no loop time."""
+        me, every = jax.process_index(), allgather_objects((first, list(requests)))
+        runs = [q for q, holder in enumerate(route(holders, len(every))) if holder == me]
+        jobs = [(q, start + j, r) for q in runs for start, part in [every[q]]
+                for j, r in enumerate(part)]  # fmt: skip
+        done, stats = [], LoopStats()
+        if jobs:
+            done, stats = self._run_agent([r for _, _, r in jobs], [i for _, i, _ in jobs],
+                                          sampling, rng, prompt_length)  # fmt: skip
+        results: dict[int, list[Trajectory]] = {q: [] for q in runs}
+        for (q, _, _), trajectory in zip(jobs, done, strict=True):
+            results[q].append(trajectory)
+        own = results.pop(me, None)  # a holder's own rows stay here
+        back = allgather_objects(results)
+        return (own if own is not None else next(p[me] for p in back if me in p)), stats
+
+
+def route(holders: Sequence[int], processes: int) -> list[int]:
+    """The process that runs each process's conversations: itself where it holds rollout
+    devices, else the holders in turn."""
+    out = list(range(processes))
+    for k, q in enumerate(q for q in out if q not in holders):
+        out[q] = holders[k % len(holders)]
+    return out

@@ -220,9 +220,10 @@ def test_sampling_does_not_depend_on_the_tools_timing(tokenizer):
     """A noisy scripted policy with live attention (the script's token at logit 10 against
     ~1000 zeros, plus the context's contribution), on prompts of different lengths, makes
     trajectories of different lengths, turns and calls (some malformed); they are the same,
-    token for token, whatever the tools' delays (each turn samples with its own key; which
-    slots are started or appended together does not change a row's numbers), so a resumed run
-    reproduces a straight one."""
+    token for token, whatever the tools' delays and the order the requests come in (each turn
+    samples with its own key, the request's row's: `indices`, as a process running other
+    processes' rows passes; which slots are started or appended together does not change a
+    row's numbers), so a resumed run reproduces a straight one."""
     config, params = scripted_policy(tokenizer, calculator_chain(), weight=10.0, live=0.15)
     eng = RolloutEngine(config, None, max_num_seqs=3, max_model_len=128, tokenizer=tokenizer)
     eng.load_weights(params)
@@ -231,11 +232,13 @@ def test_sampling_does_not_depend_on_the_tools_timing(tokenizer):
         for k, (a, b) in enumerate([(100, 200), (345, 21), (7, 8), (450, 450)] * 2)
     ]
     runs = []
-    for delays in ((0.0,), (0.05, 0.2, 0.0, 0.15)):
+    straight, backwards = list(range(len(requests))), list(range(len(requests)))[::-1]
+    for delays, order in (((0.0,), straight), ((0.05, 0.2, 0.0, 0.15), backwards)):
         with ToolRunner({"calculator": Jittery({"delays": delays})}) as runner:
             loop = make_loop(eng, tokenizer, runner, response_length=40, decode_chunk=3)
-            out = loop.run(requests, SAMPLED, jax.random.key(4))
-        runs.append(out)
+            out = loop.run([requests[i] for i in order], SAMPLED, jax.random.key(4),
+                           indices=order)  # fmt: skip
+        runs.append([out[order.index(i)] for i in straight])
     assert len({len(t.response) for t in runs[0]}) > 1  # the runs are not all alike
     assert sum(t.tool_calls for t in runs[0]) >= 2
     for a, b in zip(*runs, strict=True):

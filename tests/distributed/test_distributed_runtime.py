@@ -166,7 +166,7 @@ def test_host_data_across_processes_and_generation_per_process(procs):
         assert row["rows_x"] == [[0, 0], [1, 1], [1, 1]]
         assert row["rows_y"] == [0.0, 0.0, 1.0] and row["rows_y_dtype"] == "float64"
         assert row["rows_z"] == [2**40, 2**40 + 1, 2**40 + 1]
-        assert row["host_values"] == [3.0, [2]]
+        assert row["host_values"] == [3.0, [3]]
         assert "the processes pass different arrays: [['a'], ['b']]" in row["keys_error"]
         assert row["objects"] == [{"pid": 0, "words": []}, {"pid": 1, "words": ["a"]}]
         assert row["doubled_ok"]
@@ -200,3 +200,12 @@ def test_host_data_across_processes_and_generation_per_process(procs):
                 "back 2 to 4, whole": 4 * (1 - i), "onto both": 4}  # fmt: skip
         assert row["moves"] == {k: [n, True, True] for k, n in held.items()}, row["moves"]
         assert row["holds_own"] and not row["holds_other"] and row["read_own"]
+        # arrays of process 0's devices only: read by both and checkpointed
+        placed = row["one_process"]
+        assert placed["read"] and placed["restored"] and placed["verified"], placed
+        assert "the processes pass different arrays" in placed["local_error"]
+        assert "[([0], [(2,)])], [([2048], [(2,)])]" in placed["local_error"]
+    # process 1 got them device to device, one packed buffer (8 x 6 float32, 3 bools, 2
+    # int32), beyond the description of the arrays both processes exchange
+    received = [row["one_process"]["received"] for row in results]
+    assert received[1] - received[0] == 8 * 6 * 4 + 3 + 2 * 4

@@ -206,22 +206,26 @@ def test_placed_roles_over_two_processes_equal_one(runs):
 
 
 def test_roles_on_some_processes_devices_equal_one_process(runs):
-    """`mesh.placement.spread=false`: the rollout and the reference each on one device of
-    process 1 only, the trainer on the other 6 (4 of process 0, 2 of process 1). Process 0's
-    prompts reach the rollout and its rows come back device to device, the weight push and
-    the reference's pass cross the processes, the step's batch is gathered (the shares are
-    unequal), and the checkpoints are written: every metric equals one process's with the
-    same groups on its 8 devices, and the inputs bit for bit."""
+    """`mesh.placement.spread=false`: the trainer on process 0's 4 devices only, the rollout
+    and the reference each on 2 of process 1's (issue 41's example). Process 0's prompts
+    reach the rollout and every row comes back device to device, the weight push and the
+    reference's pass cross the processes, the step's batch is gathered (process 1 holds no
+    trainer device), process 1 reads the trainer's metrics device to device, and the
+    checkpoints are written through copies on process 1 (orbax refuses an array of one
+    process): every metric equals one process's with the same groups on its 8 devices, and
+    the inputs bit for bit."""
     single, _, _ = runs
-    extra = ("mesh.placement.spread=false", "mesh.placement.rollout.devices=1",
-             "mesh.placement.ref.devices=1", "actor_rollout_ref.actor.use_kl_loss=true",
+    extra = ("mesh.placement.spread=false", "mesh.placement.rollout.devices=2",
+             "mesh.placement.ref.devices=2", "actor_rollout_ref.actor.use_kl_loss=true",
              "data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
              "trainer.val_before_train=false")  # fmt: skip
     one, two = single.parent / "unspread_single", single.parent / "unspread_multi"
     _train(one, 1, steps=2, extra=extra)
     logs = _train(two, 2, steps=2, extra=extra)
-    assert "rollout mesh: {'dp': 1, 'tp': 1} on devices 2050-2050" in logs
-    assert "ref mesh:     {'dp': 1, 'fsdp': 1, 'tp': 1, 'sp': 1} on devices 2051-2051" in logs
+    assert "train mesh:   {'dp': 1, 'fsdp': 4, 'tp': 1, 'sp': 1} on devices 0-3" in logs
+    assert "rollout mesh: {'dp': 2, 'tp': 1} on devices 2048-2049" in logs
+    assert "ref mesh:     {'dp': 1, 'fsdp': 2, 'tp': 1, 'sp': 1} on devices 2050-2051" in logs
+    assert [verify(two / "checkpoints" / str(s)) for s in (1, 2)] == [None, None]
     _assert_two_steps_alike(one, two, "roles on one process")
 
 
@@ -260,9 +264,10 @@ def test_agent_loop_over_two_processes_equals_one(tmp_path_factory):
     on its own 4 devices with its own tool runner: the same inputs (rollouts and scores bit
     for bit), every metric (the agent's, gathered over both, included) and validation as one
     process's, and the rollout dump (written by process 0, the conversations of both) the
-    same file. Then a peer killed inside a tool call of step 2: the other stops within the
-    heartbeat timeout naming it, and the same command resumes from step 1 to the
-    uninterrupted run's step 2 bit for bit."""
+    same file; likewise with the rollout on process 1's devices only (process 0's
+    conversations routed there). Then a peer killed inside a tool call of step 2: the other
+    stops within the heartbeat timeout naming it, and the same command resumes from step 1
+    to the uninterrupted run's step 2 bit for bit."""
     base = tmp_path_factory.mktemp("mp_tools")
     cache = base / "assets"
     tools = base / "tools.yaml"  # the demo's calculator, able to say it is running
@@ -303,6 +308,23 @@ def test_agent_loop_over_two_processes_equals_one(tmp_path_factory):
         assert (multi / "dump" / f"{step}.jsonl").read_text() == (
             single / "dump" / f"{step}.jsonl"
         ).read_text()
+
+    # the rollout on process 1's 4 devices only, the trainer on process 0's: process 1 runs
+    # both processes' conversations with its tools, process 0's rows sampling as theirs
+    placed = ("mesh.placement.spread=false", "mesh.placement.rollout.devices=4",
+              "trainer.test_freq=-1", "trainer.save_freq=-1")  # fmt: skip
+    one, two = base / "runs" / "placed_single", base / "runs" / "placed_multi"
+    _train(one, 1, args=[*args(one), *placed])
+    logs = _train(two, 2, args=[*args(two), *placed])
+    assert "rollout mesh: {'dp': 4, 'tp': 1} on devices 2048-2051" in logs
+    want, got = _metrics(one), _metrics(two)
+    for step in (1, 2):
+        assert want[step]["agent/tool_calls/total"] > 0, want[step]
+        _assert_same(got[step], want[step], f"placed agent loop, step {step}")
+        assert (two / "dump" / f"{step}.jsonl").read_text() == (
+            one / "dump" / f"{step}.jsonl"
+        ).read_text()
+    assert compare([str(one), str(two), "--only", "inputs"]) == 0
 
     killed = base / "runs" / "killed"
     shutil.copytree(multi, killed)

@@ -98,7 +98,6 @@ def processes() -> None:
             "z": np.full((pid + 1,), 2**40 + pid, np.int64),
         }
     )
-    host_values = [float(to_host(np.float32(3))), list(to_host(jax.numpy.ones(2)).shape)]
     keys_error = ""
     try:
         gather_rows({"a": np.zeros(1)} if pid == 0 else {"b": np.zeros(1)})
@@ -110,6 +109,7 @@ def processes() -> None:
     sharding = layout.tokens((8, 3))
     x = global_array(host, sharding)
     doubled = to_host(jax.jit(lambda a: 2 * a)(x))
+    host_values = [float(to_host(np.float32(3))), list(to_host(x[0]).shape)]
     shape_error = ""
     try:
         gather_rows({"x": np.zeros((1, pid + 1))})
@@ -139,6 +139,7 @@ def processes() -> None:
         **local,
         placed_responses=placed,
         **_moves(),
+        one_process=_one_process_arrays(),
         rows_x=rows["x"].tolist(),
         rows_y=rows["y"].tolist(),
         rows_y_dtype=str(rows["y"].dtype),
@@ -273,6 +274,60 @@ def _moves() -> dict:
         "holds_own": holds_rows(rows, value.shape, *mine),
         "holds_other": holds_rows(rows, value.shape, 0, 20),  # process 1 does not
         "read_own": bool(np.array_equal(read_rows(own, *mine), value[mine[0] : mine[1]])),
+    }
+
+
+def _one_process_arrays() -> dict:
+    """Arrays on process 0's devices only (a trainer placed there): `to_host` gives both
+    processes their values (process 1's device to device), and a checkpoint of them written
+    by both processes (through copies on process 1: orbax refuses an array of one process)
+    restores them exactly, in their own shardings."""
+    import tempfile
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl.sharding.processes import allgather_objects, received_bytes, to_host
+    from jaxrl.trainer.checkpoint import Checkpoints, abstract, verify
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    whole, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("a"))
+    state = {
+        "w": jax.make_array_from_callback(
+            value.shape, NamedSharding(mesh, P("a", "b")), lambda i: value[i], dtype=value.dtype
+        ),
+        "flags": jax.jit(lambda: np.asarray([True, False, True]), out_shardings=whole)(),
+        "step": jax.jit(lambda: np.full(2, 7, np.int32), out_shardings=rows)(),
+    }
+    local_error = ""
+    try:
+        to_host(jax.numpy.ones(2))  # process-local: each process's own device
+    except ValueError as e:
+        local_error = str(e)
+    before = received_bytes()
+    host = to_host(state)
+    read = (np.array_equal(host["w"], value) and host["flags"].tolist() == [True, False, True]
+            and host["step"].tolist() == [7, 7])  # fmt: skip
+    received = received_bytes() - before
+    directory = allgather_objects(tempfile.mkdtemp(prefix="jaxrl-placed-"))[0]
+    ckpts = Checkpoints(directory)
+    ckpts.save(1, {"state": state}, {"step": 1})
+    ckpts.wait()
+    restored, meta = ckpts.restore(1, {"state": abstract(state)})
+    back = restored["state"]
+    same = all(
+        b.sharding == s.sharding and np.array_equal(to_host(b), to_host(s))
+        for b, s in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True)
+    )
+    return {
+        "read": bool(read),
+        "local_error": local_error,
+        "received": received,
+        "restored": same and meta == {"step": 1},
+        "verified": verify(ckpts.step_dir(1)) is None,
     }
 
 

@@ -355,17 +355,25 @@ def test_several_processes_give_every_role_a_share_of_their_devices():
 
 
 @pytest.mark.parametrize(
-    "placed, extra, message",
+    "placed, extra, first, message",
     [
         (
-            {"ref": 4},
-            ("actor_rollout_ref.actor.use_kl_loss=true",),
-            r"the trainer .* no device on process\(es\) \[1\]",
+            {"ref": 2},  # the trainer on process 0's 6 devices: 2 outside, fewer than 6
+            ("actor_rollout_ref.actor.use_kl_loss=true", "mesh.fsdp=2", "mesh.tp=3"),
+            6,
+            r"on 6 devices of process\(es\) \[0\] only .* on 6 devices that reach "
+            r"process\(es\) \[1\], and only 2 are outside it",
         ),
         (
-            {"critic": 2},
-            ("critic.enable=true", "mesh.fsdp=2", "mesh.tp=3"),
-            r"critic has no device on process\(es\) \[0\]",
+            {"critic": 6},  # the critic on process 1's 6 devices, 2 outside
+            (
+                "critic.enable=true",
+                "mesh.fsdp=2",
+                "mesh.placement.critic.fsdp=2",
+                "mesh.placement.critic.tp=3",
+            ),
+            2,
+            r"on 6 devices of process\(es\) \[1\] only",
         ),
         (
             {"rollout": 2},
@@ -376,24 +384,50 @@ def test_several_processes_give_every_role_a_share_of_their_devices():
                 "algorithm.filter_groups.metric=acc",
                 "algorithm.filter_groups.streaming=true",
             ),
-            r"rollout has no device on process\(es\) \[0\]",
+            4,
+            r"rollout has no device on process\(es\) \[0\] .* "
+            r"algorithm.filter_groups.streaming",
         ),
     ],
 )
-def test_unspread_roles_that_need_every_process_are_refused(placed, extra, message):
-    """With mesh.placement.spread=false a group may sit on some processes' devices only,
-    except the trainer and a placed critic (checkpoints) and a rollout the agent loop or
-    streamed dynamic sampling runs on: each is refused by name, with the keys to change."""
+def test_unspread_roles_on_some_processes_are_refused_where_they_cannot_run(
+    placed, extra, first, message
+):
+    """With mesh.placement.spread=false a group may sit on some processes' devices only
+    (process 0 holds the first `first` of 8 devices), except a trainer or placed critic with
+    fewer devices outside it than its checkpoint's copy needs, and a rollout off a process
+    that the agent loop or streamed dynamic sampling runs on: each is refused by name, with
+    the keys to change."""
     from types import SimpleNamespace
 
     from jaxrl.sharding.layouts import role_layouts
 
-    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    devices = [SimpleNamespace(id=i, process_index=int(i >= first)) for i in range(8)]
     cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "mesh.placement.spread=false",
                              *(f"mesh.placement.{r}.devices={n}" for r, n in placed.items()),
                              *extra], num_devices=8)  # fmt: skip
     with pytest.raises(ValueError, match=message):
         role_layouts(cfg, devices)
+
+
+def test_a_role_on_some_processes_is_checkpointed_through_the_fewest_copies():
+    """`copy_groups`: groups of the role's size outside it that reach every process it
+    misses, each missing process's first device first; none when it spans every process."""
+    from types import SimpleNamespace
+
+    from jaxrl.sharding.reshard import copy_groups
+
+    def ids(groups):
+        return [[d.id for d in g] for g in groups]
+
+    two = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    assert ids(copy_groups(two[:4], two)) == [[4, 5, 6, 7]]
+    assert copy_groups(two[2:6], two) == []
+    three = [SimpleNamespace(id=i, process_index=i // 2) for i in range(6)]
+    assert ids(copy_groups(three[:2], three)) == [[2, 4]]  # one copy reaches both
+    assert ids(copy_groups(three[:1], three)) == [[2], [4]]
+    with pytest.raises(ValueError, match=r"on 4 devices .* only 2 are outside it"):
+        copy_groups(three[:4], three)
 
 
 def test_shard_is_a_no_op_without_layout():
