@@ -117,11 +117,18 @@ class Trajectory(Conversation):
     tool_rewards: list[float] = dataclasses.field(default_factory=list)
     finish: str = ""
 
-    def add_turn(self, tokens: Sequence[int], log_probs: Sequence[float]) -> None:
-        """The policy's sampled turn (trained on)."""
+    def add_turn(
+        self,
+        tokens: Sequence[int],
+        log_probs: Sequence[float],
+        versions: Sequence[int | None] | None = None,
+    ) -> None:
+        """The policy's sampled turn (trained on); `versions`: each token's weights version
+        (None: unversioned)."""
         self.response += list(tokens)
         self.sampled += [1] * len(tokens)
         self.log_probs += list(log_probs)
+        self.versions += list(versions) if versions is not None else [None] * len(tokens)
         self.assistant_turns += 1
 
     def add_tool_turn(self, ids: Sequence[int]) -> None:
@@ -129,6 +136,7 @@ class Trajectory(Conversation):
         self.response += list(ids)
         self.sampled += [0] * len(ids)
         self.log_probs += [0.0] * len(ids)
+        self.versions += [None] * len(ids)
         self.user_turns += 1
 
     @property
@@ -331,7 +339,7 @@ class AgentLoop:
         index = self._by_request[handle.id]
         state = running[index]
         record = state.record
-        record.add_turn(handle.tokens, handle.log_probs)
+        record.add_turn(handle.tokens, handle.log_probs, handle.versions)
         finish = self._verdict(state, handle)
         if finish:
             self._finish(scheduler, running, done, index, finish)
@@ -413,7 +421,7 @@ class AgentLoop:
         record.finish = why
         n = self.response_length
         record.response, record.sampled = record.response[:n], record.sampled[:n]
-        record.log_probs = record.log_probs[:n]
+        record.log_probs, record.versions = record.log_probs[:n], record.versions[:n]
         done[state.index] = record
 
     def _truncated(self, text: str) -> str:

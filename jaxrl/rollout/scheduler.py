@@ -44,7 +44,11 @@ the same distributions, not the same tokens (each its own key layout).
 A submitted request's copy j takes `fold_in(key, j)` as its key (one copy too), a resumed
 turn `key` itself; a turn samples its k-th token with `fold_in(its key, k)`: the same tokens
 whichever requests decode alongside it, in whatever chunks. A handle's `version` is the
-engine's `version` (`load_weights(..., version=)`) when the turn sampled its first token.
+engine's `version` (`load_weights(..., version=)`) when the turn sampled its first token, and
+`versions` that of each token: weights pushed between two `step`s leave the running turns
+to continue on the new weights with the caches they have (a partial rollout, PipelineRL's
+in-flight update: the tokens before the push keep the keys and values the old weights
+computed), so a turn over a push has both.
 """
 
 from __future__ import annotations
@@ -75,8 +79,11 @@ class Handle:
         tokens: The turn's sampled tokens so far.
         log_probs: Their log-probs (the processed distribution).
         finish_reason: "stop", "length" or "abort" once over; None before.
-        version: The engine's weights version the turn was sampled with (None: unversioned
-            weights, or nothing sampled yet).
+        version: The engine's weights version the turn's first token was sampled with
+            (None: unversioned weights, or nothing sampled yet).
+        versions: Per token of the turn, the weights version that sampled it: a turn that
+            runs over a `load_weights` (a push between two `step`s) continues on the new
+            weights with its cache (a partial rollout) and has both.
         slot: The engine slot of its conversation (None while queued, and once freed).
         record: The conversation's record, once its slot is freed (the turn's end without
             `keep_open`, `abort` or `close`).
@@ -88,6 +95,7 @@ class Handle:
     log_probs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     version: int | None = None
+    versions: list[int | None] = dataclasses.field(default_factory=list)
     slot: int | None = None
     record: Conversation | None = None
     keep_open: bool = False
@@ -392,10 +400,10 @@ class Scheduler:
         turn = self.engine.decode(slots, [h.sampling for h in handles], keys, max_steps=self.chunk)
         self.decode_calls += 1
         ended = []
-        for h, tokens, log_probs, reason in zip(
-            handles, turn.tokens, turn.log_probs, turn.finish_reasons, strict=True
+        for h, tokens, log_probs, versions, reason in zip(
+            handles, turn.tokens, turn.log_probs, turn.versions, turn.finish_reasons, strict=True
         ):
-            h.tokens, h.log_probs = tokens.tolist(), log_probs.tolist()
+            h.tokens, h.log_probs, h.versions = tokens.tolist(), log_probs.tolist(), versions
             if reason is not None:
                 h.finish_reason = reason
                 del self._running[h.slot]

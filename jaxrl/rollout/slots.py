@@ -74,12 +74,16 @@ class Conversation:
             0.0 when appended.
         sampled: Per response token, 1 if the engine sampled it, 0 if it was appended (a
             tool's output: attended to, not generated; verl's multi-turn response mask).
+        versions: Per response token, the version of the weights that sampled it
+            (`load_weights(version=)`; a turn that runs over a weight push has two), None
+            when appended or sampled with unversioned weights.
     """
 
     prompt: list[int]
     response: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
     sampled: list[int] = dataclasses.field(default_factory=list)
+    versions: list[int | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -92,11 +96,14 @@ class Turn:
         finish_reasons: "stop" (EOS, a stop token or a stop string), "length"
             (`max_tokens`, or the slot's cache is full), or None: not over yet (`decode`'s
             `max_steps`).
+        versions: Per token, the version of the weights that sampled it (a turn decoded in
+            chunks with a `load_weights` in between has the earlier, then the later).
     """
 
     tokens: list[np.ndarray]
     log_probs: list[np.ndarray]
     finish_reasons: list[str]
+    versions: list[list[int | None]]
 
 
 class ConversationSlots:
@@ -316,7 +323,7 @@ class ConversationSlots:
         not used for it) when its slot is next decoded. Its record grows when it is over.
         """
         slots = self._check_open(slots)
-        params = self.weights.get()
+        params, version = self.weights.get(), self.weights.version
         per_slot = self._per_slot(sampling, len(slots))
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"decode(max_steps={max_steps}): must be >= 1 (or None)")
@@ -373,6 +380,7 @@ class ConversationSlots:
                     n = int(out.counts[s])
                     turn.tokens += out.tokens[s, :n].tolist()
                     turn.log_probs += out.log_probs[s, :n].tolist()
+                    turn.versions += [version] * n
                     self._move_pending(s, n, turn.tokens[-1] if n else None)
                     turn.reason = self._finished(s, turn, bool(out.ended[s]))
         for s, turn in turns.items():
@@ -383,10 +391,12 @@ class ConversationSlots:
                 record.response += turn.tokens
                 record.log_probs += turn.log_probs
                 record.sampled += [1] * len(turn.tokens)
+                record.versions += turn.versions
         return Turn(
             tokens=[np.asarray(turns[s].tokens, np.int32) for s in slots],
             log_probs=[np.asarray(turns[s].log_probs, np.float32) for s in slots],
             finish_reasons=[turns[s].reason for s in slots],
+            versions=[list(turns[s].versions) for s in slots],
         )
 
     def _per_slot(
@@ -430,7 +440,7 @@ class ConversationSlots:
             cut = _stop_string_end(self.tokenizer, turn.tokens, sampling.stop)
             if cut is not None:
                 back = len(turn.tokens) - cut
-                del turn.tokens[cut:], turn.log_probs[cut:]
+                del turn.tokens[cut:], turn.log_probs[cut:], turn.versions[cut:]
                 self._move_pending(slot, -back, turn.tokens[-1])
                 return "stop"
         if ended:
@@ -489,6 +499,7 @@ class ConversationSlots:
                 record.response += seq.astype(int).tolist()
                 record.log_probs += [0.0] * len(seq)
                 record.sampled += [0] * len(seq)
+                record.versions += [None] * len(seq)
 
     def is_open(self, slot: int) -> bool:
         """Whether `slot` holds a conversation (an error in a call ends those it touched)."""
@@ -515,6 +526,7 @@ class _TurnSoFar:
     sampling: SamplingParams
     tokens: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int | None] = dataclasses.field(default_factory=list)
     reason: str | None = None
 
 

@@ -39,7 +39,7 @@ def engine(tokenizer):
     config, params = scripted_policy(tokenizer, calculator_chain())
     layout = Layout.create(rollout_mesh(1, jax.devices()[:2]), ROLLOUT_RULES)  # dp=2
     eng = RolloutEngine(config, layout, max_num_seqs=4, max_model_len=128, tokenizer=tokenizer)
-    eng.load_weights(params)
+    eng.load_weights(params, version=3)  # each sampled token records it
     return eng
 
 
@@ -57,7 +57,8 @@ def request(agent="tool_agent", text="add: 123 + 456"):
 def test_trajectories_are_the_template_over_their_messages(engine, tokenizer):
     """Six requests through four slots (two wait for a slot): tool trajectories take three
     turns (the limit), a single-turn request one; token ids equal the template over the final
-    messages, the loss mask marks exactly the sampled turns, log-probs exist only there."""
+    messages, the loss mask marks exactly the sampled turns, log-probs and weights versions
+    exist only there."""
     tools = {"calculator": Calculator({})}
     with ToolRunner(tools) as runner:
         loop = make_loop(engine, tokenizer, runner)
@@ -79,6 +80,7 @@ def test_trajectories_are_the_template_over_their_messages(engine, tokenizer):
         assert len(starts) == t.assistant_turns  # each turn one run of sampled tokens
         lp = np.asarray(t.log_probs)
         assert np.all(lp[mask == 0] == 0) and np.all(lp[mask == 1] > -1e-3)
+        assert t.versions == [3 if m else None for m in mask]
         tool_messages = [m["content"] for m in t.messages if m["role"] == "tool"]
         assert tool_messages == ["7"] * t.user_turns
     metrics = agent_metrics(out, loop.stats)

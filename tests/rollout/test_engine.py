@@ -114,6 +114,50 @@ def test_extend_equals_a_prefill(tiny):
         np.testing.assert_array_equal(cache.segments[row, total:], 0)
 
 
+def test_a_turn_over_a_weight_push_continues_on_the_new_weights(tiny):
+    """A partial rollout: a sampled turn decoded for 4 tokens with weights A (version 1),
+    then, after a push of weights B (version 2), to its end, keeps its cache. Its record
+    says version 1 for the first 4 tokens and 2 for the rest, and its log-probs are the
+    teacher-forced ones of that mix: the prompt and the first 3 tokens in the cache under
+    A, the 4th token (fed at the first step after the push) and the later ones under B.
+    All-A log-probs for the last tokens differ (the check can fail)."""
+    config, params = tiny
+    pushed = jax.tree.map(lambda x: (x * 0.9).astype(x.dtype), params)
+    ids, mask = prompts(b=1)
+    sp = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    eng = RolloutEngine(config, None, max_num_seqs=2, max_model_len=32)
+    eng.load_weights(params, version=1)
+    [slot] = eng.start(ids, mask)
+    first = eng.decode([slot], sp, jax.random.key(5)[None], max_steps=4)
+    eng.load_weights(pushed, version=2)
+    last = eng.decode([slot], sp, max_steps=None)
+    assert first.versions == [[1] * 4] and last.versions == [[1] * 4 + [2] * 6]
+    record = eng.conversation(slot)
+    assert record.versions == [1] * 4 + [2] * 6 and len(record.response) == 10
+    prompt, tokens = np.asarray(record.prompt), np.asarray(record.response)
+    p = len(prompt)
+
+    def chosen(logits, picked):
+        return np.take_along_axis(jax.nn.log_softmax(logits, -1), picked[:, None], -1)[:, 0]
+
+    seen = np.concatenate([prompt, tokens[:3]])[None]
+    one = np.ones_like(seen)
+    h, k, v = prefill(config, params, seen, positions_from_mask(one), one)
+    under_a = chosen(M.lm_logits(config, params, h)[0, p - 1 :], tokens[:4])
+    cache = init_cache(config, 1, 32).write(np.array([0]), k, v, one)
+    index = (p + 3 + np.arange(6))[None]
+    h, _ = jax.jit(extend, static_argnums=0)(config, pushed, tokens[None, 3:9], index, cache,
+                                             index)  # fmt: skip
+    under_b = chosen(M.lm_logits(config, pushed, h)[0], tokens[4:])
+    np.testing.assert_allclose(record.log_probs, np.concatenate([under_a, under_b]),
+                               atol=LOG_PROB_ATOL)  # fmt: skip
+    whole = np.concatenate([prompt, tokens[:9]])[None]
+    ones = np.ones_like(whole)
+    h, _, _ = prefill(config, params, whole, positions_from_mask(ones), ones)
+    all_a = chosen(M.lm_logits(config, params, h)[0, p + 3 :], tokens[4:])
+    assert np.abs(all_a - under_b).max() > 100 * LOG_PROB_ATOL
+
+
 def test_idle_slots_are_left_alone(tiny):
     """Decoding one conversation while another waits (with a tool output appended in
     between) changes nothing for the waiting one."""

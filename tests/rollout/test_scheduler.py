@@ -49,7 +49,8 @@ def assert_turn(handle, want):
 def test_requests_with_their_own_settings_share_the_engine(tiny):
     """Six requests of different prompts and settings on four slots: the last two wait for
     free slots; each turn streams in chunks and equals the one decoded alone; each records
-    the weights version and frees its slot."""
+    the weights version (per token: a turn running over a push has both) and frees its
+    slot."""
     config, params = tiny
     rng = np.random.RandomState(0)
     prompts = [rng.randint(2, 97, n).tolist() for n in (7, 4, 9, 5, 7, 3)]
@@ -71,10 +72,15 @@ def test_requests_with_their_own_settings_share_the_engine(tiny):
         scheduler.step()
         assert eng.free_slots + len(scheduler._running) == 4
         seen.append(len(handles[3].tokens))
+        if len(seen) == 2:  # a push (the same weights) with turns in flight: they go on
+            eng.load_weights(params, version=8)
     assert seen[:4] == [4, 8, 12, 13] and handles[3].finish_reason == "length"
+    assert handles[3].versions == handles[3].record.versions == [7] * 8 + [8] * 5
+    assert handles[0].versions == [7] * 6 and handles[5].versions == [8] * 8  # before, after
     for h, p, sp, k in zip(handles, prompts, settings, keys, strict=True):
         assert_turn(h, alone(config, params, p, sp, jax.random.fold_in(k, 0)))  # copy 0
-        assert len(h.tokens) == sp.max_tokens and h.done and h.version == 7
+        assert len(h.tokens) == sp.max_tokens and h.done and h.version == h.versions[0]
+        assert set(h.versions) <= {7, 8} and h.versions == sorted(h.versions)
         assert h.slot is None and h.record.prompt == p and h.record.response == h.tokens
     assert eng.free_slots == 4
 
