@@ -218,8 +218,11 @@ class AgentLoop:
         run runs its own rows, `first` their offset, and samples as one process would);
         `indices`: each request's index instead (a process running other processes' rows
         too)."""
-        if indices is not None and len(indices) != len(requests):
-            raise ValueError(f"{len(indices)} indices for {len(requests)} requests")
+        if indices is not None and (first or len(indices) != len(requests)):
+            raise ValueError(
+                f"run(): {len(indices)} indices for {len(requests)} requests (first={first}); "
+                "give one index per request, or first alone"
+            )
         for i, request in enumerate(requests):
             if request.agent_name not in AGENTS:
                 raise ValueError(

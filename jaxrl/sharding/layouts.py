@@ -177,10 +177,11 @@ def _check_owners(cfg, on: Mapping[str, list]) -> None:
     every_device = [d for group in on.values() for d in group]
     for role in ("train", "critic"):
         if role in on:
-            copy_groups(on[role], every_device)
+            copy_groups(on[role], every_device, role)
     every = {d.process_index for d in every_device}
-    missing = sorted(every - {d.process_index for d in on.get("rollout", ())})
-    if cfg.algorithm.filter_groups.streaming and "rollout" in on and missing:
+    rollout = on.get("rollout", on["train"])  # unplaced: the trainer's devices
+    missing = sorted(every - {d.process_index for d in rollout})
+    if cfg.algorithm.filter_groups.streaming and missing:
         raise ValueError(
             f"the rollout has no device on process(es) {missing} with mesh.placement.spread="
             "false: algorithm.filter_groups.streaming runs each process's groups on its own "

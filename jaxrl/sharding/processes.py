@@ -46,7 +46,9 @@ _RECEIVED = [0]  # bytes of the other processes' host data received (`received_b
 def received_bytes() -> int:
     """Bytes of the other processes' data this process has received through the hosts so
     far: the all-gathers of this module (`gather_rows`, `allgather_objects`, `row_span`, and
-    `to_host` of split arrays), (P - 1) / P of each gathered buffer; 0 with one process."""
+    `to_host` of split arrays), (P - 1) / P of each gathered buffer, and the buffers
+    `to_host` copies device to device from the processes that hold an array it holds none
+    of; 0 with one process."""
     return _RECEIVED[0]
 
 
@@ -175,8 +177,9 @@ def to_host(tree: Any) -> Any:
         _count_received(gathered)
         for i, x in zip(split, gathered, strict=True):
             out[i] = np.asarray(x)
-    for i, x in zip(some, _from_some_processes([leaves[i] for i in some]), strict=True):
-        out[i] = x
+    if some:  # every process has the same (global arrays)
+        for i, x in zip(some, _from_some_processes([leaves[i] for i in some]), strict=True):
+            out[i] = x
     return jax.tree.unflatten(treedef, out)
 
 
@@ -201,26 +204,29 @@ def _from_some_processes(xs: Sequence[jax.Array]) -> list[np.ndarray]:
         by_id = sorted(x.sharding.device_set, key=lambda d: d.id)
         order = mesh.devices.flat if mesh is not None else by_id
         groups.setdefault(tuple(order), []).append(i)
-    passed = [([d.id for d in devices], [xs[i].shape for i in members])
-              for devices, members in groups.items()]  # fmt: skip
+    passed = [([d.id for d in g], [xs[i].shape for i in groups[g]]) for g in groups]
     every = allgather_objects(passed)  # a small collective: a mismatch would hang the copies
     if any(p != every[0] for p in every):
         raise ValueError(
             "to_host: the processes pass different arrays (device ids and shapes per "
             f"process: {every}); a process-local array is read with np.asarray"
         )
-    out: list[Any] = [None] * len(xs)
-    for devices, members in groups.items():
-        parts = [xs[i] for i in members]
-        whole = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), PartitionSpec())
-        packed = moved(_pack(whole)(*parts), one_device_each())
+    out: list[Any] = [np.empty(x.shape, x.dtype) for x in xs]  # empty ones stay so
+    copies = {}
+    for devices, members in groups.items():  # every group dispatched, then read
+        parts = [xs[i] for i in members if xs[i].size]
+        if parts:
+            whole = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), PartitionSpec())
+            copies[devices] = moved(_pack(whole)(*parts), one_device_each())
+    for devices, packed in copies.items():
         data = np.asarray(packed.addressable_data(0))
-        if jax.process_index() not in _owners(parts[0]):
+        members = [i for i in groups[devices] if xs[i].size]
+        if jax.process_index() not in _owners(xs[members[0]]):
             _RECEIVED[0] += data.nbytes
         start = 0
-        for i, x in zip(members, parts, strict=True):
-            size = x.size * np.dtype(x.dtype).itemsize
-            out[i] = data[start : start + size].view(x.dtype).reshape(x.shape)
+        for i in members:
+            size = xs[i].size * np.dtype(xs[i].dtype).itemsize
+            out[i] = data[start : start + size].view(xs[i].dtype).reshape(xs[i].shape)
             start += size
     return out
 

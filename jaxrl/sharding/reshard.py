@@ -200,7 +200,7 @@ def spanning(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding
     least memory: copy 0 is the array itself and writes it, the others hold its shards
     while it is written."""
     mesh = sharding.mesh
-    groups = copy_groups(list(mesh.devices.flat), jax.devices())
+    groups = copy_groups(list(mesh.devices.flat), jax.devices(), "an array's mesh")
     if not groups:
         return None
     grid = [mesh.devices] + [np.asarray(g).reshape(mesh.devices.shape) for g in groups]
@@ -208,13 +208,15 @@ def spanning(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding
     return jax.sharding.NamedSharding(wide, sharding.spec)
 
 
-def copy_groups(own: Sequence[Any], everywhere: Sequence[Any]) -> list[list[Any]]:
-    """Groups of len(own) devices outside `own`, together holding a device of every process
-    of `everywhere` that `own` misses (each such process's first device first, then the
-    rest in process order), as few as can; [] when `own` is on every process.
+def copy_groups(own: Sequence[Any], everywhere: Sequence[Any], role: str) -> list[list[Any]]:
+    """Groups of len(own) devices outside `own` (`role`'s devices), together holding a
+    device of every process of `everywhere` that `own` misses (each such process's first
+    device first, then the rest in process order), as few as can; [] when `own` is on
+    every process.
 
     Raises:
-        ValueError: when the devices outside `own` are too few, naming the counts and keys.
+        ValueError: when the devices outside `own` are too few, naming the role, the counts
+            and the keys.
     """
     mine = {d.process_index for d in own}
     missing = sorted({d.process_index for d in everywhere} - mine)
@@ -226,11 +228,13 @@ def copy_groups(own: Sequence[Any], everywhere: Sequence[Any]) -> list[list[Any]
     size = len(own)
     copies = -(-len(missing) // size)
     if copies * size > len(ordered):
+        fix = ("place more devices on the other roles (mesh.placement.<role>.devices; the "
+               "trainer has the rest)" if role == "train"
+               else f"place fewer devices on it (mesh.placement.{role}.devices)")  # fmt: skip
         raise ValueError(
-            f"a role on {size} devices of process(es) {sorted(mine)} only is checkpointed "
+            f"{role} on {size} devices of process(es) {sorted(mine)} only is checkpointed "
             f"through a copy of its state on {copies * size} devices that reach process(es) "
-            f"{missing}, and only {len(ordered)} are outside it: place fewer devices on it "
-            "(mesh.placement.<role>.devices; the trainer has the rest), or set "
+            f"{missing}, and only {len(ordered)} are outside it: {fix}, or set "
             "mesh.placement.spread=true"
         )
     return [ordered[i * size : (i + 1) * size] for i in range(copies)]

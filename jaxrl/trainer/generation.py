@@ -267,12 +267,14 @@ class StepRollout:
         gather). A process without rollout devices runs no tools and reports no loop time."""
         me, every = jax.process_index(), allgather_objects((first, list(requests)))
         runs = [q for q, holder in enumerate(route(holders, len(every))) if holder == me]
-        jobs = [(q, start + j, r) for q in runs for start, part in [every[q]]
-                for j, r in enumerate(part)]  # fmt: skip
+        jobs = []  # (origin process, row index in the batch, request)
+        for q in runs:
+            start, part = every[q]
+            jobs += [(q, start + j, r) for j, r in enumerate(part)]
         done, stats = [], LoopStats()
         if jobs:
-            done, stats = self._run_agent([r for _, _, r in jobs], [i for _, i, _ in jobs],
-                                          sampling, rng, prompt_length)  # fmt: skip
+            mine, rows = [r for _, _, r in jobs], [i for _, i, _ in jobs]
+            done, stats = self._run_agent(mine, rows, sampling, rng, prompt_length)
         results: dict[int, list[Trajectory]] = {q: [] for q in runs}
         for (q, _, _), trajectory in zip(jobs, done, strict=True):
             results[q].append(trajectory)
@@ -285,6 +287,6 @@ def route(holders: Sequence[int], processes: int) -> list[int]:
     """The process that runs each process's conversations: itself where it holds rollout
     devices, else the holders in turn."""
     out = list(range(processes))
-    for k, q in enumerate(q for q in out if q not in holders):
+    for k, q in enumerate(q for q in range(processes) if q not in holders):
         out[q] = holders[k % len(holders)]
     return out

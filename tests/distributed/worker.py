@@ -278,9 +278,10 @@ def _moves() -> dict:
 
 
 def _one_process_arrays() -> dict:
-    """Arrays on process 0's devices only (a trainer placed there): `to_host` gives both
-    processes their values (process 1's device to device), and a checkpoint of them written
-    by both processes (through copies on process 1: orbax refuses an array of one process)
+    """Arrays on process 0's devices only (a trainer placed there; two device groups, a 0-d
+    bfloat16, an empty array): `to_host` gives both processes their values (process 1's
+    device to device), and a checkpoint of them and of an array on every process, written
+    by both processes (through copies on process 1: orbax refuses an array of one process),
     restores them exactly, in their own shardings."""
     import tempfile
 
@@ -302,18 +303,28 @@ def _one_process_arrays() -> dict:
         "flags": jax.jit(lambda: np.asarray([True, False, True]), out_shardings=whole)(),
         "step": jax.jit(lambda: np.full(2, 7, np.int32), out_shardings=rows)(),
     }
+    pair = NamedSharding(Mesh(np.asarray(jax.devices()[:2]), ("a",)), P())
+    others = {
+        "scale": jax.jit(lambda: jax.numpy.bfloat16(1.5), out_shardings=pair)(),
+        "empty": jax.jit(lambda: np.zeros((0, 3), np.float32), out_shardings=pair)(),
+    }
     local_error = ""
     try:
         to_host(jax.numpy.ones(2))  # process-local: each process's own device
     except ValueError as e:
         local_error = str(e)
     before = received_bytes()
-    host = to_host(state)
+    host = to_host({**state, **others})
     read = (np.array_equal(host["w"], value) and host["flags"].tolist() == [True, False, True]
-            and host["step"].tolist() == [7, 7])  # fmt: skip
+            and host["step"].tolist() == [7, 7] and host["scale"] == 1.5
+            and host["scale"].dtype == others["scale"].dtype
+            and host["empty"].shape == (0, 3))  # fmt: skip
     received = received_bytes() - before
     directory = allgather_objects(tempfile.mkdtemp(prefix="jaxrl-placed-"))[0]
     ckpts = Checkpoints(directory)
+    everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("a",)), P())
+    three = jax.jit(lambda: np.float32(3), out_shardings=everywhere)()
+    state = {**state, "scale": others["scale"], "all": three}  # orbax saves no empty array
     ckpts.save(1, {"state": state}, {"step": 1})
     ckpts.wait()
     restored, meta = ckpts.restore(1, {"state": abstract(state)})

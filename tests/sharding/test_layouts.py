@@ -361,8 +361,9 @@ def test_several_processes_give_every_role_a_share_of_their_devices():
             {"ref": 2},  # the trainer on process 0's 6 devices: 2 outside, fewer than 6
             ("actor_rollout_ref.actor.use_kl_loss=true", "mesh.fsdp=2", "mesh.tp=3"),
             6,
-            r"on 6 devices of process\(es\) \[0\] only .* on 6 devices that reach "
-            r"process\(es\) \[1\], and only 2 are outside it",
+            r"train on 6 devices of process\(es\) \[0\] only .* on 6 devices that reach "
+            r"process\(es\) \[1\], and only 2 are outside it: place more devices on the "
+            r"other roles",
         ),
         (
             {"critic": 6},  # the critic on process 1's 6 devices, 2 outside
@@ -373,7 +374,7 @@ def test_several_processes_give_every_role_a_share_of_their_devices():
                 "mesh.placement.critic.tp=3",
             ),
             2,
-            r"on 6 devices of process\(es\) \[1\] only",
+            r"critic on 6 devices of process\(es\) \[1\] only .*mesh.placement.critic",
         ),
         (
             {"rollout": 2},
@@ -388,6 +389,17 @@ def test_several_processes_give_every_role_a_share_of_their_devices():
             r"rollout has no device on process\(es\) \[0\] .* "
             r"algorithm.filter_groups.streaming",
         ),
+        (
+            {"ref": 4},  # the rollout unplaced: on the trainer's devices, process 0's
+            (
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=acc",
+                "algorithm.filter_groups.streaming=true",
+            ),
+            4,
+            r"rollout has no device on process\(es\) \[1\]",
+        ),
     ],
 )
 def test_unspread_roles_on_some_processes_are_refused_where_they_cannot_run(
@@ -395,9 +407,9 @@ def test_unspread_roles_on_some_processes_are_refused_where_they_cannot_run(
 ):
     """With mesh.placement.spread=false a group may sit on some processes' devices only
     (process 0 holds the first `first` of 8 devices), except a trainer or placed critic with
-    fewer devices outside it than its checkpoint's copy needs, and a rollout off a process
-    that the agent loop or streamed dynamic sampling runs on: each is refused by name, with
-    the keys to change."""
+    fewer devices outside it than its checkpoint's copy needs, and a rollout (placed, or
+    the trainer's devices) off a process that streamed dynamic sampling runs on: each is
+    refused by name, with the keys to change."""
     from types import SimpleNamespace
 
     from jaxrl.sharding.layouts import role_layouts
@@ -421,13 +433,13 @@ def test_a_role_on_some_processes_is_checkpointed_through_the_fewest_copies():
         return [[d.id for d in g] for g in groups]
 
     two = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
-    assert ids(copy_groups(two[:4], two)) == [[4, 5, 6, 7]]
-    assert copy_groups(two[2:6], two) == []
+    assert ids(copy_groups(two[:4], two, "train")) == [[4, 5, 6, 7]]
+    assert copy_groups(two[2:6], two, "train") == []
     three = [SimpleNamespace(id=i, process_index=i // 2) for i in range(6)]
-    assert ids(copy_groups(three[:2], three)) == [[2, 4]]  # one copy reaches both
-    assert ids(copy_groups(three[:1], three)) == [[2], [4]]
-    with pytest.raises(ValueError, match=r"on 4 devices .* only 2 are outside it"):
-        copy_groups(three[:4], three)
+    assert ids(copy_groups(three[:2], three, "critic")) == [[2, 4]]  # one copy reaches both
+    assert ids(copy_groups(three[:1], three, "critic")) == [[2], [4]]
+    with pytest.raises(ValueError, match=r"critic on 4 devices .* only 2 are outside it"):
+        copy_groups(three[:4], three, "critic")
 
 
 def test_shard_is_a_no_op_without_layout():
