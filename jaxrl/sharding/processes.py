@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -163,7 +163,7 @@ def to_host(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     out, split, some = [], [], []
     for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and len(_owners(x)) < jax.process_count():
+        if isinstance(x, jax.Array) and len(owners(x.sharding.device_set)) < jax.process_count():
             some.append(i)
             x = None
         elif isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -183,9 +183,10 @@ def to_host(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def _owners(x: jax.Array) -> set[int]:
-    """The processes whose devices hold part of `x`."""
-    return {d.process_index for d in x.sharding.device_set}
+def owners(devices: Iterable[jax.Device]) -> set[int]:
+    """The processes of `devices` (an array's `sharding.device_set`, a mesh's
+    `devices.flat`)."""
+    return {d.process_index for d in devices}
 
 
 def _from_some_processes(xs: Sequence[jax.Array]) -> list[np.ndarray]:
@@ -221,7 +222,7 @@ def _from_some_processes(xs: Sequence[jax.Array]) -> list[np.ndarray]:
     for devices, packed in copies.items():
         data = np.asarray(packed.addressable_data(0))
         members = [i for i in groups[devices] if xs[i].size]
-        if jax.process_index() not in _owners(xs[members[0]]):
+        if jax.process_index() not in owners(xs[members[0]].sharding.device_set):
             _RECEIVED[0] += data.nbytes
         start = 0
         for i in members:

@@ -50,7 +50,7 @@ from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch, object_array
 from jaxrl.rollout import SamplingParams, Scheduler
 from jaxrl.rollout.streaming import GroupRollout, Share, StreamResult, stream_groups
-from jaxrl.sharding.processes import allgather_objects, row_span, to_host
+from jaxrl.sharding.processes import allgather_objects, owners, row_span, to_host
 from jaxrl.trainer.cluster import Cluster
 
 log = logging.getLogger("jaxrl.train")
@@ -211,7 +211,7 @@ class StepRollout:
         requests = agent_requests(prompts.repeat(sampling.n), default)
         p = prompts.input_ids.shape[1]
         first = row_span(len(requests))[0]
-        holders = sorted({d.process_index for d in self.cluster.rollout.layout.mesh.devices.flat})
+        holders = sorted(owners(self.cluster.rollout.layout.mesh.devices.flat))
         if len(holders) == jax.process_count():
             indices = range(first, first + len(requests))
             trajectories, stats = self._run_agent(requests, indices, sampling, rng, p)
