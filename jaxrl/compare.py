@@ -21,7 +21,10 @@ from typing import Any
 from jaxrl.trainer.loggers import read_metrics
 
 # wall-time based, and the programs a process compiles (a resumed run compiles them again)
-VOLATILE = ("timing", "perf/time", "perf/throughput", "perf/mfu", "perf/compile")
+VOLATILE = (
+    "timing", "perf/time", "perf/throughput", "perf/mfu", "perf/compile", "async/trainer/",
+    "async/rollout/",
+)  # fmt: skip
 
 
 def by_step(run_dir: Path) -> dict[int, dict[str, Any]]:

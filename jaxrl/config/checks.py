@@ -632,6 +632,7 @@ def check(cfg: Config, *, num_devices: int | None = None) -> None:
     _check_algorithm(cfg, p)
     _check_multi_turn(cfg, p)
     _check_distillation(cfg, p)
+    _check_async(cfg, p)
     shards = _check_devices(cfg, p, num_devices) if num_devices is not None else None
     if not p:  # batch arithmetic assumes the ranges above hold
         _check_batches(cfg, p, shards)
@@ -776,6 +777,59 @@ def _check_multi_turn(cfg: Config, p: _Problems) -> None:
     path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
     if path and not os.path.isfile(os.path.expanduser(path)):
         p.append(f"{key}.tool_config_path={path}: no such file (a tool YAML: `tools: [...]`)")
+
+
+ASYNC_MODES = ("sync", "one_step_off", "fully_async")
+
+
+def _check_async(cfg: Config, p: _Problems) -> None:
+    """`async_training.mode`: the rollout runs ahead on devices of its own, generating with
+    the fixed-batch path (the host only dispatches it); what needs the host during generation
+    is refused by name."""
+    p.choice(cfg, "async_training.mode", ASYNC_MODES)
+    mode = cfg.async_training.mode
+    if mode == "sync":
+        return
+    key = f"async_training.mode={mode}"
+    if not cfg.mesh.placement.rollout.devices:
+        p.append(
+            f"{key} generates during the update, on devices of the rollout's own: set "
+            "mesh.placement.rollout.devices to the rollout's share (verl's one_step_off recipe "
+            "likewise gives the rollout its own GPUs)"
+        )
+    rollout = cfg.actor_rollout_ref.rollout
+    unsupported = {
+        "actor_rollout_ref.rollout.multi_turn.enable=true": rollout.multi_turn.enable,
+        "algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
+        "algorithm.adv_estimator=remax (greedy baselines)": cfg.algorithm.adv_estimator == "remax",
+    }
+    if mode == "fully_async":
+        _check_fully_async(cfg, p)
+        unsupported["actor_rollout_ref.rollout.over_sample_rate>0"] = bool(rollout.over_sample_rate)
+    for name, on in unsupported.items():
+        if on:
+            p.append(
+                f"{key} with {name}: the host drives that generation (or a second one) and the "
+                "step would wait for it; not built for the async modes yet. Use "
+                "async_training.mode=sync"
+            )
+
+
+def _check_fully_async(cfg: Config, p: _Problems) -> None:
+    at, mini = cfg.async_training, cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    p.at_least(cfg, "async_training.trigger_parameter_sync_step", 1)
+    p.at_least(cfg, "async_training.require_batches", 1)
+    p.at_least(cfg, "async_training.staleness_threshold", 0)
+    if at.rollout_timeout <= 0:
+        p.append("async_training.rollout_timeout must be > 0 seconds")
+    if at.require_batches * mini != cfg.data.train_batch_size:
+        p.append(
+            f"async_training.mode=fully_async trains each step on async_training."
+            f"require_batches x actor.ppo_mini_batch_size = {at.require_batches} x {mini} "
+            f"groups, and data.train_batch_size={cfg.data.train_batch_size}: set "
+            f"data.train_batch_size={at.require_batches * mini} (verl's fully_async takes "
+            "the same count)"
+        )
 
 
 def check_model_context(cfg: Config, max_position_embeddings: int | None, model_key: str) -> None:

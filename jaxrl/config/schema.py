@@ -1051,6 +1051,50 @@ class DistillationConfig:
 
 
 @dataclass(frozen=True)
+class AsyncTrainingConfig:
+    """`async_training.*`: the rollout running ahead of the trainer on devices of its own
+    (verl's `one_step_off_policy` and `fully_async_policy` recipes; `docs/async.md`).
+
+    Attributes:
+        mode: *jaxrl* (verl picks the recipe by its entry point). `sync`: each step
+            generates its batch with the current weights, then trains on it. `one_step_off`:
+            the rollout generates batch k+1 with the weights from before update k while the
+            trainer updates on batch k (verl's `one_step_off_policy`): the loss sees batches
+            one update old, corrected as `algorithm.rollout_correction` says. Needs the
+            rollout on devices of its own (`mesh.placement.rollout.devices`); batch
+            generation only (no multi-turn, dynamic sampling or ReMax yet). A step that saves
+            a checkpoint, and the last, look no batch ahead: nothing is in flight at a
+            checkpoint, and a resumed run computes what an uninterrupted one does.
+            `fully_async`: a rollouter thread generates groups continuously into a queue and
+            the trainer takes `require_batches` x `ppo_mini_batch_size` finished groups a step
+            (verl's `fully_async_policy`; one process, batch generation only).
+        staleness_threshold: `fully_async`: the rollouter starts at most (1 + this) x the
+            groups the trainer takes between two pushes per weights version (verl's
+            `max_required_samples`), so stale groups are mostly never produced; a group whose
+            first token is more than ceil(1 + this) pushes behind the trainer is dropped and
+            generated again (jaxrl's hard bound; verl has the cap only).
+        trigger_parameter_sync_step: `fully_async`: push the actor's weights to the rollout
+            every this many steps.
+        require_batches: `fully_async`: mini-batches of groups a step takes; the step's batch
+            is this x `actor.ppo_mini_batch_size` prompts (`data.train_batch_size` must say
+            the same).
+        partial_rollout: `fully_async`: a push lands between two decode chunks and the
+            running groups continue on the new weights with their KV caches (each token
+            records its version); false: the push waits for them to end on the old weights.
+        rollout_timeout: *jaxrl*. `fully_async`: seconds the trainer waits for a finished
+            group (or a push for the running groups to end) before it stops the run with an
+            error naming the rollouter.
+    """
+
+    mode: str = "sync"
+    staleness_threshold: float = 0.1
+    trigger_parameter_sync_step: int = 4
+    require_batches: int = 1
+    partial_rollout: bool = True
+    rollout_timeout: float = 600.0
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run.
 
@@ -1065,6 +1109,7 @@ class Config:
         mesh: The device mesh (jaxrl).
         assets: Files the run makes for itself (jaxrl).
         distillation: On-policy distillation from a teacher.
+        async_training: The rollout running ahead of the trainer (verl's async recipes).
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -1079,6 +1124,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 def is_group(tp: Any) -> bool:

@@ -134,11 +134,22 @@ class PromptIterator:
         return self
 
     def __next__(self) -> PromptBatch:
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
+        self.epoch, self.position = self._next_place()
         batch = self._make(self.epoch, self.position)
         self.position += 1
         return batch
+
+    def peek(self) -> PromptBatch:
+        """The batch `next` returns, without moving (`state_dict` stays where it is): what a
+        trainer that generates one batch ahead (`async_training.mode=one_step_off`) takes
+        before the loop asks for it."""
+        return self._make(*self._next_place())
+
+    def _next_place(self) -> tuple[int, int]:
+        """(epoch, position) of the next batch."""
+        if self.position >= self.batches_per_epoch:
+            return self.epoch + 1, 0
+        return self.epoch, self.position
 
     def one_epoch(self) -> Iterator[PromptBatch]:
         """The remaining batches of the current epoch (validation: a fresh iterator's pass)."""

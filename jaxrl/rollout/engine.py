@@ -175,8 +175,11 @@ class RolloutEngine(ConversationSlots):
         attention_mask: np.ndarray,
         sampling: SamplingParams,
         rng: jax.Array,
+        *,
+        defer: bool = False,
     ) -> GenerationOutput:
-        """`jaxrl.rollout.generate` on the loaded weights (see it for multi-process runs)."""
+        """`jaxrl.rollout.generate` on the loaded weights (see it for multi-process runs and
+        `defer`)."""
         return generate(
             self.config,
             self._weights(),
@@ -189,6 +192,7 @@ class RolloutEngine(ConversationSlots):
             max_num_seqs=self.max_num_seqs,
             decode_backend=self.decode_backend,
             every_process=self.every_process,
+            defer=defer,
         )
 
     def compile(self, like: Any, prompts: int, prompt_len: int, sampling: SamplingParams):

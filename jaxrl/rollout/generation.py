@@ -70,6 +70,8 @@ class GenerationOutput:
         lengths: Response lengths [B*n].
         decode_steps: Iterations of the decode loop (one token for every busy slot each).
         slots: Rows decoded at once (KV-cache slots).
+        local: Several processes, `generate(..., defer=True)`: where this process's rows are
+            (the arrays are the whole batch's, on the rollout's devices); else None.
     """
 
     responses: Int[Array, "b r"]
@@ -78,6 +80,23 @@ class GenerationOutput:
     lengths: Int[Array, " b"]
     decode_steps: Int[Array, ""]
     slots: int = flax.struct.field(pytree_node=False, default=0)
+    local: LocalRows | None = flax.struct.field(pytree_node=False, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRows:
+    """Where this process's rows are in a deferred multi-process output (`own_rows`).
+
+    Attributes:
+        start: Its first row in the output's rows.
+        stop: One past its last.
+        move: The rollout's devices are some processes' only: a copy moves onto one device
+            of each process before the read.
+    """
+
+    start: int
+    stop: int
+    move: bool
 
 
 @flax.struct.dataclass
@@ -368,6 +387,7 @@ def generate(
     prefix_sharing: bool = True,
     decode_backend: str = "auto",
     every_process: bool | None = None,
+    defer: bool = False,
 ) -> GenerationOutput:
     """Generate responses for left-padded prompts.
 
@@ -398,7 +418,11 @@ def generate(
     share of the mesh (`RolloutEngine.local`) it runs as in one process.
 
     `every_process`: whether every process calls it (the mesh's owners and the others);
-    None: when the mesh has devices of other processes than this one.
+    None: when the mesh has devices of other processes than this one. `defer` (several
+    processes): return the output on the rollout's devices, dispatched and not read, its
+    `local` saying where this process's rows are; `own_rows` reads them (every process
+    at once). Without it the call waits for the whole generation (a caller generating ahead
+    of the trainer defers).
 
     Raises:
         ValueError: for a prompt longer than `max_prompt_length`, or `max_tokens` beyond the
@@ -454,7 +478,8 @@ def generate(
         layout, max_num_seqs, prefix_sharing, choose_backend(decode_backend, config, layout)
     )
     if spanning:
-        return _generate_processes(config, params, input_ids, attention_mask, sp, rng, plan)
+        return _generate_processes(config, params, input_ids, attention_mask, sp, rng, plan,
+                                   defer)  # fmt: skip
     fn, args = _program(config, params, input_ids, attention_mask, sp, rng, plan)
     return _rows(fn(*args), slice(0, b * sp.n))
 
@@ -555,10 +580,12 @@ def _generate_processes(
     sp: SamplingParams,
     rng: jax.Array,
     plan: _Plan,
+    defer: bool,
 ) -> GenerationOutput:
     """`generate` in a multi-process run: every process passes its own prompts (the same
     number on each), one program generates for all of them over the whole rollout mesh, and
-    each process gets back the rows of its own prompts (numpy).
+    each process gets back the rows of its own prompts (numpy; `defer`: the output on the
+    rollout's devices, dispatched, for `own_rows`).
 
     Process p's rows (its prompts repeated n times, padded to a multiple of its share of `dp`)
     are block p of the global batch (`make_array_from_process_local_data`); the queue takes
@@ -620,7 +647,19 @@ def _generate_processes(
         rng = jax.random.wrap_key_data(data, impl=jax.random.key_impl(rng))
         count = global_array(count, layout.replicated())
     out = fn(params, ids, mask, rng, count, order)
-    if not everywhere:  # a whole copy onto one device of each process
+    out = out.replace(local=LocalRows(start, start + rows, move=not everywhere))
+    return out if defer else own_rows(out)
+
+
+def own_rows(out: GenerationOutput) -> GenerationOutput:
+    """This process's rows (numpy) of a multi-process `generate(..., defer=True)` output (every
+    process calls it at once: where the rollout's devices are some processes' only, a whole
+    copy moves onto one device of each process first, device to device); any other output
+    as it is."""
+    where = out.local
+    if where is None:
+        return out
+    if where.move:
         out = jax.tree.map(lambda x: moved(x, one_device_each()), out)
     host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
-    return _rows(host, slice(start, start + rows))
+    return _rows(host, slice(where.start, where.stop)).replace(local=None)

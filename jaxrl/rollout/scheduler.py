@@ -62,6 +62,7 @@ import jax
 import numpy as np
 
 from jaxrl.rollout.engine import RolloutEngine
+from jaxrl.rollout.generation import GenerationOutput, own_rows
 from jaxrl.rollout.sampling import SamplingParams, typed_key
 from jaxrl.rollout.slots import Conversation
 from jaxrl.sharding.processes import spans_processes
@@ -118,6 +119,9 @@ class BatchOutput:
         version: The engine's weights version it was sampled with.
         fixed_batch: Which path ran: the engine's fixed-batch loop (device arrays, every
             process's rows), or requests on the slots (numpy, this process's).
+        deferred: The fixed-batch path over several processes: the whole output, on the
+            rollout's devices, with where this process's rows are (`rows()` reads them);
+            else None.
     """
 
     responses: Array
@@ -125,6 +129,16 @@ class BatchOutput:
     log_probs: Array
     version: int | None
     fixed_batch: bool
+    deferred: GenerationOutput | None = None
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(responses, response_mask, log_probs) of this process's rows on the host: the
+        arrays read, or, from the fixed-batch path over several processes, this process's
+        rows of them (`generation.own_rows`; every process calls it at once)."""
+        if self.deferred is not None:
+            out = own_rows(self.deferred)
+            return out.responses, out.response_mask, out.log_probs
+        return tuple(np.asarray(x) for x in (self.responses, self.response_mask, self.log_probs))
 
 
 @dataclasses.dataclass
@@ -267,9 +281,10 @@ class Scheduler:
     ) -> BatchOutput:
         """A batch request: the left-padded prompts [B, P], each `sampling.n` times (module
         doc). `fast`: None takes the fixed-batch path when the scheduler is idle (its rows
-        come back as device arrays, dispatched, not waited for); True insists on it (an
-        error while requests hold slots); False runs the rows as requests on the slots,
-        returning when every row is over. `key` None: `sampling.seed`'s, as `generate`."""
+        come back as device arrays, dispatched, not waited for; over several processes the
+        whole batch's on the rollout's devices, `BatchOutput.rows` reading this process's);
+        True insists on it (an error while requests hold slots); False runs the rows as
+        requests on the slots, returning when every row is over. `key` None: `sampling.seed`'s, as `generate`."""
         if key is None:
             key = jax.random.key(0 if sampling.seed is None else sampling.seed)
         key = _one_key(key, "generate()")
@@ -282,8 +297,10 @@ class Scheduler:
             )
         version = self.engine.version
         if fast or (fast is None and idle):
-            out = self.engine.generate(input_ids, attention_mask, sampling, key)
-            return BatchOutput(out.responses, out.response_mask, out.log_probs, version, True)
+            out = self.engine.generate(input_ids, attention_mask, sampling, key, defer=True)
+            deferred = out if out.local is not None else None
+            return BatchOutput(out.responses, out.response_mask, out.log_probs, version, True,
+                               deferred)  # fmt: skip
         if spans_processes(self.engine.layout.mesh):
             raise ValueError(
                 "generate(fast=False): slots are one process's, and this engine's mesh spans "

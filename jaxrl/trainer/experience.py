@@ -7,6 +7,8 @@
     experience.rollout_log_probs # the rollout's log-probs: their one home (devices or host)
     experience.timing            # gen, reward, gen_max, gather (seconds)
     experience.metrics           # the agent loop's, dynamic sampling's, the reward manager's
+    launched = producer.launch(prompts, rng)   # the generation only, dispatched, not waited for
+    producer.produce(prompts, global_step, rng, launched=launched)   # ... read and scored later
 
 `produce`:
 
@@ -63,7 +65,7 @@ from jaxrl.trainer.dynamic_sampling import (
     stream_metrics,
     too_many_batches_message,
 )
-from jaxrl.trainer.generation import StepRollout
+from jaxrl.trainer.generation import Generated, PendingBatch, StepRollout
 from jaxrl.trainer.teachers import ROUTE, TeacherRouter
 
 log = logging.getLogger("jaxrl.train")
@@ -121,6 +123,30 @@ class Experience:
         return None if self.span is None else (self.span[0], len(self.rows["responses"]))
 
 
+@dataclasses.dataclass
+class Launched:
+    """A step's generation dispatched ahead of the step (`ExperienceProducer.launch`).
+
+    Attributes:
+        prompts: This process's prompts.
+        pending: The generation on the rollout's devices, or its rows (`Generated`) when
+            they were made elsewhere (the fully asynchronous rollouter's groups).
+        version: The weights version (`Learner.version`) it samples with.
+        dispatched: When its dispatch began (`time.perf_counter()`; a first call's
+            compilation counts as the rollout's time).
+    """
+
+    prompts: PromptBatch
+    pending: PendingBatch | Generated
+    version: int
+    dispatched: float
+
+
+def step_key(seed: int, global_step: int) -> jax.Array:
+    """The sampling key of step `global_step` (its generation's, wherever it runs)."""
+    return jax.random.fold_in(jax.random.key(seed), global_step)
+
+
 @contextlib.contextmanager
 def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
     """Add the block's wall time to `timing[name]`."""
@@ -158,22 +184,51 @@ class ExperienceProducer:
         self.sampling, self.router, self.prompt_source = sampling, router, prompt_source
         self._told = False  # where the step's batch lives, logged once
 
-    def produce(self, prompts: PromptBatch, global_step: int, rng: jax.Array) -> Experience:
-        """The step's experience from `prompts` (this process's rows) and the step's key."""
+    def launch(self, prompts: PromptBatch, rng: jax.Array) -> Launched:
+        """Batch generation of `prompts` (this process's rows) with `rng`, dispatched to
+        the rollout's devices with the actor's current weights (published first unless the
+        rollout holds them) and not waited for: `produce(..., launched=)` scores it. Batch
+        generation only (the config checks refuse the agent loop, dynamic sampling and
+        ReMax with the async modes)."""
+        with self.rollout.holding():
+            version, start = self.cluster.actor.version, time.perf_counter()
+            pending = self.rollout.dispatch(prompts, self.sampling, rng)
+        return Launched(prompts, pending, version, start)
+
+    def produce(
+        self,
+        prompts: PromptBatch,
+        global_step: int,
+        rng: jax.Array,
+        *,
+        launched: Launched | None = None,
+    ) -> Experience:
+        """The step's experience from `prompts` (this process's rows) and the step's key;
+        `launched`: their generation, dispatched before (`launch`: with the weights of
+        then), is read and scored instead of generating now."""
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        with self.rollout.holding():  # one weight copy for every generation batch
-            version = self.cluster.actor.version
-            if self.cfg.algorithm.filter_groups.enable:
-                scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
-            else:
-                scored = self._scored_rows(prompts, rng, timing, metrics)
+        if launched is not None:
+            if not np.array_equal(launched.prompts.uid, prompts.uid):
+                raise ValueError(
+                    "produce(launched=...): the launched generation is of other prompts "
+                    f"({launched.prompts.uid[:2]}...) than this step's ({prompts.uid[:2]}...)"
+                )
+            version = launched.version
+            scored = self._scored_rows(prompts, rng, timing, metrics, launched=launched)
+        else:
+            with self.rollout.holding():  # one weight copy for every generation batch
+                version = self.cluster.actor.version
+                if self.cfg.algorithm.filter_groups.enable:
+                    scored = self._dynamic_sampling(prompts, global_step, rng, timing, metrics)
+                else:
+                    scored = self._scored_rows(prompts, rng, timing, metrics)
+        metrics.update(scored.reward_metrics)
         rows = dict(scored.rows)
         routes = rows.pop(ROUTE, None)
         if scored.index is not None:
             routes = scored.index.get(ROUTE)
         log_probs = rows.pop("rollout_log_probs", scored.device_log_probs)
-        metrics.update(scored.reward_metrics)
         lengths = None if scored.index is None else scored.index["lengths"]
         return Experience(
             rows, log_probs, scored.extra, routes, scored.conversations, version, timing,
@@ -190,6 +245,7 @@ class ExperienceProducer:
         metrics: dict[str, float],
         *,
         own: bool = False,
+        launched: Launched | None = None,
     ) -> _Scored:
         """Generate `rollout.n` responses per prompt and score them (and ReMax's greedy
         baselines): the global batch's rows, on every process (`gather_processes`), or each
@@ -197,8 +253,11 @@ class ExperienceProducer:
         stay on the devices (one process). `own` (dynamic sampling's pool): this process's
         rows, log-probs and scorer output as they are, all on the host, nothing gathered."""
         n = self.sampling.n
-        with timer("gen", timing):
-            generated = self.rollout.generate(prompts, self.sampling, rng)
+        with timer("gen", timing):  # launched: the wait for its devices
+            if launched is None:
+                generated = self.rollout.generate(prompts, self.sampling, rng)
+            else:
+                generated = self.rollout.collect(launched.pending)
             rows, log_probs = generated.rows, generated.log_probs
             metrics.update(generated.metrics)
         repeated = generated.scored(prompts.repeat(n))

@@ -37,6 +37,7 @@ from jaxrl.trainer.experience import RewardFn
 from jaxrl.trainer.loggers import Tracking, read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer, ppo_training
 from jaxrl.trainer.protocol import Trainer
+from jaxrl.trainer.rollouter import RolloutError
 from jaxrl.trainer.teachers import TeacherRouter
 
 log = logging.getLogger("jaxrl.train")
@@ -51,6 +52,7 @@ RUN_ERRORS = (
     CheckpointError,
     TrainingError,
     DynamicSamplingError,
+    RolloutError,
     DataError,
     FileExistsError,
     FileNotFoundError,
@@ -309,7 +311,10 @@ def train_run(cfg: Config, run: Run) -> dict[str, float]:
             save = cfg.trainer.save_freq
             if save > 0 and (step % save == 0 or last):
                 items, meta = trainer.state_items()
-                meta.update(global_step=step, data=train_loader.state_dict())
+                # a trainer drawing from the loader in the background (fully_async) gives the
+                # loader's state that goes with its own
+                meta.setdefault("data", train_loader.state_dict())
+                meta["global_step"] = step
                 ckpts.save(step, items, meta)
             metrics["timing_s/elapsed"] = time.perf_counter() - began
             tracking.log(metrics, step)

@@ -48,7 +48,7 @@ from jaxrl.agent import (
 )
 from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch, object_array
-from jaxrl.rollout import SamplingParams, Scheduler
+from jaxrl.rollout import BatchOutput, SamplingParams, Scheduler
 from jaxrl.rollout.streaming import GroupRollout, Share, StreamResult, stream_groups
 from jaxrl.sharding.processes import allgather_objects, owners, row_span, to_host
 from jaxrl.trainer.cluster import Cluster
@@ -87,6 +87,22 @@ class Generated:
         rows = [{**(e or {}), **x} for e, x in zip(repeated.extra_info, self.extra_info,
                                                     strict=True)]  # fmt: skip
         return dataclasses.replace(repeated, extra_info=object_array(rows))
+
+
+@dataclasses.dataclass
+class PendingBatch:
+    """A batch generation on the rollout's devices, dispatched and not waited for
+    (`StepRollout.dispatch`; `StepRollout.collect` reads it).
+
+    Attributes:
+        prompts: This process's prompts.
+        n: Responses per prompt.
+        output: The scheduler's batch output (device arrays; `version`: the weights').
+    """
+
+    prompts: PromptBatch
+    n: int
+    output: BatchOutput
 
 
 class StepRollout:
@@ -143,7 +159,7 @@ class StepRollout:
         with self.holding():
             if self.multi_turn.enable:
                 return self._agent(prompts, sampling, rng)
-            return self._batch(prompts, sampling, rng)
+            return self.collect(self.dispatch(prompts, sampling, rng))
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -181,7 +197,13 @@ class StepRollout:
                 target=target, max_groups=max_groups, share=share,
             )  # fmt: skip
 
-    def _batch(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
+    def dispatch(
+        self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array
+    ) -> PendingBatch:
+        """Batch generation of `prompts` (this process's rows) dispatched to the rollout's
+        devices with the weights it holds, not waited for (`collect` reads it): a
+        `Scheduler` batch request on the idle engine (its fixed-batch path, over every
+        process's prompts). Call it inside `holding()`."""
         names = prompts.agent_name if prompts.agent_name is not None else ()
         if not self._warned and any(name == "tool_agent" for name in names):
             self._warned = True
@@ -192,15 +214,22 @@ class StepRollout:
         out = Scheduler(self.cluster.rollout).generate(
             prompts.input_ids, prompts.attention_mask, sampling, rng
         )  # idle: the fixed-batch path, over every process's prompts
-        responses, response_mask = to_host((out.responses, out.response_mask))
-        log_probs = out.log_probs
-        if jax.process_count() > 1:
-            log_probs = np.asarray(log_probs)  # this process's rows (numpy already)
+        return PendingBatch(prompts, sampling.n, out)
+
+    def collect(self, pending: PendingBatch | Generated) -> Generated:
+        """The rows of a dispatched batch generation (waits for the rollout's devices); a
+        `Generated` (rows made elsewhere: the fully asynchronous rollouter's) as it is."""
+        if isinstance(pending, Generated):
+            return pending
+        prompts, n, out = pending.prompts, pending.n, pending.output
+        if jax.process_count() > 1:  # this process's rows (a collective)
+            responses, response_mask, log_probs = out.rows()
         else:
-            jax.block_until_ready(log_probs)
+            responses, response_mask = to_host((out.responses, out.response_mask))
+            log_probs = jax.block_until_ready(out.log_probs)
         rows = {
-            "prompts": np.repeat(prompts.input_ids, sampling.n, axis=0),
-            "prompt_mask": np.repeat(prompts.attention_mask, sampling.n, axis=0),
+            "prompts": np.repeat(prompts.input_ids, n, axis=0),
+            "prompt_mask": np.repeat(prompts.attention_mask, n, axis=0),
             "responses": np.asarray(responses),
             "response_mask": np.asarray(response_mask),
         }

@@ -150,7 +150,7 @@ def data_metrics(
     return out
 
 
-def _tokens(s: dict[str, np.ndarray]) -> tuple[float, float]:
+def token_counts(s: dict[str, np.ndarray]) -> tuple[float, float]:
     """(response tokens, all tokens) of the rows' summaries."""
     response = float(s["response_length"].sum())
     return response, response + float(s["prompt_length"].sum())
@@ -159,7 +159,7 @@ def _tokens(s: dict[str, np.ndarray]) -> tuple[float, float]:
 def timing_metrics(s: dict[str, np.ndarray], timing: dict[str, float]) -> dict[str, float]:
     """`timing_s/*` and `timing_per_token_ms/*` (verl's `compute_timing_metrics`), from the
     rows' summaries."""
-    response_tokens, all_tokens = _tokens(s)
+    response_tokens, all_tokens = token_counts(s)
     per_token = {"gen": response_tokens}
     per_token.update(
         {k: all_tokens for k in ("ref", "values", "adv", "update_critic", "update_actor")}
@@ -175,7 +175,7 @@ def throughput_metrics(
     s: dict[str, np.ndarray], step_seconds: float, devices: int
 ) -> dict[str, float]:
     """`perf/*` (verl's `compute_throughout_metrics`), from the rows' summaries."""
-    tokens = _tokens(s)[1]
+    tokens = token_counts(s)[1]
     return {
         "perf/total_num_tokens": tokens,
         "perf/time_per_step": step_seconds,
@@ -191,7 +191,7 @@ def mfu_metrics(
     peak = device_peak_flops()
     if peak is None:
         return {}
-    tokens = _tokens(s)[1]
+    tokens = token_counts(s)[1]
     out = {}
     if timing.get("update_actor"):
         out["perf/mfu/actor"] = 6 * params * tokens * epochs / timing["update_actor"]

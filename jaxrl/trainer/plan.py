@@ -12,10 +12,11 @@ Who needs what (each entry names the config, or the estimator's registered
 
     pass / field         run or read when
     old_log_prob         the actor's old log-probs are not the current policy's (more than one
-      old_log_probs      mini-batch or epoch, KL in the reward), or the estimator reads
-                         `sum_pi_squared` (the optimal token baselines), or decoupled rollout
-                         correction compares them with the rollout's; not in bypass mode (the
-                         rollout's log-probs are the old ones)
+      old_log_probs      mini-batch or epoch, KL in the reward, an async mode's older
+                         sampler), or the estimator reads `sum_pi_squared` (the optimal
+                         token baselines), or decoupled rollout correction compares them
+                         with the rollout's; not in bypass mode (the rollout's log-probs are
+                         the old ones)
     ref                  a reference model (`use_kl_loss`, `use_kl_in_reward`)
       ref_log_probs      the actor reads them with `use_kl_loss`; KL in the reward reads them
                          before the advantages
@@ -91,6 +92,7 @@ class StepPlan:
             and actor_cfg.ppo_epochs == 1
             and not algorithm.use_kl_in_reward
             and not bypass
+            and cfg.async_training.mode == "sync"  # else sampled by an older policy
         )
         loss_cfg = cfg.distillation.distillation_loss
         top_k = None

@@ -5,7 +5,9 @@
       experience    `ExperienceProducer.produce` (`jaxrl.trainer.experience`): the actor's
                     weights to the rollout (once per version), n responses per prompt,
                     scores on the last valid response token (host), dynamic sampling,
-                    the process gather
+                    the process gather; `async_training.mode=one_step_off`: the batch
+                    generated during the previous step, the next one dispatched first
+                    (`jaxrl.trainer.one_step_off`)
       passes        the plan's (`StepPlan`, `jaxrl.trainer.plan`), dispatched without
                     waiting for each other:
         old_log_prob  actor pass (skipped on-policy: one mini-batch, one epoch, no KL in
@@ -40,6 +42,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +73,15 @@ from jaxrl.trainer.advantage import (
 from jaxrl.trainer.batch import RLBatch, moved_to, place_rows, rows_sharding
 from jaxrl.trainer.cluster import Cluster, Training
 from jaxrl.trainer.compiles import compile_totals, compiles_since
-from jaxrl.trainer.experience import Experience, ExperienceProducer, RewardFn, timer
+from jaxrl.trainer.experience import (
+    Experience,
+    ExperienceProducer,
+    RewardFn,
+    step_key,
+    timer,
+)
 from jaxrl.trainer.fingerprint import step_fingerprints
+from jaxrl.trainer.fully_async import FullyAsync
 from jaxrl.trainer.generation import Generated, StepRollout
 from jaxrl.trainer.learner import UpdateMetrics, average, compile_infer, infer
 from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
@@ -81,7 +91,9 @@ from jaxrl.trainer.metrics import (
     row_summaries,
     throughput_metrics,
     timing_metrics,
+    token_counts,
 )
+from jaxrl.trainer.one_step_off import OneStepOff
 from jaxrl.trainer.optim import learning_rate_schedule, make_optimizer
 from jaxrl.trainer.plan import StepPlan
 from jaxrl.trainer.roles import log_prob_fn, statistics_fn, top_k_fn, values_fn
@@ -268,6 +280,22 @@ class PPOTrainer:
             cfg, cluster, self._rollout, self.sampling, reward_fn,
             router=self.router, prompt_source=prompt_source,
         )  # fmt: skip
+        # the rollout ahead of the trainer (`docs/async.md`): None, or the schedule that
+        # makes each step's experience in place of `producer.produce`
+        self.ahead: OneStepOff | FullyAsync | None = None
+        if cfg.async_training.mode == "one_step_off":
+            self.ahead = OneStepOff(
+                self.producer, prompt_source, total_steps=total_steps,
+                save_freq=cfg.trainer.save_freq, seed=rollout_cfg.seed,
+            )  # fmt: skip
+        elif cfg.async_training.mode == "fully_async":
+            if jax.process_count() > 1:
+                raise ValueError(
+                    "async_training.mode=fully_async runs on one process for now (its "
+                    "rollouter thread's groups are this process's); use "
+                    "async_training.mode=one_step_off with several processes"
+                )
+            self.ahead = FullyAsync(cfg, cluster, self.producer, prompt_source, self.sampling)
 
     @classmethod
     def create(
@@ -311,7 +339,10 @@ class PPOTrainer:
         return self._rollout.generate(prompts, sampling, rng)
 
     def close(self) -> None:
-        """Stop the tool runner's threads (multi-turn runs)."""
+        """Stop the tool runner's threads (multi-turn runs) and the fully asynchronous
+        rollouter."""
+        if isinstance(self.ahead, FullyAsync):
+            self.ahead.stop()
         self._rollout.close()
 
     # -------------------------------------------------------------------------------- step
@@ -336,9 +367,13 @@ class PPOTrainer:
         self.spans = spans = Spans()  # the device phases, none waited for on its own
         compiles = compile_totals()  # the whole step's, read-back and fingerprints included
         received = received_bytes()
-        rng = jax.random.fold_in(jax.random.key(actor_rollout_ref.rollout.seed), global_step)
+        rng = step_key(actor_rollout_ref.rollout.seed, global_step)
+        version, began = actor.version, time.perf_counter()
         with timer("step", timing):
-            experience = self.producer.produce(prompts, global_step, rng)
+            if self.ahead is not None:  # generated ahead (`docs/async.md`)
+                experience = self.ahead.experience(prompts, global_step, rng)
+            else:
+                experience = self.producer.produce(prompts, global_step, rng)
             timing.update(experience.timing)
             metrics.update(experience.metrics)
             batch = _batch(experience, layout)
@@ -388,6 +423,10 @@ class PPOTrainer:
             self._dump_rollout(host, global_step, cfg.trainer.rollout_data_dir, conversations)
         metrics.update(compiles_since(compiles))
         metrics["perf/host_bytes_received"] = float(received_bytes() - received)
+        if self.ahead is not None:
+            window = (began, time.perf_counter())
+            metrics.update(self.ahead.metrics(experience, version, token_counts(summaries),
+                                              timing, window))  # fmt: skip
         return metrics
 
     def _read_back(
@@ -566,7 +605,8 @@ class PPOTrainer:
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         """One pass over the validation set: verl's `val-core/*`, `val-aux/*` metrics (and
         the generations dumped to `validation_data_dir`)."""
-        with self._rollout.holding():  # one weight copy for every batch
+        paused = self.ahead.validation() if isinstance(self.ahead, FullyAsync) else nullcontext()
+        with paused, self._rollout.holding():  # one weight copy for every batch
             return validate(self, loader, global_step, self.cfg.trainer.validation_data_dir)
 
     # ----------------------------------------------------------------------- checkpoint state
@@ -575,10 +615,16 @@ class PPOTrainer:
         """The cluster's checkpoint arrays and JSON, with the KL controller's coefficient."""
         items, meta = self.cluster.state_items()
         meta["kl_coef"] = None if self.kl_ctrl is None else float(self.kl_ctrl.value)
+        if isinstance(self.ahead, FullyAsync):  # the prompts drawn and not trained
+            feed = self.ahead.state_dict()
+            meta["data"] = feed.pop("loader")  # the loader's state that goes with them
+            meta["async_feed"] = feed
         return items, meta
 
     def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
         self.cluster.restore(items, meta)
+        if isinstance(self.ahead, FullyAsync) and meta.get("async_feed") is not None:
+            self.ahead.load_state_dict(meta["async_feed"])
         if self.kl_ctrl is not None and meta.get("kl_coef") is not None:
             self.kl_ctrl.value = meta["kl_coef"]
 

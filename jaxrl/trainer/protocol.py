@@ -31,7 +31,8 @@ class Trainer(Protocol):
         ...
 
     def state_items(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(arrays, JSON-able meta) a checkpoint holds."""
+        """(arrays, JSON-able meta) a checkpoint holds. `fit` adds the loader's state as
+        meta's `data` unless the trainer gives it (one that draws from the loader itself)."""
         ...
 
     def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:

@@ -6,6 +6,8 @@
     ...
     spans.seconds()       # {"ref": s, ...}: each phase from its start to its results' readiness
     spans.intervals()     # {"ref": (start, end), ...} on `time.perf_counter`'s clock
+    spans.busy("rollout", t0, t1)  # seconds of [t0, t1] the group was busy, waiting for none
+    spans.ended("ref")    # when the phase's outputs were ready, waiting for it only
 
 A step dispatches its passes one after another and waits only where the host needs a result,
 so passes on different device groups (`mesh.placement`) run at once. A phase's span starts
@@ -58,6 +60,29 @@ class Spans:
                 begin, _ = out[name]
             out[name] = (begin, end[0])
         return out
+
+    def ended(self, name: str) -> float:
+        """When phase `name`'s outputs were ready (its last tracking's); waits for them only."""
+        ends = []
+        for phase, _, _, thread, end in self._phases:
+            if phase == name:
+                thread.join()
+                ends.append(end[0])
+        return max(ends)
+
+    def busy(self, group: str, start: float, end: float) -> float:
+        """Seconds of [start, end] in which device group `group` ran a tracked phase (module
+        doc: each from its dispatch or the group's previous phase's end); a phase whose
+        outputs are not ready yet runs to `end`. Waits for nothing."""
+        total, busy_until = 0.0, start
+        for _, where, began, _, ended in self._phases:
+            if where != group:
+                continue
+            stop = ended[0] if ended else end
+            began = max(began, busy_until)
+            total += max(0.0, min(stop, end) - max(began, start))
+            busy_until = max(busy_until, stop)
+        return total
 
     def seconds(self) -> dict[str, float]:
         """Each phase's length (module doc); waits for every tracked phase."""

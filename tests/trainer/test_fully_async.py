@@ -1,0 +1,163 @@
+"""`async_training.mode=fully_async` on 8 fake CPU devices (training on 4, the rollouter's
+engine on 4), attacked from the host side: a run whose rollout hangs mid-run stops within
+`rollout_timeout` with an error naming the rollouter, its checkpoints intact; the run resumed
+from them trains every prompt the loader gave once (those trained before the checkpoint, those
+after, and those still pending at the end are the loader's rows, none twice); no trained
+token is past the staleness bound; a rollouter thread that raises is reported by name."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from _quickstart import quickstart_config
+
+from jaxrl.trainer import rollouter as rollouter_module
+from jaxrl.trainer.checkpoint import Checkpoints, step_numbers
+from jaxrl.trainer.fit import build_run, fit, train_run
+from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.ppo_trainer import PPOTrainer
+from jaxrl.trainer.prompt_feed import PromptFeed
+from jaxrl.trainer.rollouter import Rollouter, RolloutError
+from jaxrl.trainer.staleness import StalenessGate
+
+STEPS, PER_STEP = 5, 4
+COMMON = [
+    f"data.train_batch_size={PER_STEP}",
+    f"actor_rollout_ref.actor.ppo_mini_batch_size={PER_STEP}",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.max_num_seqs=16",  # 4 groups at once
+    "mesh.placement.rollout.devices=4",
+    "async_training.mode=fully_async",
+    "async_training.trigger_parameter_sync_step=1",
+    "async_training.staleness_threshold=1.0",  # 2 steps of groups per version: some lag
+    "algorithm.rollout_correction.rollout_is=token",
+    f"trainer.total_training_steps={STEPS}",
+    "trainer.save_freq=2",
+    "trainer.logger=[]",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+]
+
+
+@pytest.mark.slow
+def test_a_hung_rollout_stops_the_run_and_the_resumed_run_trains_each_prompt_once(
+    assets, tmp_path, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    trained: dict[int, list[int]] = {}  # step -> the dataset rows it trained
+    current = {"step": 0}
+    hang = threading.Event()
+    feed_trained, scheduler_step = PromptFeed.trained, rollouter_module.Scheduler.step
+
+    def record(self, prompts):
+        trained.setdefault(current["step"], []).extend(p.row for p in prompts)
+        return feed_trained(self, prompts)
+
+    def step_or_hang(self):
+        while hang.is_set():  # a decode chunk that never returns (until the test ends)
+            time.sleep(0.05)
+        return scheduler_step(self)
+
+    step = PPOTrainer.step
+
+    def counted(self, prompts, global_step):
+        current["step"] = global_step
+        if global_step == 3 and not resumed:  # past the compiles (seconds on a busy host)
+            self.ahead.timeout = 3.0  # async_training.rollout_timeout from here on
+            hang.set()
+        return step(self, prompts, global_step)
+
+    monkeypatch.setattr(PromptFeed, "trained", record)
+    monkeypatch.setattr(rollouter_module.Scheduler, "step", step_or_hang)
+    monkeypatch.setattr(PPOTrainer, "step", counted)
+    resumed = False
+    cfg = quickstart_config(assets, run_dir, *COMMON)
+    run = build_run(cfg)
+    began = time.monotonic()
+    try:
+        with pytest.raises(RolloutError, match="in 3 s"):  # waiting for a group, or to push
+            train_run(cfg, run)
+    finally:
+        run.trainer.close()
+        hang.clear()
+    assert time.monotonic() - began < 120
+    saved = step_numbers(run_dir / "checkpoints")
+    assert saved and max(saved) in (2, 4)  # the last intact one before the hang
+    resumed_from = max(saved)
+    assert not any(trained.get(s) for s in range(resumed_from + 2, STEPS + 1))
+
+    before = {s: rows for s, rows in trained.items() if s <= resumed_from}
+    trained.clear()
+    resumed = True
+    fit(quickstart_config(assets, run_dir, *COMMON))  # resume_mode auto: from resumed_from
+    after = {s: rows for s, rows in trained.items() if s > resumed_from}
+    assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
+
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    meta = ckpts.read_meta(STEPS)
+    ckpts.close()
+    order = run.train_loader.order(0)
+    assert meta["data"]["epoch"] == 0
+    drawn = order[: meta["data"]["position"] * PER_STEP].tolist()
+    used = [r for rows in (*before.values(), *after.values()) for r in rows]
+    pending = meta["async_feed"]["pending"]
+    assert len(used) == len(set(used)) == STEPS * PER_STEP  # each trained once
+    assert sorted(used + pending) == sorted(drawn)  # none lost, none twice
+
+    metrics = read_metrics(run_dir)
+    bound_versions = 2 * 1 + 1 - 1  # (bound x trigger + trigger - 1) x updates per step
+    assert all(r["async/staleness/max"] <= bound_versions for r in metrics if "async/pushes" in r)
+    assert any(r["async/staleness/max"] > 0 for r in metrics if "async/pushes" in r)
+    assert all(np.isfinite(r["actor/pg_loss"]) for r in metrics if "actor/pg_loss" in r)
+    json.dumps(meta)  # the feed's state is plain JSON
+
+
+class _FailingScheduler:
+    """A scheduler whose decode chunk raises (a broken engine)."""
+
+    def __init__(self, engine, chunk):
+        self.free_slots, self.busy = engine.slots, True
+
+    def submit(self, *args, copies, **kwargs):
+        self.free_slots -= copies
+        return []
+
+    def step(self):
+        raise FloatingPointError("the decode step blew up")
+
+
+class _Engine:
+    slots = 8
+
+
+class _Loader:
+    class dataset:
+        @staticmethod
+        def batch(rows, **kwargs):
+            raise AssertionError("not used")
+
+    def __next__(self):
+        from jaxrl.data.batch import PromptBatch, object_array
+
+        ids = np.ones((2, 4), np.int32)
+        return PromptBatch(
+            input_ids=ids, attention_mask=ids, group_ids=np.arange(2, dtype=np.int32),
+            uid=object_array(["a", "b"]), row_ids=np.arange(2), data_source=None,
+            ground_truth=None, ability=None, extra_info=None, raw_prompt=None,
+            is_padding=np.zeros(2, bool),
+        )  # fmt: skip
+
+
+def test_a_rollouter_that_raises_is_reported_by_name(monkeypatch):
+    from jaxrl.rollout import SamplingParams
+
+    monkeypatch.setattr(rollouter_module, "Scheduler", _FailingScheduler)
+    sampling = SamplingParams(n=4, max_tokens=8)
+    thread = Rollouter(_Engine(), PromptFeed(_Loader()), StalenessGate(2, 1, 0.0), sampling, 0,
+                       partial=True)  # fmt: skip
+    thread.start()
+    with pytest.raises(RolloutError, match="FloatingPointError: the decode step blew up"):
+        thread.get(timeout=30)
+    thread.stop(timeout=5)

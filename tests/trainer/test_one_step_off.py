@@ -1,0 +1,107 @@
+"""`async_training.mode=one_step_off` on 8 fake CPU devices (training on 4, the rollout on 4):
+step k trains on a batch generated with the weights from before update k-1 (the step before
+dispatched it), which equals a synchronous run whose rollout is handed those weights; a step
+that saves looks no batch ahead, so a run resumed from its checkpoint computes the
+uninterrupted run's later steps bit for bit; what the mode cannot run is refused by name."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _quickstart import assert_same_metrics, quickstart_config
+
+from jaxrl.config import ConfigError
+from jaxrl.trainer.fit import fit
+from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.ppo_trainer import PPOTrainer
+
+STEPS, SAVE = 4, 2
+COMMON = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "mesh.placement.rollout.devices=4",
+    # AReaL's decoupled objective: IS weights pi_old / pi_rollout, the ratio clipped to pi_old
+    "algorithm.rollout_correction.rollout_is=token",
+    f"trainer.total_training_steps={STEPS}",
+    f"trainer.save_freq={SAVE}",
+    "trainer.logger=[]",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+]
+
+
+def _fit(assets, run_dir, *extra):
+    fit(quickstart_config(assets, run_dir, *COMMON, *extra))
+    return read_metrics(run_dir)
+
+
+def lagged_weights(monkeypatch) -> None:
+    """Make synchronous PPO steps generate with one_step_off's weights: step k with the
+    weights from before update k-1, or, after a step that saved (it looked no batch ahead),
+    with the current ones; step 1 with the initial ones."""
+    snapshots = []  # the actor's weights at the start of step k: snapshots[k - 1]
+    step = PPOTrainer.step
+
+    def lagged(self, prompts, global_step):
+        actor = self.cluster.actor
+        snapshots.append(jax.tree.map(jnp.copy, actor.params))
+        drained = global_step == 1 or (global_step - 1) % SAVE == 0
+        weights = snapshots[global_step - 1 if drained else global_step - 2]
+        # published under the current version: the step's own publication is then a no-op
+        self.cluster.rollout.load_weights(weights, version=actor.version)
+        return step(self, prompts, global_step)
+
+    monkeypatch.setattr(PPOTrainer, "step", lagged)
+
+
+@pytest.mark.slow
+def test_one_step_off_equals_sync_with_the_lagged_weights_and_resumes_exactly(
+    assets, tmp_path, monkeypatch
+):
+    ahead = _fit(assets, tmp_path / "ahead", "async_training.mode=one_step_off")
+    assert [r["async/staleness/max"] for r in ahead] == [0, 1, 0, 1]  # step 3: after a save
+    assert [r["async/queue_depth"] for r in ahead] == [1, 0, 1, 0]  # saves and the last: none
+    assert all(0 <= r["async/rollout/idle_ratio"] <= 1 for r in ahead)
+    assert ahead[1]["rollout_corr/rollout_is_mean"] != 1.0  # the IS weights see the lag
+
+    resumed_dir = tmp_path / "resumed"
+    resumed = _fit(
+        assets,
+        resumed_dir,
+        "async_training.mode=one_step_off",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={tmp_path / 'ahead' / 'checkpoints' / str(SAVE)}",
+    )
+    assert_same_metrics(ahead[SAVE:], resumed, list(range(SAVE + 1, STEPS + 1)))
+
+    with monkeypatch.context() as patch:
+        lagged_weights(patch)
+        reference = _fit(assets, tmp_path / "reference")
+    assert_same_metrics(reference, [{k: r[k] for k in reference[0]} for r in ahead],
+                        list(range(1, STEPS + 1)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "set mesh.placement.rollout.devices"),
+        (
+            [
+                "mesh.placement.rollout.devices=4",
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=acc",
+            ],
+            "async_training.mode=one_step_off with algorithm.filter_groups.enable=true",
+        ),
+        (
+            ["mesh.placement.rollout.devices=4", "algorithm.adv_estimator=remax"],
+            "with algorithm.adv_estimator=remax (greedy baselines)",
+        ),
+        (["async_training.mode=one_step"], "did you mean 'one_step_off'?"),
+    ],
+)
+def test_one_step_off_refuses_what_it_cannot_run(assets, tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        quickstart_config(assets, tmp_path, "async_training.mode=one_step_off", *extra)
