@@ -1,7 +1,7 @@
 """Asynchronous RL: GRPO steps with the rollout and the trainer each in its own process, one
 core each, synchronous against `async_training.mode=one_step_off` (`docs/async.md`).
 
-    python benchmarks/async_step.py [--steps 10] [--prompts 8] [--n 8] [--max-tokens 192]
+    python benchmarks/async_step.py [--steps 10] [--prompts 8] [--n 8] [--max-tokens 256]
                                     [--eos-scale 32] [--quickstart-steps 0]
 
 Two JAX processes (`launch/local.sh 2`, one CPU device each, each pinned to its own core):
@@ -13,8 +13,8 @@ direction times `--eos-scale`, so each response ends when its hidden state point
 most responses are short and a few run to `--max-tokens` (the long tail of RL rollouts; the
 lengths are reported). `--prompts` random prompts of 32 tokens per step, `rollout.n`
 responses each, GRPO on a rule reward (response tokens whose id % 10 == 7), one mini-batch,
-`algorithm.rollout_correction.rollout_is=token` in both modes (so both run the old-log-prob
-pass). Figures per mode, over the steps after the first two (compiles): samples (responses)
+in every mode `algorithm.rollout_correction.bypass_mode=true` (verl's one_step_off recipe
+default: the rollout's log-probs are the old ones, no old-log-prob pass). Figures per mode, over the steps after the first two (compiles): samples (responses)
 per second, seconds per step, each side's idle fraction (sync: the trainer idles while
 generating, the rollout while training; one_step_off: its `async/*` metrics), and the
 ratio one_step_off / sync of samples per second.
@@ -144,7 +144,7 @@ def step_overrides(args, model: Path) -> list[str]:
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         "algorithm.adv_estimator=grpo",
-        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.bypass_mode=true",  # verl's one_step_off recipe default
         "trainer.logger=[]",
         *PLACED,
     ]
@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--eos-scale", type=float, default=32.0)
     parser.add_argument("--quickstart-steps", type=int, default=0)
     parser.add_argument("--model")

@@ -284,7 +284,8 @@ class Scheduler:
         come back as device arrays, dispatched, not waited for; over several processes the
         whole batch's on the rollout's devices, `BatchOutput.rows` reading this process's);
         True insists on it (an error while requests hold slots); False runs the rows as
-        requests on the slots, returning when every row is over. `key` None: `sampling.seed`'s, as `generate`."""
+        requests on the slots, returning when every row is over. `key` None:
+        `sampling.seed`'s, as `generate`."""
         if key is None:
             key = jax.random.key(0 if sampling.seed is None else sampling.seed)
         key = _one_key(key, "generate()")
