@@ -14,10 +14,11 @@ most responses are short and a few run to `--max-tokens` (the long tail of RL ro
 lengths are reported). `--prompts` random prompts of 32 tokens per step, `rollout.n`
 responses each, GRPO on a rule reward (response tokens whose id % 10 == 7), one mini-batch,
 in every mode `algorithm.rollout_correction.bypass_mode=true` (verl's one_step_off recipe
-default: the rollout's log-probs are the old ones, no old-log-prob pass). Figures per mode, over the steps after the first two (compiles): samples (responses)
-per second, seconds per step, each side's idle fraction (sync: the trainer idles while
-generating, the rollout while training; one_step_off: its `async/*` metrics), and the
-ratio one_step_off / sync of samples per second.
+default: the rollout's log-probs are the old ones, no old-log-prob pass). Figures per mode,
+over the steps after the first two (compiles): samples (responses) per second, seconds per
+step, each side's idle fraction (sync: the trainer idles while generating, the rollout while
+training; the async modes: their `async/*` metrics), and each async mode's samples per
+second over sync's.
 
 `--quickstart-steps K` also trains the quickstart task (`configs/quickstart.yaml`) for K steps
 in both modes on the same two processes, validating every 10, and reports the wall seconds
