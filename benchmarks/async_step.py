@@ -82,30 +82,31 @@ def long_tail_model(folder: Path, eos_scale: float) -> Path:
 
 
 class RandomPrompts:
-    """This process's rows of each step's random prompts (ids in [3, 32000), seeded by the
-    step), with `peek` as the train loader has it."""
+    """This process's rows of each step's random prompts (row r: ids in [3, 32000) seeded by
+    r), with what the trainer's async modes use of a train loader: `peek`, `dataset.batch`
+    (rows by number), `state_dict`."""
 
     def __init__(self, prompts: int):
         import jax
 
-        self.prompts, self.position = prompts, 0
+        self.prompts, self.position, self.dataset = prompts, 0, self
         self.index, self.count = jax.process_index(), jax.process_count()
 
-    def _batch(self, position: int):
+    def batch(self, rows, *, group_offset: int = 0, uid_prefix: str = ""):
         import numpy as np
 
         from jaxrl.data.batch import PromptBatch, object_array
 
-        ids = np.random.default_rng([position]).integers(3, 32000, (self.prompts, PROMPT_LEN))
-        mine = slice(self.index * self.prompts // self.count,
-                     (self.index + 1) * self.prompts // self.count)  # fmt: skip
-        ids, b = ids[mine].astype(np.int32), mine.stop - mine.start
+        rows = np.asarray(rows, np.int64)
+        ids = np.stack([np.random.default_rng([int(r)]).integers(3, 32000, PROMPT_LEN)
+                        for r in rows]).astype(np.int32)  # fmt: skip
+        b = len(rows)
         return PromptBatch(
             input_ids=ids,
             attention_mask=np.ones_like(ids),
-            group_ids=np.arange(mine.start, mine.stop, dtype=np.int32),
-            uid=object_array([f"{position}-{i}" for i in range(mine.start, mine.stop)]),
-            row_ids=np.arange(mine.start, mine.stop),
+            group_ids=np.arange(group_offset, group_offset + b, dtype=np.int32),
+            uid=object_array([f"{uid_prefix}{r}" for r in rows]),
+            row_ids=rows,
             data_source=object_array(["async"] * b),
             ground_truth=object_array([""] * b),
             ability=object_array([""] * b),
@@ -114,12 +115,20 @@ class RandomPrompts:
             is_padding=np.zeros(b, bool),
         )
 
+    def _rows(self, position: int):
+        per = self.prompts // self.count
+        first = position * self.prompts + self.index * per
+        return range(first, first + per)
+
     def peek(self):
-        return self._batch(self.position)
+        return self.batch(self._rows(self.position), group_offset=self._rows(0).start)
 
     def __next__(self):
         self.position += 1
-        return self._batch(self.position - 1)
+        return self.batch(self._rows(self.position - 1), group_offset=self._rows(0).start)
+
+    def state_dict(self):
+        return {"position": self.position}
 
 
 def rule_reward(prompts, responses, mask):
