@@ -101,7 +101,7 @@ class OneStepOff:
             launched = self.producer.launch(prompts, rng)
         self.rollout_spans = spans = Spans()
         self.launched_at = launched.dispatched
-        spans.track("gen", launched.dispatched, launched.pending.output, group="rollout")
+        spans.track("gen", launched.dispatched, _arrays(launched), group="rollout")
         # this batch read, scored and (several processes) gathered before the next
         # generation is queued: the hosts' collectives run on a device of each process,
         # which on the rollout's would wait behind it
@@ -114,8 +114,7 @@ class OneStepOff:
         if self.looks_ahead(global_step):
             following = global_step + 1
             self.ahead = self.producer.launch(self.source.peek(), step_key(self.seed, following))
-            spans.track("gen_ahead", self.ahead.dispatched, self.ahead.pending.output,
-                        group="rollout")  # fmt: skip
+            spans.track("gen_ahead", self.ahead.dispatched, _arrays(self.ahead), group="rollout")
         return experience
 
     def metrics(
@@ -148,3 +147,10 @@ class OneStepOff:
             "async/rollout/tokens_per_second": tokens[0] / generating,
             "async/trainer/tokens_per_second": tokens[1] / trainer_busy,
         }
+
+
+def _arrays(launched: Launched) -> tuple:
+    """A dispatched generation's output arrays (what `Spans` waits on: `BatchOutput` is a
+    plain dataclass, not a pytree)."""
+    out = launched.pending.output
+    return out.responses, out.response_mask, out.log_probs
