@@ -21,12 +21,15 @@ training; the async modes: their `async/*` metrics), and each async mode's sampl
 second over sync's.
 
 `--quickstart-steps K` also trains the quickstart task (`configs/quickstart.yaml`) for K steps
-in both modes on the same two processes, validating every 10, and reports the wall seconds
-until validation accuracy first reaches 1.0 (null: not within K steps).
+in each mode on the same two processes (the async modes with
+`algorithm.rollout_correction.rollout_is=token`, as `docs/async.md` runs them), validating
+every 10, and reports the wall seconds until validation accuracy first reaches 1.0 (null: not
+within K steps).
 
-The same modes also run in one process of 2 CPU devices (both cores shared), where
-`fully_async` (`trigger_parameter_sync_step=1`) runs too (it is one process only for now).
-JSON on the last line.
+`fully_async` runs with `trigger_parameter_sync_step=1` and `staleness_threshold=1.0` (two
+steps of groups a weights version: the rollouter may run a step ahead). The same modes also
+run in one process of 2 CPU devices (both cores shared; `--layouts` picks). JSON on the last
+line.
 """
 
 from __future__ import annotations
@@ -47,15 +50,13 @@ MODES = {
     "sync": [],
     "one_step_off": ["async_training.mode=one_step_off"],
     "fully_async": ["async_training.mode=fully_async",
-                    "async_training.trigger_parameter_sync_step=1"],
+                    "async_training.trigger_parameter_sync_step=1",
+                    "async_training.staleness_threshold=1.0"],  # 2 steps of groups a version
 }  # fmt: skip
 PLACED = ["mesh.placement.spread=false", "mesh.placement.rollout.devices=1"]
-# where each mode runs: 2 processes x 1 device (one core each; fully_async is one process
-# only), and 1 process x 2 devices (both cores, shared)
-LAYOUTS = {
-    "two_processes": ("sync", "one_step_off"),
-    "one_process": ("sync", "one_step_off", "fully_async"),
-}
+# where the modes run: 2 processes x 1 device (one core each), and 1 process x 2 devices
+# (both cores, shared)
+LAYOUTS = ("two_processes", "one_process")
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -84,13 +85,19 @@ def long_tail_model(folder: Path, eos_scale: float) -> Path:
 class RandomPrompts:
     """This process's rows of each step's random prompts (row r: ids in [3, 32000) seeded by
     r), with what the trainer's async modes use of a train loader: `peek`, `dataset.batch`
-    (rows by number), `state_dict`."""
+    (rows by number), `state_dict`, `global_view`."""
 
-    def __init__(self, prompts: int):
+    def __init__(self, prompts: int, index: int | None = None, count: int | None = None):
         import jax
 
         self.prompts, self.position, self.dataset = prompts, 0, self
-        self.index, self.count = jax.process_index(), jax.process_count()
+        self.index = jax.process_index() if index is None else index
+        self.count = jax.process_count() if count is None else count
+
+    def global_view(self) -> RandomPrompts:
+        view = RandomPrompts(self.prompts, 0, 1)
+        view.position = self.position
+        return view
 
     def batch(self, rows, *, group_offset: int = 0, uid_prefix: str = ""):
         import numpy as np
@@ -129,6 +136,9 @@ class RandomPrompts:
 
     def state_dict(self):
         return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
 
 
 def rule_reward(prompts, responses, mask):
@@ -281,6 +291,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--eos-scale", type=float, default=32.0)
     parser.add_argument("--quickstart-steps", type=int, default=0)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of " + ",".join(LAYOUTS))
     parser.add_argument("--model")
     parser.add_argument("--out")
     parser.add_argument("overrides", nargs="*")
@@ -303,7 +314,7 @@ def main() -> None:
         "steps": args.steps,
         "layouts": {
             "two_processes": "2 processes x 1 CPU device, one core each: the actor on "
-            "process 0, the rollout on process 1 (fully_async: one process only, not run)",
+            "process 0, the rollout on process 1",
             "one_process": "1 process x 2 CPU devices (the actor on one, the rollout on the "
             "other), both cores shared",
         },
@@ -311,7 +322,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = long_tail_model(tmp / "model", args.eos_scale)
-        for layout, modes in LAYOUTS.items():
+        modes = tuple(MODES)
+        for layout in args.layouts.split(","):
             processes = 2 if layout == "two_processes" else 1
             result[layout] = {}
             for mode in modes:
@@ -328,12 +340,13 @@ def main() -> None:
             for mode in modes[1:]:
                 result[layout][f"{mode}_speedup"] = rates[mode] / rates["sync"]
         if args.quickstart_steps:
-            for mode in ("sync", "one_step_off"):
+            for mode in MODES:
                 run_dir = tmp / f"quickstart-{mode}"
                 launch("quickstart", [
                     f"trainer.total_training_steps={args.quickstart_steps}",
                     "trainer.test_freq=10", "trainer.save_freq=-1", "trainer.logger=[]",
                     f"trainer.default_local_dir={run_dir}", *PLACED, *MODES[mode],
+                    *([] if mode == "sync" else ["algorithm.rollout_correction.rollout_is=token"]),
                 ], tmp / f"logs-quickstart-{mode}")  # fmt: skip
                 result[f"quickstart_{mode}_solved_s"] = first_solved(run_dir)
                 print(mode, "solved at", result[f"quickstart_{mode}_solved_s"], flush=True)

@@ -554,6 +554,34 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
     global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
+def post(key: str, data: bytes) -> None:
+    """Store `data` under `key` in the coordination service's key-value store (a message to
+    the other processes, no devices involved: `wait_for` reads it). Several processes only."""
+    from jax._src.distributed import global_state
+
+    global_state.client.key_value_set_bytes(key, data, allow_overwrite=True)
+
+
+def wait_for(key: str, timeout_s: float) -> bytes | None:
+    """The bytes `post`ed under `key`, waiting at most `timeout_s` seconds for them; None if
+    they did not come. Several processes only."""
+    from jax._src.distributed import global_state
+
+    try:
+        return global_state.client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
+    except Exception as e:  # a JaxRuntimeError "DEADLINE_EXCEEDED: GetKeyValue() timed out"
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise
+
+
+def forget(key: str) -> None:
+    """Delete `key` from the key-value store (`post`'s messages, once every reader has one)."""
+    from jax._src.distributed import global_state
+
+    global_state.client.key_value_delete(key)
+
+
 def is_main_process() -> bool:
     """True on process 0 (and in single-process runs): the one that writes the run's files."""
     return process_info().is_main

@@ -800,12 +800,13 @@ def _check_async(cfg: Config, p: _Problems) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     unsupported = {
         "actor_rollout_ref.rollout.multi_turn.enable=true": rollout.multi_turn.enable,
-        "algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
         "algorithm.adv_estimator=remax (greedy baselines)": cfg.algorithm.adv_estimator == "remax",
     }
-    if mode == "fully_async":
+    if mode == "fully_async":  # it judges dynamic sampling's groups as they finish
         _check_fully_async(cfg, p)
         unsupported["actor_rollout_ref.rollout.over_sample_rate>0"] = bool(rollout.over_sample_rate)
+    else:
+        unsupported["algorithm.filter_groups.enable=true"] = cfg.algorithm.filter_groups.enable
     for name, on in unsupported.items():
         if on:
             p.append(

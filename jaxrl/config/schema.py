@@ -705,6 +705,8 @@ class FilterGroupsConfig:
             batches of `data.gen_batch_size` prompts until `data.train_batch_size` such groups
             exist. Varies: a float64 std > 0 (verl's recipe takes it in float32, where a tied
             group of some non-dyadic scores, e.g. six of 0.6, has std 6e-8 and is kept).
+            With `async_training.mode=fully_async` each group is judged as the trainer takes
+            it from the rollouter's queue (`docs/async.md`).
         metric: `seq_reward` (or `reward`: the summed token scores), `seq_final_reward` (the
             summed token rewards), or a key of the reward function's extra info (`acc`,
             `score`, ...).

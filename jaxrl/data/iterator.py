@@ -145,6 +145,15 @@ class PromptIterator:
         before the loop asks for it."""
         return self._make(*self._next_place())
 
+    def global_view(self) -> PromptIterator:
+        """A copy at the same place that yields whole global batches (as process 0 of 1): a
+        reader of every process's rows (`async_training.mode=fully_async`'s prompt feed)."""
+        view = PromptIterator(self.dataset, self.batch_size, shuffle=self.shuffle,
+                              seed=self.seed, drop_last=self.drop_last, process_index=0,
+                              process_count=1)  # fmt: skip
+        view.load_state_dict(self.state_dict())
+        return view
+
     def _next_place(self) -> tuple[int, int]:
         """(epoch, position) of the next batch."""
         if self.position >= self.batches_per_epoch:

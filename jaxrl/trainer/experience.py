@@ -263,9 +263,12 @@ class ExperienceProducer:
         repeated = generated.scored(prompts.repeat(n))
         group_ids = repeated.group_ids
         with timer("reward", timing):
-            scores, reward_metrics, extra = self.reward_fn(
-                repeated, rows["responses"], rows["response_mask"]
-            )
+            if generated.scores is not None:  # scored as they finished (fully_async's judge)
+                scores, reward_metrics, extra = generated.scores
+            else:
+                scores, reward_metrics, extra = self.reward_fn(
+                    repeated, rows["responses"], rows["response_mask"]
+                )
             rows["token_level_scores"] = scores.astype(np.float32)
         rows.update(self._host_fields(repeated))
         if estimator_inputs(self.cfg.algorithm.adv_estimator).reward_baselines:

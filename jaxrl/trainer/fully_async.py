@@ -5,14 +5,14 @@ its own while the trainer trains on those that have finished (verl's `fully_asyn
     experience = run.experience(prompts, global_step, rng)   # in place of producer.produce
     run.metrics(experience, actor_version, tokens, timing, window)   # async/*
     with run.validation(): ...        # validation: the rollouter paused, the weights pushed
-    run.state_dict() / run.load_state_dict(state)   # the prompts drawn and not trained
+    run.state_dict() / run.load_state_dict(state, loader)   # the prompts drawn, not trained
     run.stop()
 
 The rollouter thread (`jaxrl.trainer.rollouter`) keeps the engine's slots full of groups from
 the feed (`jaxrl.trainer.prompt_feed`), as the staleness gate (`jaxrl.trainer.staleness`)
 lets it, and queues each finished group. Step k:
 
-    1. the loop's batch joins the feed's supply (the feed draws more from the loader itself)
+    1. (the loop's batch is not used: the feed reads the loader's batches, a view of its own)
     2. every `trigger_parameter_sync_step` steps (not the first): push the actor's weights
        to the rollout between two decode chunks (the jitted reshard; LoRA: the adapters),
        the running groups continuing on them (`partial_rollout`) or, without it, ending on
@@ -31,29 +31,70 @@ Not deterministic: which weights version samples which token depends on the two 
 speeds. What is guaranteed: no trained token is more than `bound` pushes behind the weights
 it is trained at, and each prompt the loader gives is trained once: a checkpoint records the
 prompts drawn and not trained (running, queued, to generate again, not started), and a
-resumed run generates them first. Several processes are not built yet (refused).
+resumed run generates them first.
+
+Several processes: the rollout's devices are one process's (the rollout's "home"; e.g.
+`mesh.placement.spread=false`). Its rollouter draws from a global view of the loader (every
+process's rows) and makes every step's choice of groups; it posts them, with its feed's state
+and its own figures, to the coordination service's key-value store (`jaxrl.distributed.post`),
+and every process reads that message and trains on its share of the groups (its slice of the
+global batch, as a loader gives it). The push is the jitted reshard every process takes part
+in, the home's rollouter paused for it. A checkpoint's feed state is the message's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import pickle
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout import SamplingParams
+from jaxrl.sharding.processes import owners
 from jaxrl.trainer.cluster import Cluster
+from jaxrl.trainer.dynamic_sampling import (
+    DynamicSamplingError,
+    kept_rows,
+    merged_extra,
+    metric_values,
+    too_many_batches_message,
+)
 from jaxrl.trainer.experience import Experience, ExperienceProducer, Launched
 from jaxrl.trainer.generation import Generated
 from jaxrl.trainer.prompt_feed import PromptFeed
-from jaxrl.trainer.rollouter import FinishedGroup, Rollouter
+from jaxrl.trainer.rollouter import FinishedGroup, Rollouter, RolloutError
 from jaxrl.trainer.staleness import StalenessGate
 
 SEED_OFFSET = 4  # the groups sample from key(rollout.seed + 4): apart from the steps' keys
+_MESSAGE = "jaxrl/fully_async/step/"  # + the step: the home's message for it
+
+
+@dataclasses.dataclass
+class StepGroups:
+    """What the rollout's process hands every process for a step.
+
+    Attributes:
+        groups: The step's R groups, in the order they finished.
+        feed: The feed's state once they are trained (`PromptFeed.state_dict`): a
+            checkpoint's.
+        rollout: The rollouter's figures: `busy_s` and `tokens` (totals), `queue_depth`,
+            `running`, `dropped`, `aborted` and `evicted` (groups, since the last step).
+        evicted_metrics: The reward manager's metrics of the groups dynamic sampling's
+            judge evicted this step (summed).
+    """
+
+    groups: list[FinishedGroup]
+    feed: dict[str, Any]
+    rollout: dict[str, float]
+    evicted_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class FullyAsync:
@@ -63,7 +104,7 @@ class FullyAsync:
         cfg: The run's config (`async_training.*`).
         cluster: The roles (the actor's weights, the rollout engine).
         producer: Scores the groups into the step's `Experience`.
-        source: The train loader.
+        source: The train loader (its `global_view()` is the feed's).
         sampling: The training rollout's settings.
     """
 
@@ -75,10 +116,19 @@ class FullyAsync:
         source: Any,
         sampling: SamplingParams,
     ):
-        if not hasattr(source, "dataset"):
+        if not hasattr(source, "global_view"):
             raise ValueError(
                 "async_training.mode=fully_async draws prompts from the train loader: the "
                 "trainer needs it as prompt_source=... (a PromptIterator)"
+            )
+        homes = owners(cluster.rollout.layout.mesh.devices.flat)
+        if len(homes) > 1:
+            raise ValueError(
+                f"async_training.mode=fully_async over several processes runs its rollouter "
+                f"on one process's devices, and the rollout's are processes {sorted(homes)}'s: "
+                "place the rollout on one process (mesh.placement.spread=false, "
+                "mesh.placement.rollout.devices=<at most one process's devices>), or use "
+                "async_training.mode=one_step_off"
             )
         at = cfg.async_training
         self.cluster, self.producer, self.sampling = cluster, producer, sampling
@@ -88,42 +138,61 @@ class FullyAsync:
             at.partial_rollout,
             at.rollout_timeout,
         )
+        self.home, self.processes = homes.pop(), jax.process_count()
+        self.here = jax.process_index() == self.home
+        fg = cfg.algorithm.filter_groups
+        self.metric = fg.metric if fg.enable else None  # dynamic sampling's judge
+        self.max_judged = fg.max_num_gen_batches * self.per_step  # <= 0: no limit
         self.seed = cfg.actor_rollout_ref.rollout.seed + SEED_OFFSET
         self.gate = StalenessGate(self.per_step, self.trigger, at.staleness_threshold)
-        self.feed = PromptFeed(source)
+        self.feed = PromptFeed(source.global_view())
         self.rollouter: Rollouter | None = None
-        self._counts = {"dropped": 0, "aborted": 0}
+        self._started = False
+        self._counts = {"dropped": 0, "aborted": 0, "evicted": 0}
+        self._evicted_metrics: dict[str, float] = {}  # the reward manager's, evicted groups'
+        self._state = self.feed.state_dict()  # the last step's feed state (a checkpoint's)
         self._seen = (0.0, 0)  # the rollouter's busy seconds and tokens at the last metrics
-        self._versions: np.ndarray | None = None  # this step's tokens' versions (masked)
+        self._step: StepGroups | None = None  # this step's message
 
     # ------------------------------------------------------------------------------ a step
 
     def experience(self, prompts: PromptBatch, global_step: int, rng) -> Experience:
-        """Step `global_step`'s experience (the module doc's 1.-3.)."""
-        self.feed.add(prompts)
-        if self.rollouter is None:
+        """Step `global_step`'s experience (the module doc's 1.-3.); `prompts` (the loop's
+        batch) is not used: the feed reads the loader's batches itself."""
+        del prompts
+        if not self._started:
             self._start()
         elif (global_step - 1) % self.trigger == 0:
             self._push()
         start = time.perf_counter()
-        groups = self._take()
+        self._step = step = self._take_step(global_step)
         waited = time.perf_counter() - start
-        batch = self.feed.batch([g.prompt for g in groups], uid_prefix=f"{global_step}-")
-        mask = np.concatenate([g.response_mask for g in groups])
-        versions = np.concatenate([g.versions for g in groups])
-        self._versions = versions[mask > 0]
+        self._state = step.feed
+        per = len(step.groups) // self.processes
+        first = jax.process_index() * per
+        mine = step.groups[first : first + per]
+        batch = self.feed.dataset.batch([g.prompt.row for g in mine], group_offset=first,
+                                        uid_prefix=f"{global_step}-")  # fmt: skip
+        versions = np.concatenate([g.versions[g.response_mask > 0] for g in step.groups])
+        n = self.sampling.n
         rows = {
-            "prompts": np.repeat(batch.input_ids, self.sampling.n, axis=0),
-            "prompt_mask": np.repeat(batch.attention_mask, self.sampling.n, axis=0),
-            "responses": np.concatenate([g.responses for g in groups]),
-            "response_mask": mask,
-            "rollout_log_probs": np.concatenate([g.log_probs for g in groups]),
+            "prompts": np.repeat(batch.input_ids, n, axis=0),
+            "prompt_mask": np.repeat(batch.attention_mask, n, axis=0),
+            "responses": np.concatenate([g.responses for g in mine]),
+            "response_mask": np.concatenate([g.response_mask for g in mine]),
+            "rollout_log_probs": np.concatenate([g.log_probs for g in mine]),
         }
-        version = int(self._versions.min()) if self._versions.size else -1
-        ready = Launched(batch, Generated(rows), version, start)
+        version = int(versions.min()) if versions.size else -1
+        scores = None
+        if self.metric is not None:  # scored by the judge: this process's groups' scores,
+            # the evicted groups' reward metrics on process 0's (the processes' are summed)
+            scores = (np.concatenate([g.scored[0] for g in mine]),
+                      _summed([g.scored[1] for g in mine]
+                              + ([step.evicted_metrics] if jax.process_index() == 0 else [])),
+                      merged_extra([n] * len(mine), [g.scored[2] for g in mine]))  # fmt: skip
+        ready = Launched(batch, Generated(rows, scores=scores), version, start)
         experience = self.producer.produce(batch, global_step, rng, launched=ready)
         experience.timing["gen"] = waited  # the trainer's wait for the groups
-        self.feed.trained([g.prompt for g in groups])
         return experience
 
     def metrics(
@@ -137,27 +206,31 @@ class FullyAsync:
         """`async/*` of a step (see `docs/async.md`): the tokens' staleness in weight versions
         (the trainer's at the update less each token's), the gate's pushes and the groups
         dropped or aborted as too stale since the last step, the queue, each side's idle
-        share of the step and tokens per second while busy."""
-        rollouter = self.rollouter
-        lag = actor_version - self._versions if self._versions.size else np.zeros(1)
+        share of the step and tokens per second while busy (the rollout's as its process
+        measured them)."""
+        step = self._step
+        versions = np.concatenate([g.versions[g.response_mask > 0] for g in step.groups])
+        lag = actor_version - versions if versions.size else np.zeros(1)
         seconds = max(window[1] - window[0], 1e-9)
-        busy, sampled = rollouter.busy_s - self._seen[0], rollouter.tokens - self._seen[1]
-        self._seen = (rollouter.busy_s, rollouter.tokens)
-        out = {
+        figures = step.rollout
+        busy, sampled = figures["busy_s"] - self._seen[0], figures["tokens"] - self._seen[1]
+        self._seen = (figures["busy_s"], figures["tokens"])
+        judged = {}
+        if self.metric is not None:
+            judged["training/filter_groups/evicted_samples"] = figures["evicted"]
+        return judged | {
             "async/staleness/mean": float(lag.mean()),
             "async/staleness/max": float(lag.max()),
-            "async/pushes": float(self.gate.pushes),
-            "async/dropped_stale_groups": float(self._counts["dropped"]),
-            "async/aborted_stale_groups": float(self._counts["aborted"]),
-            "async/queue_depth": float(rollouter.queue.qsize()),
-            "async/groups_running": float(len(rollouter.running)),
+            "async/pushes": float(figures["pushes"]),
+            "async/dropped_stale_groups": float(figures["dropped"]),
+            "async/aborted_stale_groups": float(figures["aborted"]),
+            "async/queue_depth": float(figures["queue_depth"]),
+            "async/groups_running": float(figures["running"]),
             "async/trainer/idle_ratio": timing.get("gen", 0.0) / seconds,
             "async/rollout/idle_ratio": max(0.0, 1.0 - busy / seconds),
             "async/rollout/tokens_per_second": sampled / max(busy, 1e-9),
             "async/trainer/tokens_per_second": tokens[1] / max(seconds - timing["gen"], 1e-9),
         }
-        self._counts = {"dropped": 0, "aborted": 0}
-        return out
 
     # ---------------------------------------------------------------------- the other uses
 
@@ -165,19 +238,24 @@ class FullyAsync:
     def validation(self) -> Iterator[None]:
         """The block (validation's generation on the same engine) with the rollouter paused
         between two chunks and the current weights pushed (a push the gate counts)."""
-        if self.rollouter is None:
+        if not self._started:
             yield
             return
-        with self.rollouter.paused(drain=False, timeout=self.timeout):
+        with self._paused(drain=False):
             self._publish()
             yield
 
     def state_dict(self) -> dict[str, Any]:
-        """The feed's pending prompts (module doc)."""
-        return self.feed.state_dict()
+        """The feed's pending prompts and the loader's state with them (module doc), as of
+        the last step."""
+        return dict(self._state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], loader: dict[str, Any]) -> None:
+        """A resumed run's feed: `state` (`state_dict` less its "loader") and the loader's
+        state (the checkpoint's `data`)."""
+        self.feed.loader.load_state_dict(loader)
         self.feed.load_state_dict(state)
+        self._state = self.feed.state_dict()
 
     def stop(self) -> None:
         if self.rollouter is not None:
@@ -186,38 +264,126 @@ class FullyAsync:
     # ------------------------------------------------------------------------------ helpers
 
     def _start(self) -> None:
+        """The first weights to the rollout (every process), the rollouter (its home)."""
         self.cluster.sync_weights()
-        self.rollouter = Rollouter(
-            self.cluster.rollout.local(), self.feed, self.gate, self.sampling, self.seed,
-            partial=self.partial,
-        )  # fmt: skip
-        self.rollouter.start()
+        self._started = True
+        if self.here:
+            self.rollouter = Rollouter(
+                self.cluster.rollout.local(), self.feed, self.gate, self.sampling, self.seed,
+                partial=self.partial,
+            )  # fmt: skip
+            self.rollouter.start()
+
+    def _paused(self, *, drain: bool):
+        """The rollouter paused between two chunks (its home; elsewhere nothing to pause)."""
+        if self.rollouter is None:
+            return contextlib.nullcontext()
+        return self.rollouter.paused(drain=drain, timeout=self.timeout)
 
     def _push(self) -> None:
         """The weights to the rollout between two decode chunks (after the running groups,
         without partial rollouts)."""
-        with self.rollouter.paused(drain=not self.partial, timeout=self.timeout):
+        with self._paused(drain=not self.partial):
             self._publish()
 
     def _publish(self) -> None:
-        """Under `paused`: sync the weights, count the push, regenerate what it made stale."""
+        """Under `_paused`: sync the weights (every process), count the push and regenerate
+        what it made stale (the home)."""
         self.cluster.sync_weights()
+        if self.rollouter is None:
+            return
         for prompt in self.rollouter.pushed():
             self.feed.requeue(prompt)
             self._counts["aborted"] += 1
 
+    def _take_step(self, global_step: int) -> StepGroups:
+        """The step's groups: taken by the home (`_take`), posted to the others."""
+        key = f"{_MESSAGE}{global_step}"
+        if self.here:
+            groups = self._take()
+            self.feed.trained([g.prompt for g in groups])
+            evicted, self._evicted_metrics = self._evicted_metrics, {}
+            step = StepGroups(groups, self.feed.state_dict(), self._figures(), evicted)
+            if self.processes > 1:
+                distributed.post(key, pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+                if global_step > 2:  # every process has read it: it took part in a later step
+                    distributed.forget(f"{_MESSAGE}{global_step - 2}")
+            return step
+        data = distributed.wait_for(key, self.timeout)
+        if data is None:
+            raise RolloutError(
+                f"no groups for step {global_step} from the rollouter on process {self.home} "
+                f"in {self.timeout:.0f} s: it is stuck or far too slow (see its log); raise "
+                "async_training.rollout_timeout if it is only slow"
+            )
+        return pickle.loads(data)
+
+    def _figures(self) -> dict[str, float]:
+        """The rollouter's figures for `StepGroups.rollout` (its counts since the last)."""
+        rollouter = self.rollouter
+        figures = {
+            "busy_s": rollouter.busy_s,
+            "tokens": float(rollouter.tokens),
+            "queue_depth": float(rollouter.queue.qsize()),
+            "running": float(len(rollouter.running)),
+            "pushes": float(self.gate.pushes),
+            **{k: float(v) for k, v in self._counts.items()},
+        }
+        self._counts = {"dropped": 0, "aborted": 0, "evicted": 0}
+        return figures
+
     def _take(self) -> list[FinishedGroup]:
         """R finished groups within the gate's bound, in the order they finished; those past
-        it go back to the feed (their starts released)."""
+        it go back to the feed (their starts released). With dynamic sampling each is
+        judged as it comes (`_judged`): an evicted group's prompt is used up (as DAPO's) and
+        its start released, so the rollouter makes another in its place."""
         groups: list[FinishedGroup] = []
+        judged = 0
         while len(groups) < self.per_step:
             group = self.rollouter.get(self.timeout)
-            if self.gate.too_stale(group.push):
+            stale = self.gate.too_stale(group.push)
+            evicted = not stale and self.metric is not None and not self._judged(group)
+            if stale or evicted:
                 with self.rollouter.lock:
                     self.gate.release()
                     self.rollouter.lock.notify_all()
+            if stale:
                 self.feed.requeue(group.prompt)
                 self._counts["dropped"] += 1
                 continue
+            judged += self.metric is not None
+            if evicted:
+                self.feed.trained([group.prompt])
+                self._counts["evicted"] += 1
+                if 0 < self.max_judged <= judged:
+                    raise DynamicSamplingError(
+                        too_many_batches_message(-(-judged // self.per_step),
+                                                 self.max_judged // self.per_step)
+                    )  # fmt: skip
+                continue
             groups.append(group)
         return groups
+
+    def _judged(self, group: FinishedGroup) -> bool:
+        """Score `group` with the trainer's reward function (kept in `group.scored`) and
+        judge it by DAPO's rule (`jaxrl.trainer.dynamic_sampling`: kept when its responses'
+        `filter_groups.metric` varies); an evicted group's reward metrics are summed in."""
+        n = len(group.responses)
+        prompts = self.feed.dataset.batch([group.prompt.row]).repeat(n)
+        scores, reward_metrics, extra = self.producer.reward_fn(
+            prompts, group.responses, group.response_mask
+        )
+        scores = np.asarray(scores, np.float32)
+        _, kept = kept_rows(np.zeros(n, np.int32), metric_values(self.metric, scores, extra))
+        if kept:
+            extra = {k: list(v) for k, v in extra.items()}
+            group.scored = (scores, dict(reward_metrics), extra)
+        else:
+            self._evicted_metrics = _summed([self._evicted_metrics, reward_metrics])
+        return bool(kept)
+
+
+def _summed(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The reward manager's metrics of several parts, summed (they are counts)."""
+    names = sorted({k for part in parts for k in part})
+    return {k: float(sum(part.get(k, 0.0) for part in parts)) for k in names}

@@ -72,6 +72,9 @@ class Generated:
         extra_info: Per row, what verl's reward managers add to a multi-turn row's
             `extra_info` before scoring it (`num_turns`, `tool_rewards`, `turn_scores`);
             None for batch generation.
+        scores: The rows' scores when they were scored already (fully_async's judge of
+            dynamic sampling): (token-level scores [N, R], the reward manager's metrics,
+            the extra info per row), what the reward function returns; None: not scored.
     """
 
     rows: dict[str, np.ndarray]
@@ -79,6 +82,7 @@ class Generated:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     conversations: list[dict[str, Any]] | None = None
     extra_info: list[dict[str, Any]] | None = None
+    scores: tuple[np.ndarray, dict[str, float], dict[str, list]] | None = None
 
     def scored(self, repeated: PromptBatch) -> PromptBatch:
         """`repeated` (the prompts repeated n times) with `extra_info` as the scorer sees it."""

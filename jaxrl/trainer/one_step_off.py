@@ -35,17 +35,22 @@ current weights), and a resumed run computes what an uninterrupted one does, bit
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 
 import jax
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.data.batch import PromptBatch
+from jaxrl.sharding.processes import owners
 from jaxrl.trainer.experience import Experience, ExperienceProducer, Launched, step_key
 from jaxrl.trainer.spans import Spans
 
 log = logging.getLogger("jaxrl.train")
+_FIGURES = "jaxrl/one_step_off/rollout/"  # + the step: the rollout's figures for it
+_FIGURES_TIMEOUT_S = 60.0  # the rollout's process ends the same step about as soon
 
 
 class OneStepOff:
@@ -76,6 +81,12 @@ class OneStepOff:
             )
         self.producer, self.source, self.seed = producer, source, seed
         self.total_steps, self.save_freq = total_steps, save_freq
+        # the rollout's figures are measured where its devices are: the first of those
+        # processes posts them to any process that holds none of them (`_rollout_figures`)
+        homes = owners(producer.cluster.rollout.layout.mesh.devices.flat)
+        self.poster = min(homes) if len(homes) < jax.process_count() else None
+        self.measures = jax.process_index() in homes
+        self.step = 0
         self.ahead: Launched | None = None
         self.rollout_spans = Spans()  # this step's generations on the rollout's devices
         # this step's batch's dispatch and the previous batch's end: its generation ran from
@@ -89,6 +100,7 @@ class OneStepOff:
 
     def experience(self, prompts: PromptBatch, global_step: int, rng: jax.Array) -> Experience:
         """Step `global_step`'s experience of `prompts` (the module doc's 1. and 2.)."""
+        self.step = global_step
         launched, self.ahead = self.ahead, None
         if launched is not None and not np.array_equal(launched.prompts.uid, prompts.uid):
             log.warning(
@@ -133,20 +145,42 @@ class OneStepOff:
         lag = float(actor_version - experience.policy_version)
         start, end = window
         seconds = max(end - start, 1e-9)
-        rollout_busy = self.rollout_spans.busy("rollout", start, end)
-        generated = self.rollout_spans.ended("gen")  # this step's batch: read already
-        generating = max(generated - max(self.launched_at, self.rollout_free_at), 1e-9)
-        self.rollout_free_at = generated
+        rollout_idle, generating = self._rollout_figures(window)
         trainer_busy = max(seconds - timing.get("gen", 0.0), 1e-9)
         return {
             "async/staleness/mean": lag,
             "async/staleness/max": lag,
             "async/queue_depth": float(self.ahead is not None),
             "async/trainer/idle_ratio": timing.get("gen", 0.0) / seconds,
-            "async/rollout/idle_ratio": max(0.0, 1.0 - rollout_busy / seconds),
+            "async/rollout/idle_ratio": rollout_idle,
             "async/rollout/tokens_per_second": tokens[0] / generating,
             "async/trainer/tokens_per_second": tokens[1] / trainer_busy,
         }
+
+    def _rollout_figures(self, window: tuple[float, float]) -> tuple[float, float]:
+        """(the rollout's idle share of the step, seconds it spent generating this step's
+        batch), from its outputs' readiness where the rollout's devices are. A process that
+        holds none of them cannot wait on those arrays: it reads the figures the first
+        process that does posts to the coordination service (`jaxrl.distributed.post`)."""
+        key = f"{_FIGURES}{self.step}"
+        if not self.measures:
+            data = distributed.wait_for(key, _FIGURES_TIMEOUT_S)
+            if data is None:
+                log.warning("step %d: no rollout figures from process %d", self.step, self.poster)
+                return float("nan"), float("nan")
+            idle, generating = json.loads(data)
+            return idle, generating
+        start, end = window
+        busy = self.rollout_spans.busy("rollout", start, end)
+        generated = self.rollout_spans.ended("gen")  # this step's batch: read already
+        generating = max(generated - max(self.launched_at, self.rollout_free_at), 1e-9)
+        self.rollout_free_at = generated
+        idle = max(0.0, 1.0 - busy / max(end - start, 1e-9))
+        if self.poster == jax.process_index():
+            distributed.post(key, json.dumps([idle, generating]).encode())
+            if self.step > 2:  # read by every process: they took part in a later step
+                distributed.forget(f"{_FIGURES}{self.step - 2}")
+        return idle, generating
 
 
 def _arrays(launched: Launched) -> tuple:

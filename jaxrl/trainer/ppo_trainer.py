@@ -289,12 +289,6 @@ class PPOTrainer:
                 save_freq=cfg.trainer.save_freq, seed=rollout_cfg.seed,
             )  # fmt: skip
         elif cfg.async_training.mode == "fully_async":
-            if jax.process_count() > 1:
-                raise ValueError(
-                    "async_training.mode=fully_async runs on one process for now (its "
-                    "rollouter thread's groups are this process's); use "
-                    "async_training.mode=one_step_off with several processes"
-                )
             self.ahead = FullyAsync(cfg, cluster, self.producer, prompt_source, self.sampling)
 
     @classmethod
@@ -624,7 +618,7 @@ class PPOTrainer:
     def restore(self, items: dict[str, Any], meta: dict[str, Any]) -> None:
         self.cluster.restore(items, meta)
         if isinstance(self.ahead, FullyAsync) and meta.get("async_feed") is not None:
-            self.ahead.load_state_dict(meta["async_feed"])
+            self.ahead.load_state_dict(meta["async_feed"], meta["data"])
         if self.kl_ctrl is not None and meta.get("kl_coef") is not None:
             self.kl_ctrl.value = meta["kl_coef"]
 

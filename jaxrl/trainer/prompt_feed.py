@@ -2,8 +2,7 @@
 a record of every prompt drawn and not yet trained, so that a checkpoint loses none and a
 resumed run trains each once.
 
-    feed = PromptFeed(loader)
-    feed.add(batch)               # a loader batch the step loop drew: its prompts join the supply
+    feed = PromptFeed(loader)     # the loader's own (a global view: every process's rows)
     prompt = feed.next()          # the next prompt (those to generate again first); thread-safe
     feed.requeue(prompt)          # dropped before training (too stale): generated again
     feed.trained([p, ...])        # trained: done
@@ -60,14 +59,9 @@ class PromptFeed:
         self._out: dict[int, FedPrompt] = {}  # drawn, not trained, by draw number
         self.draws = 0
 
-    def add(self, batch: PromptBatch) -> None:
-        """Put a loader batch's prompts in the supply (after those already there)."""
-        with self._lock:
-            self._extend(batch)
-
     def next(self) -> FedPrompt:
         """The next prompt to generate: one dropped before training first, else the supply's
-        next (drawing a loader batch when it is empty)."""
+        next (reading the loader's next batch when it is empty)."""
         with self._lock:
             if self._again:
                 prompt = self._again.popleft()
@@ -93,10 +87,6 @@ class PromptFeed:
         with self._lock:
             for prompt in prompts:
                 self._out.pop(prompt.draw)
-
-    def batch(self, prompts: Sequence[FedPrompt], uid_prefix: str) -> PromptBatch:
-        """The prompts' rows as one `PromptBatch` (group ids 0, 1, ...)."""
-        return self.dataset.batch([p.row for p in prompts], uid_prefix=uid_prefix)
 
     def state_dict(self) -> dict[str, Any]:
         """{"pending": the dataset rows drawn and not trained (in flight, queued, to generate

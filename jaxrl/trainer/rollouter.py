@@ -64,6 +64,7 @@ class FinishedGroup:
         response_mask: int32 [n, R].
         log_probs: float32 [n, R], the rollout's (0 on padding).
         versions: int64 [n, R], each token's weights version (-1 on padding).
+        scored: Its scores, when dynamic sampling's judge kept it (`Generated.scores`).
     """
 
     prompt: FedPrompt
@@ -72,6 +73,7 @@ class FinishedGroup:
     response_mask: np.ndarray
     log_probs: np.ndarray
     versions: np.ndarray
+    scored: tuple[np.ndarray, dict[str, float], dict[str, list]] | None = None
 
 
 @dataclasses.dataclass
@@ -123,6 +125,10 @@ class Rollouter:
         self.busy_s = 0.0  # seconds of decode chunks (the rollout's busy time)
         self.tokens = 0  # response tokens sampled
         self._draining = self._stopping = False
+        # set while the trainer's thread waits for the lock: the loop lets it in before its
+        # next chunk (a lock is not fair: a thread that releases it and takes it again at
+        # once would otherwise starve the waiter for many chunks)
+        self._wanted = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rollouter", daemon=True)
 
     # ------------------------------------------------------------------- the trainer's side
@@ -179,7 +185,10 @@ class Rollouter:
         """The block runs between two decode chunks, the thread waiting; `drain`: after the
         running groups have ended (no new ones admitted meanwhile). Raises `RolloutError`
         when the thread does not reach a chunk's end (or drain) within `timeout` seconds."""
-        if not self.lock.acquire(timeout=timeout):
+        self._wanted.set()
+        acquired = self.lock.acquire(timeout=timeout)
+        self._wanted.clear()
+        if not acquired:
             self.check()
             raise RolloutError(
                 f"the rollouter did not finish its decode chunk in {timeout:.0f} s (a weight "
@@ -227,7 +236,7 @@ class Rollouter:
         try:
             while True:
                 with self.lock:
-                    while not self._stopping and not self._work():
+                    while not self._stopping and (self._wanted.is_set() or not self._work()):
                         self.lock.wait(timeout=0.1)
                     if self._stopping:
                         return

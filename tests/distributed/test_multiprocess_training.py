@@ -4,6 +4,7 @@ sampling; the tool demo's agent loop, each process running its rows on its own d
 a checkpoint written by 2 processes, restored by 2 after one of them was killed inside the
 next save, continues identically."""
 
+import collections
 import json
 import shutil
 import signal
@@ -20,7 +21,7 @@ from _multiproc import ROOT, clean_env, free_port
 from jaxrl.assets import write_quickstart_model
 from jaxrl.compare import main as compare
 from jaxrl.testing.numerics import STABLE_ADAM_OVERRIDES
-from jaxrl.trainer.checkpoint import verify
+from jaxrl.trainer.checkpoint import Checkpoints, verify
 
 pytestmark = pytest.mark.multiprocess
 
@@ -256,6 +257,63 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_identically(runs):
     assert sorted(got) == sorted(want)
     _assert_same(got[STEPS], want[STEPS], f"resumed step {STEPS}")
     assert compare([str(multi), str(run_dir)]) == 0  # bit for bit: inputs and parameters
+
+
+def _trained_rows(meta: dict, per_step: int) -> collections.Counter:
+    """The dataset rows a fully_async checkpoint says were trained: the loader's rows drawn
+    (its position's batches, in its epoch-0 order: `PromptIterator.order`) less the feed's
+    pending ones (asserted among them)."""
+    data = meta["data"]
+    assert data["epoch"] == 0
+    order = np.random.default_rng([data["seed"], 0]).permutation(data["num_rows"])
+    drawn = collections.Counter(order[: meta["data"]["position"] * per_step].tolist())
+    pending = collections.Counter(meta["async_feed"]["pending"])
+    assert not pending - drawn, "a pending prompt the loader never gave"
+    return drawn - pending
+
+
+def test_fully_async_over_two_processes_trains_each_prompt_once_across_a_resume(runs):
+    """`async_training.mode=fully_async` with the rollouter on process 1's 4 devices and the
+    trainer on process 0's (its groups posted to process 0 through the coordination
+    service, the weights pushed across the processes every step, validation between): 4
+    steps saving at 2 and 4, then step 4's checkpoint removed and the same command resumed
+    from step 2. Each checkpoint written by process 0 carries the rollout process's feed:
+    the rows trained so far (the loader's drawn rows less the pending ones) are each
+    once, R per step, those of step 2 among those of step 4 after the resume; no trained
+    token is past the staleness bound and some lag."""
+    single, _, _ = runs
+    run_dir = single.parent / "fully_async"
+    per_step, steps = 8, 4
+    extra = ("mesh.placement.spread=false", "mesh.placement.rollout.devices=4",
+             f"data.train_batch_size={per_step}",
+             f"actor_rollout_ref.actor.ppo_mini_batch_size={per_step}",
+             "async_training.mode=fully_async", "async_training.trigger_parameter_sync_step=1",
+             "async_training.staleness_threshold=2.0",  # 3 steps of groups a version: pending
+             "algorithm.rollout_correction.rollout_is=token",
+             "trainer.save_freq=2", "trainer.val_before_train=false")  # fmt: skip
+    args = _overrides(run_dir, steps, extra)
+    logs = _train(run_dir, 2, steps, args=args)
+    assert "rollout mesh: {'dp': 4, 'tp': 1} on devices 2048-2051" in logs
+    metrics = _metrics(run_dir)
+    assert sorted(metrics) == list(range(1, steps + 1))
+    bound = 3  # versions: the gate's ceil(1 + 2.0) pushes x 1 update a push
+    assert all(metrics[s]["async/staleness/max"] <= bound for s in metrics)
+    assert any(metrics[s]["async/staleness/max"] > 0 for s in metrics)
+    assert any(k.startswith("val-core/") for k in metrics[2])
+
+    checkpoints = run_dir / "checkpoints"
+    ckpts = Checkpoints(checkpoints)
+    first = {s: _trained_rows(ckpts.read_meta(s), per_step) for s in (2, 4)}
+    ckpts.close()
+    shutil.rmtree(checkpoints / str(steps))
+    logs = _train(run_dir, 2, steps, args=args)
+    assert "[process 1/2] INFO jaxrl.train: resumed from step 2 of 4" in logs
+    ckpts = Checkpoints(checkpoints)
+    resumed = _trained_rows(ckpts.read_meta(steps), per_step)
+    ckpts.close()
+    for trained, count in ((first[2], 2), (first[4], 4), (resumed, 4)):
+        assert set(trained.values()) == {1} and trained.total() == count * per_step
+    assert not first[2] - resumed  # the rows trained before the checkpoint, kept
 
 
 def test_agent_loop_over_two_processes_equals_one(tmp_path_factory):

@@ -159,3 +159,44 @@ def test_a_rollouter_that_raises_is_reported_by_name(monkeypatch):
     with pytest.raises(RolloutError, match="FloatingPointError: the decode step blew up"):
         thread.get(timeout=30)
     thread.stop(timeout=5)
+
+
+def test_dynamic_sampling_judges_groups_as_they_finish(assets, tmp_path, step_batches):
+    """DAPO's dynamic sampling under fully_async: each finished group is scored and judged
+    as it comes (`filter_groups.metric=seq_reward`); every group trained on has responses
+    whose summed scores differ (the rule), scored once (the scores in the batch are the
+    judge's), the evicted ones are counted and their prompts used up, and the checkpoint's
+    accounting holds: the loader's rows drawn less the pending ones are the trained and the
+    evicted groups' prompts."""
+    steps = 3
+    cfg = quickstart_config(
+        assets, tmp_path / "run", *COMMON[:-5],
+        f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}",
+        "trainer.logger=[]", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+    )  # fmt: skip
+    calls = []
+    run = build_run(cfg)
+    reward = run.trainer.producer.reward_fn
+    run.trainer.producer.reward_fn = lambda *a: calls.append(len(a[1])) or reward(*a)
+    try:
+        train_run(cfg, run)
+    finally:
+        run.trainer.close()
+    metrics = [r for r in read_metrics(tmp_path / "run") if "async/pushes" in r]
+    assert [r["training/global_step"] for r in metrics] == list(range(1, steps + 1))
+    evicted = sum(r["training/filter_groups/evicted_samples"] for r in metrics)
+    assert evicted > 0  # most groups of the untrained policy score 0 alike
+    assert len(step_batches) == steps
+    for batch in step_batches:
+        sums = batch["token_level_scores"].sum(-1).reshape(PER_STEP, -1)  # [groups, n]
+        assert (sums.std(-1) > 0).all(), sums
+    # the judge scored each group once (n rows a call), nothing scored again for the step
+    assert set(calls) == {4} and len(calls) == steps * PER_STEP + evicted
+    ckpts = Checkpoints(tmp_path / "run" / "checkpoints")
+    meta = ckpts.read_meta(steps)
+    ckpts.close()
+    drawn = run.train_loader.order(0)[: meta["data"]["position"] * PER_STEP].tolist()
+    pending = meta["async_feed"]["pending"]
+    assert not set(pending) - set(drawn)
+    assert len(drawn) - len(pending) == steps * PER_STEP + evicted
