@@ -554,12 +554,21 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
     global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
+_PART_BYTES = 1 << 20  # a message's parts: far below the store's gRPC message limits
+
+
 def post(key: str, data: bytes) -> None:
     """Store `data` under `key` in the coordination service's key-value store (a message to
-    the other processes, no devices involved: `wait_for` reads it). Several processes only."""
+    the other processes, no devices involved: `wait_for` reads it), in parts of at most 1 MiB
+    (`key/0`, `key/1`, ...; `key` itself, written last, holds their count). Several
+    processes only."""
     from jax._src.distributed import global_state
 
-    global_state.client.key_value_set_bytes(key, data, allow_overwrite=True)
+    client = global_state.client
+    parts = [data[i : i + _PART_BYTES] for i in range(0, len(data), _PART_BYTES)] or [b""]
+    for i, part in enumerate(parts):
+        client.key_value_set_bytes(f"{key}/{i}", part, allow_overwrite=True)
+    client.key_value_set(key, str(len(parts)), allow_overwrite=True)
 
 
 def wait_for(key: str, timeout_s: float) -> bytes | None:
@@ -567,19 +576,28 @@ def wait_for(key: str, timeout_s: float) -> bytes | None:
     they did not come. Several processes only."""
     from jax._src.distributed import global_state
 
+    client = global_state.client
     try:
-        return global_state.client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
+        count = int(client.blocking_key_value_get(key, int(timeout_s * 1000)))
     except Exception as e:  # a JaxRuntimeError "DEADLINE_EXCEEDED: GetKeyValue() timed out"
         if "DEADLINE_EXCEEDED" in str(e):
             return None
         raise
+    return b"".join(client.key_value_try_get_bytes(f"{key}/{i}") for i in range(count))
 
 
 def forget(key: str) -> None:
-    """Delete `key` from the key-value store (`post`'s messages, once every reader has one)."""
+    """Delete a `post`ed message (once every reader has it); nothing if there is none."""
     from jax._src.distributed import global_state
 
-    global_state.client.key_value_delete(key)
+    client = global_state.client
+    try:
+        count = int(client.key_value_try_get(key))
+    except Exception:  # not there (a resumed run's first steps): nothing to delete
+        return
+    client.key_value_delete(key)
+    for i in range(count):
+        client.key_value_delete(f"{key}/{i}")
 
 
 def is_main_process() -> bool:

@@ -35,11 +35,12 @@ resumed run generates them first.
 
 Several processes: the rollout's devices are one process's (the rollout's "home"; e.g.
 `mesh.placement.spread=false`). Its rollouter draws from a global view of the loader (every
-process's rows) and makes every step's choice of groups; it posts them, with its feed's state
-and its own figures, to the coordination service's key-value store (`jaxrl.distributed.post`),
-and every process reads that message and trains on its share of the groups (its slice of the
-global batch, as a loader gives it). The push is the jitted reshard every process takes part
-in, the home's rollouter paused for it. A checkpoint's feed state is the message's.
+process's rows) and makes every step's choice of groups; it posts each other process its
+share of them (its slice of the global batch, as a loader gives it), with the step's staleness
+summary, its feed's state and its own figures, to the coordination service's key-value store
+(`jaxrl.distributed.post`), and every process trains on its share. The push is the jitted
+reshard every process takes part in, the home's rollouter paused for it. A checkpoint's feed
+state is the message's.
 """
 
 from __future__ import annotations
@@ -74,15 +75,19 @@ from jaxrl.trainer.rollouter import FinishedGroup, Rollouter, RolloutError
 from jaxrl.trainer.staleness import StalenessGate
 
 SEED_OFFSET = 4  # the groups sample from key(rollout.seed + 4): apart from the steps' keys
-_MESSAGE = "jaxrl/fully_async/step/"  # + the step: the home's message for it
+_MESSAGE = "jaxrl/fully_async/step/"  # + the step and the process: the home's message
 
 
 @dataclasses.dataclass
 class StepGroups:
-    """What the rollout's process hands every process for a step.
+    """What the rollout's process hands a process for a step.
 
     Attributes:
-        groups: The step's R groups, in the order they finished.
+        first: Where `groups` start among the step's R groups.
+        groups: The process's share of the step's groups (all R with one process), in the
+            order they finished.
+        versions: The weights versions of every trained token of the step's R groups:
+            (count, mean, min).
         feed: The feed's state once they are trained (`PromptFeed.state_dict`): a
             checkpoint's.
         rollout: The rollouter's figures: `busy_s` and `tokens` (totals), `queue_depth`,
@@ -91,7 +96,9 @@ class StepGroups:
             judge evicted this step (summed).
     """
 
+    first: int
     groups: list[FinishedGroup]
+    versions: tuple[int, float, int]
     feed: dict[str, Any]
     rollout: dict[str, float]
     evicted_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -130,6 +137,20 @@ class FullyAsync:
                 "mesh.placement.rollout.devices=<at most one process's devices>), or use "
                 "async_training.mode=one_step_off"
             )
+        processes = jax.process_count()
+        if cfg.data.train_batch_size % processes:
+            raise ValueError(
+                f"async_training.mode=fully_async gives each of the {processes} processes an "
+                f"equal share of a step's groups: data.train_batch_size="
+                f"{cfg.data.train_batch_size} must be a multiple of {processes}"
+            )
+        if processes > 1 and cfg.algorithm.filter_groups.enable and cfg.reward_model.enable:
+            raise ValueError(
+                "async_training.mode=fully_async with algorithm.filter_groups over several "
+                "processes judges each group on the rollout's process alone, and a reward "
+                "model's pass is a program of every process: not built; use "
+                "async_training.mode=sync, or a rule reward"
+            )
         at = cfg.async_training
         self.cluster, self.producer, self.sampling = cluster, producer, sampling
         self.per_step = cfg.data.train_batch_size
@@ -138,11 +159,13 @@ class FullyAsync:
             at.partial_rollout,
             at.rollout_timeout,
         )
-        self.home, self.processes = homes.pop(), jax.process_count()
+        self.home, self.processes = homes.pop(), processes
         self.here = jax.process_index() == self.home
         fg = cfg.algorithm.filter_groups
         self.metric = fg.metric if fg.enable else None  # dynamic sampling's judge
-        self.max_judged = fg.max_num_gen_batches * self.per_step  # <= 0: no limit
+        # verl's limit counts generation batches of gen_batch_size prompts; <= 0: none
+        self.gen_batch = cfg.data.gen_batch_size or self.per_step
+        self.max_judged = fg.max_num_gen_batches * self.gen_batch
         self.seed = cfg.actor_rollout_ref.rollout.seed + SEED_OFFSET
         self.gate = StalenessGate(self.per_step, self.trigger, at.staleness_threshold)
         self.feed = PromptFeed(source.global_view())
@@ -167,13 +190,9 @@ class FullyAsync:
         start = time.perf_counter()
         self._step = step = self._take_step(global_step)
         waited = time.perf_counter() - start
-        self._state = step.feed
-        per = len(step.groups) // self.processes
-        first = jax.process_index() * per
-        mine = step.groups[first : first + per]
-        batch = self.feed.dataset.batch([g.prompt.row for g in mine], group_offset=first,
+        self._state, mine = step.feed, step.groups
+        batch = self.feed.dataset.batch([g.prompt.row for g in mine], group_offset=step.first,
                                         uid_prefix=f"{global_step}-")  # fmt: skip
-        versions = np.concatenate([g.versions[g.response_mask > 0] for g in step.groups])
         n = self.sampling.n
         rows = {
             "prompts": np.repeat(batch.input_ids, n, axis=0),
@@ -182,7 +201,7 @@ class FullyAsync:
             "response_mask": np.concatenate([g.response_mask for g in mine]),
             "rollout_log_probs": np.concatenate([g.log_probs for g in mine]),
         }
-        version = int(versions.min()) if versions.size else -1
+        version = step.versions[2]
         scores = None
         if self.metric is not None:  # scored by the judge: this process's groups' scores,
             # the evicted groups' reward metrics on process 0's (the processes' are summed)
@@ -209,8 +228,7 @@ class FullyAsync:
         share of the step and tokens per second while busy (the rollout's as its process
         measured them)."""
         step = self._step
-        versions = np.concatenate([g.versions[g.response_mask > 0] for g in step.groups])
-        lag = actor_version - versions if versions.size else np.zeros(1)
+        _, mean_version, oldest = step.versions
         seconds = max(window[1] - window[0], 1e-9)
         figures = step.rollout
         busy, sampled = figures["busy_s"] - self._seen[0], figures["tokens"] - self._seen[1]
@@ -219,8 +237,8 @@ class FullyAsync:
         if self.metric is not None:
             judged["training/filter_groups/evicted_samples"] = figures["evicted"]
         return judged | {
-            "async/staleness/mean": float(lag.mean()),
-            "async/staleness/max": float(lag.max()),
+            "async/staleness/mean": float(actor_version - mean_version),
+            "async/staleness/max": float(actor_version - oldest),
             "async/pushes": float(figures["pushes"]),
             "async/dropped_stale_groups": float(figures["dropped"]),
             "async/aborted_stale_groups": float(figures["aborted"]),
@@ -297,26 +315,38 @@ class FullyAsync:
             self._counts["aborted"] += 1
 
     def _take_step(self, global_step: int) -> StepGroups:
-        """The step's groups: taken by the home (`_take`), posted to the others."""
-        key = f"{_MESSAGE}{global_step}"
-        if self.here:
-            groups = self._take()
-            self.feed.trained([g.prompt for g in groups])
-            evicted, self._evicted_metrics = self._evicted_metrics, {}
-            step = StepGroups(groups, self.feed.state_dict(), self._figures(), evicted)
-            if self.processes > 1:
-                distributed.post(key, pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
-                if global_step > 2:  # every process has read it: it took part in a later step
-                    distributed.forget(f"{_MESSAGE}{global_step - 2}")
-            return step
-        data = distributed.wait_for(key, self.timeout)
-        if data is None:
-            raise RolloutError(
-                f"no groups for step {global_step} from the rollouter on process {self.home} "
-                f"in {self.timeout:.0f} s: it is stuck or far too slow (see its log); raise "
-                "async_training.rollout_timeout if it is only slow"
-            )
-        return pickle.loads(data)
+        """This process's share of the step's groups: taken by the home (`_take`), which
+        posts each other process its own (a message of its slice: the step's rows are
+        never all in one message) with the step's summary."""
+        if not self.here:
+            # the home waits up to the timeout for each group and for a push's drain; its
+            # own failure reaches this process sooner, through the health monitor
+            patience = self.timeout * (self.per_step + 2)
+            data = distributed.wait_for(_message(global_step, jax.process_index()), patience)
+            if data is None:
+                raise RolloutError(
+                    f"no groups for step {global_step} from the rollouter on process "
+                    f"{self.home} in {patience:.0f} s: it is stuck or far too slow (see its "
+                    "log); raise async_training.rollout_timeout if it is only slow"
+                )
+            return pickle.loads(data)
+        groups = self._take()
+        self.feed.trained([g.prompt for g in groups])
+        evicted, self._evicted_metrics = self._evicted_metrics, {}
+        versions = np.concatenate([g.versions[g.response_mask > 0] for g in groups])
+        summary = (versions.size, float(versions.mean()), int(versions.min())) if versions.size \
+            else (0, -1.0, -1)  # fmt: skip
+        feed, figures = self.feed.state_dict(), self._figures()
+        per = self.per_step // self.processes
+        shares = [StepGroups(p * per, groups[p * per : (p + 1) * per], summary, feed, figures,
+                             evicted) for p in range(self.processes)]  # fmt: skip
+        for p, share in enumerate(shares):
+            if p != jax.process_index():
+                data = pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL)
+                distributed.post(_message(global_step, p), data)
+                if global_step > 2:  # read: every process took part in a later step
+                    distributed.forget(_message(global_step - 2, p))
+        return shares[jax.process_index()]
 
     def _figures(self) -> dict[str, float]:
         """The rollouter's figures for `StepGroups.rollout` (its counts since the last)."""
@@ -344,9 +374,7 @@ class FullyAsync:
             stale = self.gate.too_stale(group.push)
             evicted = not stale and self.metric is not None and not self._judged(group)
             if stale or evicted:
-                with self.rollouter.lock:
-                    self.gate.release()
-                    self.rollouter.lock.notify_all()
+                self.rollouter.give_back()
             if stale:
                 self.feed.requeue(group.prompt)
                 self._counts["dropped"] += 1
@@ -357,8 +385,8 @@ class FullyAsync:
                 self._counts["evicted"] += 1
                 if 0 < self.max_judged <= judged:
                     raise DynamicSamplingError(
-                        too_many_batches_message(-(-judged // self.per_step),
-                                                 self.max_judged // self.per_step)
+                        too_many_batches_message(-(-judged // self.gen_batch),
+                                                 self.max_judged // self.gen_batch)
                     )  # fmt: skip
                 continue
             groups.append(group)
@@ -381,6 +409,11 @@ class FullyAsync:
         else:
             self._evicted_metrics = _summed([self._evicted_metrics, reward_metrics])
         return bool(kept)
+
+
+def _message(step: int, process: int) -> str:
+    """The key of the home's message to `process` for `step`."""
+    return f"{_MESSAGE}{step}/{process}"
 
 
 def _summed(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -214,6 +214,15 @@ class Rollouter:
             self.lock.notify_all()
             self.lock.release()
 
+    def give_back(self) -> None:
+        """A finished group's start given back to the gate (the trainer dropped or evicted
+        it), the lock taken before the thread's next chunk; the thread may start another."""
+        self._wanted.set()
+        with self.lock:
+            self._wanted.clear()
+            self.gate.release()
+            self.lock.notify_all()
+
     def pushed(self) -> list[FedPrompt]:
         """Under `paused`: count the push at the gate (the running and queued groups carried
         over) and abort the running groups it makes too stale; returns their prompts (the
