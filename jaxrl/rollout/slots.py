@@ -23,7 +23,7 @@ the first `start` and donated into and out of every conversation program
 (`jaxrl.rollout.conversation`), so a conversation's keys and values stay on the devices
 between turns while the host runs tools. A decode chunk computes the rows of the slots it
 decodes only (`conversation.decode_rows`: their cache rows gathered into a batch of a `bucket`
-size, a multiple of the mesh's dp, and put back), unless that is all of them. The host keeps
+size of at least 16, a multiple of the mesh's dp, and put back), unless that is all of them. The host keeps
 each slot's record (its tokens, their log-probs, and which were sampled) and its pending
 token (see `conversation`'s module doc).
 
@@ -598,10 +598,14 @@ def _decode_rows_program(
     return jax.jit(fn, donate_argnums=(1,))
 
 
+_MIN_ROWS = 16  # the CPU kernels' vector lanes: narrower batches are padded to them anyway
+
+
 def _running_rows(running: int, dp: int) -> int:
-    """The rows a decode chunk of `running` slots computes: a `bucket` size (a handful of
-    compiled widths), a multiple of the mesh's dp (each device its share)."""
-    width = bucket(max(running, 1), 1)
+    """The rows a decode chunk of `running` slots computes: a `bucket` size of at least 16
+    rows (a handful of compiled widths; fewer rows save nothing), a multiple of the mesh's
+    dp (each device its share)."""
+    width = bucket(max(running, 1), _MIN_ROWS)
     return -(-width // dp) * dp
 
 

@@ -241,9 +241,7 @@ def test_slots_with_different_settings_decode_together(tiny):
         np.testing.assert_allclose(both.log_probs[i], turn.log_probs[0], atol=LOG_PROB_ATOL)
     assert [len(t) for t in both.tokens[:3]] == [7, 9, 4]
     assert both.finish_reasons == ["length", "length", "length", "stop"]
-    # the 4 running slots' decode program (the slots decoded apart ran 1-row programs:
-    # `decode_rows`) and the stacking of the 4 seeds' keys
-    assert compiles_since(start)["perf/compiles"] <= 2
+    assert compiles_since(start)["perf/compiles"] <= 1
     start = compile_totals()
     mixes = [(0.3, -1, 0.5, 1), (1.5, 2, 1.0, 2), (1.0, -1, 1.0, 3), (0.9, 9, 0.95, 4)]
     other = [
