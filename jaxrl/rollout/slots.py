@@ -23,9 +23,9 @@ the first `start` and donated into and out of every conversation program
 (`jaxrl.rollout.conversation`), so a conversation's keys and values stay on the devices
 between turns while the host runs tools. A decode chunk computes the rows of the slots it
 decodes only (`conversation.decode_rows`: their cache rows gathered into a batch of a `bucket`
-size of at least 16, a multiple of the mesh's dp, and put back), unless that is all of them. The host keeps
-each slot's record (its tokens, their log-probs, and which were sampled) and its pending
-token (see `conversation`'s module doc).
+size of at least 16, a multiple of the mesh's dp, and put back), unless that is all of them.
+The host keeps each slot's record (its tokens, their log-probs, and which were sampled) and
+its pending token (see `conversation`'s module doc).
 
 A stop string needs the text: with `sampling.stop`, `decode` samples in chunks of
 `stop_check_tokens`, detokenizes each still running slot's turn after every chunk, and cuts
