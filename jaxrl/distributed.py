@@ -600,6 +600,28 @@ def forget(key: str) -> None:
         client.key_value_delete(f"{key}/{i}")
 
 
+class StepMessages:
+    """A message per training step from one process to others (`post` / `wait_for` under
+    `prefix`), each receiver's own (`to`: its process id) or shared (`to=None`). Sending step
+    k's deletes step k - 2's: every process has read it, having taken part in a collective of
+    step k - 1 after reading it."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def _key(self, step: int, to: int | None) -> str:
+        return f"{self.prefix}{step}" if to is None else f"{self.prefix}{step}/{to}"
+
+    def send(self, step: int, data: bytes, to: int | None = None) -> None:
+        post(self._key(step, to), data)
+        if step > 2:
+            forget(self._key(step - 2, to))
+
+    def receive(self, step: int, timeout_s: float, to: int | None = None) -> bytes | None:
+        """Step `step`'s message, or None after `timeout_s` seconds without it."""
+        return wait_for(self._key(step, to), timeout_s)
+
+
 def is_main_process() -> bool:
     """True on process 0 (and in single-process runs): the one that writes the run's files."""
     return process_info().is_main

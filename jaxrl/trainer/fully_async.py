@@ -75,7 +75,8 @@ from jaxrl.trainer.rollouter import FinishedGroup, Rollouter, RolloutError
 from jaxrl.trainer.staleness import StalenessGate
 
 SEED_OFFSET = 4  # the groups sample from key(rollout.seed + 4): apart from the steps' keys
-_MESSAGE = "jaxrl/fully_async/step/"  # + the step and the process: the home's message
+_MESSAGES = distributed.StepMessages("jaxrl/fully_async/step/")  # the home's, to each process
+_NO_COUNTS = {"dropped": 0, "aborted": 0, "evicted": 0}  # the rollouter's, since the last step
 
 
 @dataclasses.dataclass
@@ -171,7 +172,7 @@ class FullyAsync:
         self.feed = PromptFeed(source.global_view())
         self.rollouter: Rollouter | None = None
         self._started = False
-        self._counts = {"dropped": 0, "aborted": 0, "evicted": 0}
+        self._counts = dict(_NO_COUNTS)
         self._evicted_metrics: dict[str, float] = {}  # the reward manager's, evicted groups'
         self._state = self.feed.state_dict()  # the last step's feed state (a checkpoint's)
         self._seen = (0.0, 0)  # the rollouter's busy seconds and tokens at the last metrics
@@ -322,7 +323,7 @@ class FullyAsync:
             # the home waits up to the timeout for each group and for a push's drain; its
             # own failure reaches this process sooner, through the health monitor
             patience = self.timeout * (self.per_step + 2)
-            data = distributed.wait_for(_message(global_step, jax.process_index()), patience)
+            data = _MESSAGES.receive(global_step, patience, to=jax.process_index())
             if data is None:
                 raise RolloutError(
                     f"no groups for step {global_step} from the rollouter on process "
@@ -343,9 +344,7 @@ class FullyAsync:
         for p, share in enumerate(shares):
             if p != jax.process_index():
                 data = pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL)
-                distributed.post(_message(global_step, p), data)
-                if global_step > 2:  # read: every process took part in a later step
-                    distributed.forget(_message(global_step - 2, p))
+                _MESSAGES.send(global_step, data, to=p)
         return shares[jax.process_index()]
 
     def _figures(self) -> dict[str, float]:
@@ -359,7 +358,7 @@ class FullyAsync:
             "pushes": float(self.gate.pushes),
             **{k: float(v) for k, v in self._counts.items()},
         }
-        self._counts = {"dropped": 0, "aborted": 0, "evicted": 0}
+        self._counts = dict(_NO_COUNTS)
         return figures
 
     def _take(self) -> list[FinishedGroup]:
@@ -409,11 +408,6 @@ class FullyAsync:
         else:
             self._evicted_metrics = _summed([self._evicted_metrics, reward_metrics])
         return bool(kept)
-
-
-def _message(step: int, process: int) -> str:
-    """The key of the home's message to `process` for `step`."""
-    return f"{_MESSAGE}{step}/{process}"
 
 
 def _summed(parts: list[dict[str, float]]) -> dict[str, float]:

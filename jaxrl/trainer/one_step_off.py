@@ -49,7 +49,7 @@ from jaxrl.trainer.experience import Experience, ExperienceProducer, Launched, s
 from jaxrl.trainer.spans import Spans
 
 log = logging.getLogger("jaxrl.train")
-_FIGURES = "jaxrl/one_step_off/rollout/"  # + the step: the rollout's figures for it
+_FIGURES = distributed.StepMessages("jaxrl/one_step_off/rollout/")  # the rollout's figures
 _FIGURES_TIMEOUT_S = 60.0  # the rollout's process ends the same step about as soon
 
 
@@ -162,9 +162,8 @@ class OneStepOff:
         batch), from its outputs' readiness where the rollout's devices are. A process that
         holds none of them cannot wait on those arrays: it reads the figures the first
         process that does posts to the coordination service (`jaxrl.distributed.post`)."""
-        key = f"{_FIGURES}{self.step}"
         if not self.measures:
-            data = distributed.wait_for(key, _FIGURES_TIMEOUT_S)
+            data = _FIGURES.receive(self.step, _FIGURES_TIMEOUT_S)
             if data is None:
                 log.warning("step %d: no rollout figures from process %d", self.step, self.poster)
                 return float("nan"), float("nan")
@@ -177,9 +176,7 @@ class OneStepOff:
         self.rollout_free_at = generated
         idle = max(0.0, 1.0 - busy / max(end - start, 1e-9))
         if self.poster == jax.process_index():
-            distributed.post(key, json.dumps([idle, generating]).encode())
-            if self.step > 2:  # read by every process: they took part in a later step
-                distributed.forget(f"{_FIGURES}{self.step - 2}")
+            _FIGURES.send(self.step, json.dumps([idle, generating]).encode())
         return idle, generating
 
 

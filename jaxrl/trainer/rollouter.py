@@ -185,10 +185,7 @@ class Rollouter:
         """The block runs between two decode chunks, the thread waiting; `drain`: after the
         running groups have ended (no new ones admitted meanwhile). Raises `RolloutError`
         when the thread does not reach a chunk's end (or drain) within `timeout` seconds."""
-        self._wanted.set()
-        acquired = self.lock.acquire(timeout=timeout)
-        self._wanted.clear()
-        if not acquired:
+        if not self._acquire(timeout):
             self.check()
             raise RolloutError(
                 f"the rollouter did not finish its decode chunk in {timeout:.0f} s (a weight "
@@ -217,11 +214,21 @@ class Rollouter:
     def give_back(self) -> None:
         """A finished group's start given back to the gate (the trainer dropped or evicted
         it), the lock taken before the thread's next chunk; the thread may start another."""
-        self._wanted.set()
-        with self.lock:
-            self._wanted.clear()
+        self._acquire()
+        try:
             self.gate.release()
             self.lock.notify_all()
+        finally:
+            self.lock.release()
+
+    def _acquire(self, timeout: float = -1) -> bool:
+        """Take the lock before the thread's next chunk (`_wanted`); False after `timeout`
+        seconds without it (-1: wait as long as it takes)."""
+        self._wanted.set()
+        try:
+            return self.lock.acquire(timeout=timeout)
+        finally:
+            self._wanted.clear()
 
     def pushed(self) -> list[FedPrompt]:
         """Under `paused`: count the push at the gate (the running and queued groups carried

@@ -32,6 +32,8 @@ COMMON = [
     "async_training.trigger_parameter_sync_step=1",
     "async_training.staleness_threshold=1.0",  # 2 steps of groups per version: some lag
     "algorithm.rollout_correction.rollout_is=token",
+]
+RUN = [
     f"trainer.total_training_steps={STEPS}",
     "trainer.save_freq=2",
     "trainer.logger=[]",
@@ -72,7 +74,7 @@ def test_a_hung_rollout_stops_the_run_and_the_resumed_run_trains_each_prompt_onc
     monkeypatch.setattr(rollouter_module.Scheduler, "step", step_or_hang)
     monkeypatch.setattr(PPOTrainer, "step", counted)
     resumed = False
-    cfg = quickstart_config(assets, run_dir, *COMMON)
+    cfg = quickstart_config(assets, run_dir, *COMMON, *RUN)
     run = build_run(cfg)
     began = time.monotonic()
     try:
@@ -90,7 +92,7 @@ def test_a_hung_rollout_stops_the_run_and_the_resumed_run_trains_each_prompt_onc
     before = {s: rows for s, rows in trained.items() if s <= resumed_from}
     trained.clear()
     resumed = True
-    fit(quickstart_config(assets, run_dir, *COMMON))  # resume_mode auto: from resumed_from
+    fit(quickstart_config(assets, run_dir, *COMMON, *RUN))  # resume_mode auto: from resumed_from
     after = {s: rows for s, rows in trained.items() if s > resumed_from}
     assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
 
@@ -170,7 +172,7 @@ def test_dynamic_sampling_judges_groups_as_they_finish(assets, tmp_path, step_ba
     evicted groups' prompts."""
     steps = 3
     cfg = quickstart_config(
-        assets, tmp_path / "run", *COMMON[:-5],
+        assets, tmp_path / "run", *COMMON,
         f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}",
         "trainer.logger=[]", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
