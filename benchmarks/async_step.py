@@ -3,6 +3,8 @@ core each, synchronous against `async_training.mode=one_step_off` (`docs/async.m
 
     python benchmarks/async_step.py [--steps 10] [--prompts 8] [--n 8] [--max-tokens 256]
                                     [--eos-scale 32] [--quickstart-steps 0]
+                                    [--layouts two_processes,one_process]
+                                    [--modes sync,one_step_off,fully_async]
 
 Two JAX processes (`launch/local.sh 2`, one CPU device each, each pinned to its own core):
 the actor trains on process 0's device and the rollout generates on process 1's
@@ -292,6 +294,7 @@ def main() -> None:
     parser.add_argument("--eos-scale", type=float, default=32.0)
     parser.add_argument("--quickstart-steps", type=int, default=0)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of " + ",".join(LAYOUTS))
+    parser.add_argument("--modes", default=",".join(MODES), help="of " + ",".join(MODES))
     parser.add_argument("--model")
     parser.add_argument("--out")
     parser.add_argument("overrides", nargs="*")
@@ -322,7 +325,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = long_tail_model(tmp / "model", args.eos_scale)
-        modes = tuple(MODES)
+        modes = tuple(args.modes.split(","))
+        unknown = sorted(set(modes) - set(MODES))
+        if unknown or modes[0] != "sync":
+            raise SystemExit(
+                f"--modes {args.modes}: sync first (the ratios are to it), then "
+                f"any of {list(MODES)[1:]}"
+            )
         for layout in args.layouts.split(","):
             processes = 2 if layout == "two_processes" else 1
             result[layout] = {}
@@ -340,7 +349,7 @@ def main() -> None:
             for mode in modes[1:]:
                 result[layout][f"{mode}_speedup"] = rates[mode] / rates["sync"]
         if args.quickstart_steps:
-            for mode in MODES:
+            for mode in modes:
                 run_dir = tmp / f"quickstart-{mode}"
                 launch("quickstart", [
                     f"trainer.total_training_steps={args.quickstart_steps}",

@@ -784,8 +784,9 @@ ASYNC_MODES = ("sync", "one_step_off", "fully_async")
 
 def _check_async(cfg: Config, p: _Problems) -> None:
     """`async_training.mode`: the rollout runs ahead on devices of its own, generating with
-    the fixed-batch path (the host only dispatches it); what needs the host during generation
-    is refused by name."""
+    the fixed-batch path (the host only dispatches it), or one_step_off's agent loop on a
+    thread of its own; what would need the step's host during generation is refused by
+    name."""
     p.choice(cfg, "async_training.mode", ASYNC_MODES)
     mode = cfg.async_training.mode
     if mode == "sync":
@@ -799,13 +800,13 @@ def _check_async(cfg: Config, p: _Problems) -> None:
         )
     rollout = cfg.actor_rollout_ref.rollout
     unsupported = {
-        "actor_rollout_ref.rollout.multi_turn.enable=true": rollout.multi_turn.enable,
         "algorithm.adv_estimator=remax (greedy baselines)": cfg.algorithm.adv_estimator == "remax",
     }
     if mode == "fully_async":  # it judges dynamic sampling's groups as they finish
         _check_fully_async(cfg, p)
         unsupported["actor_rollout_ref.rollout.over_sample_rate>0"] = bool(rollout.over_sample_rate)
-    else:
+        unsupported["actor_rollout_ref.rollout.multi_turn.enable=true"] = rollout.multi_turn.enable
+    else:  # one_step_off runs the agent loop ahead on a thread of its own
         unsupported["algorithm.filter_groups.enable=true"] = cfg.algorithm.filter_groups.enable
     for name, on in unsupported.items():
         if on:

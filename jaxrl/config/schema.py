@@ -415,6 +415,8 @@ class RolloutConfig:
             device factor is a data-parallel generation replica (verl's default is 2; jaxrl's is
             1 so that a single device works).
         max_num_seqs: Sequences decoded at once (KV-cache slots of continuous batching).
+            Under `async_training.mode=fully_async`, at most n x the groups its staleness
+            gate lets run at once (a decode step computes every slot's row).
         max_model_len: Cells of a multi-turn conversation's KV cache (its prompt padded to
             a length bucket, then every response token); null: the prompt length's bucket
             (`jaxrl.data.bucket`) + the response length, within the model's context.

@@ -54,6 +54,7 @@ from jaxrl.trainer.roles import (
     placement_group,
     role_specs,
 )
+from jaxrl.trainer.staleness import groups_cap
 from jaxrl.trainer.update import UpdateState, init_state
 
 log = logging.getLogger("jaxrl.train")
@@ -110,6 +111,26 @@ def cluster_layouts(
         name: groups.get(placement_group(name), colocated.get(name, groups["train"]))
         for name in specs
     }
+
+
+def rollout_slots(cfg: Config) -> int:
+    """The rollout engine's KV-cache slots: `rollout.max_num_seqs`, but under
+    `async_training.mode=fully_async` no more than its staleness gate can ever fill, n x
+    R x T x (1 + θ) (`staleness.groups_cap`): a decode step computes every slot's row,
+    running or not, so a slot the gate never fills costs every step and brings nothing."""
+    rollout, at = cfg.actor_rollout_ref.rollout, cfg.async_training
+    if at.mode != "fully_async":
+        return rollout.max_num_seqs
+    cap = groups_cap(cfg.data.train_batch_size, at.trigger_parameter_sync_step,
+                     at.staleness_threshold)  # fmt: skip
+    slots = min(rollout.max_num_seqs, rollout.n * cap)
+    if slots < rollout.max_num_seqs:
+        log.info(
+            "async_training.mode=fully_async runs at most %d groups of %d at once: the "
+            "rollout holds %d KV-cache slots, not max_num_seqs=%d",
+            cap, rollout.n, slots, rollout.max_num_seqs,
+        )  # fmt: skip
+    return slots
 
 
 class Cluster:
@@ -200,7 +221,7 @@ class Cluster:
             ),
             layouts["rollout"],
             max_prompt_length=cfg.data.max_prompt_length,
-            max_num_seqs=rollout_cfg.max_num_seqs,
+            max_num_seqs=rollout_slots(cfg),
             max_model_len=max_model_len,
             tokenizer=tokenizer,
             decode_backend=rollout_cfg.decode_backend,

@@ -36,6 +36,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -129,15 +130,16 @@ class Launched:
 
     Attributes:
         prompts: This process's prompts.
-        pending: The generation on the rollout's devices, or its rows (`Generated`) when
-            they were made elsewhere (the fully asynchronous rollouter's groups).
+        pending: The generation on the rollout's devices, the agent loop's on its thread
+            (a `Future`), or its rows (`Generated`) when they were made elsewhere (the fully
+            asynchronous rollouter's groups).
         version: The weights version (`Learner.version`) it samples with.
         dispatched: When its dispatch began (`time.perf_counter()`; a first call's
             compilation counts as the rollout's time).
     """
 
     prompts: PromptBatch
-    pending: PendingBatch | Generated
+    pending: PendingBatch | Future[Generated] | Generated
     version: int
     dispatched: float
 
@@ -187,12 +189,15 @@ class ExperienceProducer:
     def launch(self, prompts: PromptBatch, rng: jax.Array) -> Launched:
         """Batch generation of `prompts` (this process's rows) with `rng`, dispatched to
         the rollout's devices with the actor's current weights (published first unless the
-        rollout holds them) and not waited for: `produce(..., launched=)` scores it. Batch
-        generation only (the config checks refuse the agent loop, dynamic sampling and
-        ReMax with the async modes)."""
+        rollout holds them) and not waited for: `produce(..., launched=)` scores it. With
+        `multi_turn.enable`, the agent loop on a thread of its own (`dispatch_agent`). Not
+        dynamic sampling or ReMax (the config checks refuse them with the async modes)."""
         with self.rollout.holding():
             version, start = self.cluster.actor.version, time.perf_counter()
-            pending = self.rollout.dispatch(prompts, self.sampling, rng)
+            if self.rollout.multi_turn.enable:
+                pending = self.rollout.dispatch_agent(prompts, self.sampling, rng)
+            else:
+                pending = self.rollout.dispatch(prompts, self.sampling, rng)
         return Launched(prompts, pending, version, start)
 
     def produce(

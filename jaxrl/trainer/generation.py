@@ -5,6 +5,9 @@
     rollout.stream(batches, sampling, rng, judge, target=16, max_groups=None)
                                                      # streamed dynamic sampling
     with rollout.holding(): ...                      # several generations, one weight copy
+    pending = rollout.dispatch(prompts, sampling, rng)   # not waited for (one_step_off) ...
+    pending = rollout.dispatch_agent(prompts, sampling, rng)  # ... the agent loop's too
+    gen = rollout.collect(pending)
     rollout.close()                                  # stop the tool runner
 
 Either way the rollout gets the actor's weights first and, colocated, frees them after (the
@@ -19,6 +22,13 @@ a `Scheduler` client too (`jaxrl.rollout.streaming`). With several processes eac
 agent loop over its own rows on its own share of the rollout devices (`RolloutEngine.local`)
 with its own tools, sampling what one process would (row i's keys, wherever it runs); the
 rows join the global batch as batch generation's do (`ExperienceProducer`'s gather).
+
+Dispatched ahead (`async_training.mode=one_step_off`), batch generation is the devices' work
+alone, while the agent loop needs the host between turns (tools, the next turn's prompt): it
+runs on a thread of its own (`dispatch_agent`) with the weights the rollout holds when it is
+dispatched, and nothing else may use the engine or publish weights to it until `collect` has
+its rows. That thread issues no cross-process collective (each process's loop runs its own
+rows), so every process must hold rollout devices.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -132,6 +143,7 @@ class StepRollout:
         rollout = cfg.actor_rollout_ref.rollout
         self.multi_turn = rollout.multi_turn
         self.runner: ToolRunner | None = None
+        self._ahead: ThreadPoolExecutor | None = None  # `dispatch_agent`'s thread
         self._warned = False
         self._depth = 0  # `holding` blocks open
         if not self.multi_turn.enable:
@@ -154,6 +166,8 @@ class StepRollout:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def close(self) -> None:
+        if self._ahead is not None:  # an agent loop dispatched ahead ends first (its tools)
+            self._ahead.shutdown(wait=True, cancel_futures=True)
         if self.runner is not None:
             self.runner.close()
 
@@ -220,11 +234,25 @@ class StepRollout:
         )  # idle: the fixed-batch path, over every process's prompts
         return PendingBatch(prompts, sampling.n, out)
 
-    def collect(self, pending: PendingBatch | Generated) -> Generated:
-        """The rows of a dispatched batch generation (waits for the rollout's devices); a
-        `Generated` (rows made elsewhere: the fully asynchronous rollouter's) as it is."""
+    def dispatch_agent(
+        self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array
+    ) -> Future[Generated]:
+        """The agent loop over `prompts` (this process's rows) on a thread of its own, with
+        the weights the rollout holds, not waited for (`collect` reads it; the module doc
+        says what must wait for it). Call it inside `holding()`, with every process holding
+        rollout devices (`OneStepOff` checks)."""
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-ahead")
+        return self._ahead.submit(self._agent, prompts, sampling, rng)
+
+    def collect(self, pending: PendingBatch | Future[Generated] | Generated) -> Generated:
+        """The rows of a dispatched generation (waits for the rollout's devices, or for the
+        agent loop's thread, raising what it raised); a `Generated` (rows made elsewhere:
+        the fully asynchronous rollouter's) as it is."""
         if isinstance(pending, Generated):
             return pending
+        if isinstance(pending, Future):
+            return pending.result()
         prompts, n, out = pending.prompts, pending.n, pending.output
         if jax.process_count() > 1:  # this process's rows (a collective)
             responses, response_mask, log_probs = out.rows()

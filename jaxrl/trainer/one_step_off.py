@@ -34,10 +34,14 @@ current weights), and a resumed run computes what an uninterrupted one does, bit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -85,6 +89,13 @@ class OneStepOff:
         # processes posts them to any process that holds none of them (`_rollout_figures`)
         homes = owners(producer.cluster.rollout.layout.mesh.devices.flat)
         self.poster = min(homes) if len(homes) < jax.process_count() else None
+        if producer.rollout.multi_turn.enable and self.poster is not None:
+            raise ValueError(
+                "async_training.mode=one_step_off with actor_rollout_ref.rollout.multi_turn."
+                "enable runs each process's agent loop on its own rollout devices, and process "
+                f"{min(set(range(jax.process_count())) - homes)} holds none: set "
+                "mesh.placement.spread=true (every process gives the rollout devices)"
+            )
         self.measures = jax.process_index() in homes
         self.step = 0
         self.ahead: Launched | None = None
@@ -92,6 +103,16 @@ class OneStepOff:
         # this step's batch's dispatch and the previous batch's end: its generation ran from
         # the later of the two
         self.launched_at = self.rollout_free_at = 0.0
+
+    @contextlib.contextmanager
+    def validation(self) -> Iterator[None]:
+        """The block (validation's generation on the same engine, with the current weights)
+        after the batch generated ahead: batch generation is queued on the devices before
+        it with its own weights, but the agent loop's thread uses the engine and its weights
+        until it ends (`StepRollout.dispatch_agent`)."""
+        if self.ahead is not None and isinstance(self.ahead.pending, Future):
+            futures.wait([self.ahead.pending])  # failed: the next step's read raises
+        yield
 
     def looks_ahead(self, step: int) -> bool:
         """Whether step `step` dispatches the next step's generation (module doc)."""
@@ -180,8 +201,10 @@ class OneStepOff:
         return idle, generating
 
 
-def _arrays(launched: Launched) -> tuple:
-    """A dispatched generation's output arrays (what `Spans` waits on: `BatchOutput` is a
-    plain dataclass, not a pytree)."""
+def _arrays(launched: Launched) -> tuple | Future:
+    """What `Spans` waits on for a dispatched generation: its output arrays (`BatchOutput`
+    is a plain dataclass, not a pytree), or the agent loop's future."""
+    if isinstance(launched.pending, Future):
+        return launched.pending
     out = launched.pending.output
     return out.responses, out.response_mask, out.log_probs

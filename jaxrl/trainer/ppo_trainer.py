@@ -599,7 +599,7 @@ class PPOTrainer:
     def validate(self, loader: PromptIterator, global_step: int) -> dict[str, float]:
         """One pass over the validation set: verl's `val-core/*`, `val-aux/*` metrics (and
         the generations dumped to `validation_data_dir`)."""
-        paused = self.ahead.validation() if isinstance(self.ahead, FullyAsync) else nullcontext()
+        paused = self.ahead.validation() if self.ahead is not None else nullcontext()
         with paused, self._rollout.holding():  # one weight copy for every batch
             return validate(self, loader, global_step, self.cfg.trainer.validation_data_dir)
 

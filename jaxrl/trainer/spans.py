@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -35,13 +36,16 @@ class Spans:
 
     def track(self, name: str, start: float, outputs: Any, *, group: str = "train") -> None:
         """Phase `name`, dispatched at `start` (`time.perf_counter()`) on device group
-        `group`, is over when `outputs` (a tree of arrays) are ready."""
+        `group`, is over when `outputs` (a tree of arrays, or a `Future`: work on a thread
+        of its own) are ready."""
         end: list[float] = []
 
         def wait() -> None:
-            # deleted or failed outputs: the step's own use of them raises
-            with contextlib.suppress(Exception):
-                jax.block_until_ready(outputs)
+            if isinstance(outputs, futures.Future):
+                futures.wait([outputs])  # failed: the step's own use of it raises
+            else:  # deleted or failed outputs: the step's own use of them raises
+                with contextlib.suppress(Exception):
+                    jax.block_until_ready(outputs)
             end.append(time.perf_counter())
 
         thread = threading.Thread(target=wait, name=f"span-{name}", daemon=True)

@@ -26,6 +26,12 @@ from __future__ import annotations
 import math
 
 
+def groups_cap(per_step: int, trigger: int, threshold: float) -> int:
+    """Groups that may start per weights version, those carried over included:
+    R x T x (1 + θ), at least R. The groups running at once never exceed it."""
+    return max(int(per_step * trigger * (1 + threshold)), per_step)
+
+
 class StalenessGate:
     """How many groups the rollouter may start, and which the trainer may use (module doc).
 
@@ -47,7 +53,7 @@ class StalenessGate:
                 f"StalenessGate(per_step={per_step}, trigger={trigger}, threshold={threshold}): "
                 "per_step and trigger must be >= 1, threshold >= 0"
             )
-        self.cap = max(int(per_step * trigger * (1 + threshold)), per_step)
+        self.cap = groups_cap(per_step, trigger, threshold)
         self.bound = math.ceil(1 + threshold)
         self.started = 0
         self.pushes = 0

@@ -2,14 +2,16 @@
 calculator): the step runs the agent loop (tool calls made, tool tokens in the responses),
 reports the agent metrics and dumps whole conversations; a run resumed from a checkpoint logs
 the same metrics step for step as a straight one (each turn samples with its own key,
-whatever the tools' timing). That only the policy's tokens are trained on is
-tests/agent/test_trajectory_batch.py and tests/trainer/test_batch.py's."""
+whatever the tools' timing). Under `async_training.mode=one_step_off` the agent loop of step
+k+1 runs on its thread during update k and a run equals a synchronous one handed the lagged
+weights. That only the policy's tokens are trained on is tests/agent/test_trajectory_batch.py
+and tests/trainer/test_batch.py's."""
 
 import json
 
 import jax
 import pytest
-from _quickstart import assert_same_metrics
+from _quickstart import assert_close_metrics, assert_same_metrics, lagged_weights
 
 from jaxrl.assets import prepare, write_quickstart_model
 from jaxrl.config import load_config
@@ -72,3 +74,30 @@ def test_multi_turn_training_resumes_exactly(tool_assets, tmp_path):
     assert {"num_turns", "tool_calls", "finish"} <= set(rows[0])
     tool_turns = [r for r in rows if any(m["role"] == "tool" for m in r["messages"])]
     assert tool_turns and "<tool_response>" in tool_turns[0]["output"]
+
+
+def test_one_step_off_runs_the_agent_loop_ahead(tool_assets, tmp_path, monkeypatch):
+    """Each step's agent loop runs on a thread beside the update before it (a validation at
+    step 2 waits for it: it shares the engine), with the weights from before that update:
+    the run equals a synchronous one whose rollout is handed those weights. The tokens
+    exactly (`fingerprint/inputs`); the numbers within 1e-4 relative: the agent loop's
+    log-probs round differently from run to run, ~1e-7 relative (observed in the
+    synchronous run too; which conversations share a decode step depends on the tools' and
+    the threads' timing), ~1e-6 after four steps, while one update of lag moves them by
+    ~1e-2 (rollout_corr/kl is ~0.05 at step 3)."""
+    steps = ["trainer.total_training_steps=4", "trainer.save_freq=-1",
+             "mesh.placement.rollout.devices=4",
+             # both runs' plans with the old-log-prob pass (an async mode's always has it)
+             "algorithm.rollout_correction.rollout_is=token"]  # fmt: skip
+    ahead_dir = tmp_path / "ahead"
+    fit(tools_config(tool_assets, ahead_dir, *steps, "async_training.mode=one_step_off"))
+    ahead = read_metrics(ahead_dir)
+    assert [r["async/staleness/max"] for r in ahead] == [0, 1, 1, 1]
+    assert [r["async/queue_depth"] for r in ahead] == [1, 1, 1, 0]  # the last: none ahead
+    assert all(r["agent/tool_calls/total"] > 0 for r in ahead)  # tools ran on the thread
+    assert "val-core/jaxrl/synthetic_add/acc/mean@1" in ahead[1]
+    with monkeypatch.context() as patch:
+        lagged_weights(patch, save_freq=-1)
+        fit(tools_config(tool_assets, tmp_path / "reference", *steps))
+    reference = read_metrics(tmp_path / "reference")
+    assert_close_metrics(reference, ahead, [1, 2, 3, 4], rtol=1e-4, atol=1e-5)

@@ -6,15 +6,12 @@ uninterrupted run's later steps bit for bit; what the mode cannot run is refused
 
 import re
 
-import jax
-import jax.numpy as jnp
 import pytest
-from _quickstart import assert_same_metrics, quickstart_config
+from _quickstart import assert_same_metrics, lagged_weights, quickstart_config
 
 from jaxrl.config import ConfigError
 from jaxrl.trainer.fit import fit
 from jaxrl.trainer.loggers import read_metrics
-from jaxrl.trainer.ppo_trainer import PPOTrainer
 
 STEPS, SAVE = 4, 2
 COMMON = [
@@ -35,25 +32,6 @@ COMMON = [
 def _fit(assets, run_dir, *extra):
     fit(quickstart_config(assets, run_dir, *COMMON, *extra))
     return read_metrics(run_dir)
-
-
-def lagged_weights(monkeypatch) -> None:
-    """Make synchronous PPO steps generate with one_step_off's weights: step k with the
-    weights from before update k-1, or, after a step that saved (it looked no batch ahead),
-    with the current ones; step 1 with the initial ones."""
-    snapshots = []  # the actor's weights at the start of step k: snapshots[k - 1]
-    step = PPOTrainer.step
-
-    def lagged(self, prompts, global_step):
-        actor = self.cluster.actor
-        snapshots.append(jax.tree.map(jnp.copy, actor.params))
-        drained = global_step == 1 or (global_step - 1) % SAVE == 0
-        weights = snapshots[global_step - 1 if drained else global_step - 2]
-        # published under the current version: the step's own publication is then a no-op
-        self.cluster.rollout.load_weights(weights, version=actor.version)
-        return step(self, prompts, global_step)
-
-    monkeypatch.setattr(PPOTrainer, "step", lagged)
 
 
 @pytest.mark.slow
@@ -77,7 +55,7 @@ def test_one_step_off_equals_sync_with_the_lagged_weights_and_resumes_exactly(
     assert_same_metrics(ahead[SAVE:], resumed, list(range(SAVE + 1, STEPS + 1)))
 
     with monkeypatch.context() as patch:
-        lagged_weights(patch)
+        lagged_weights(patch, SAVE)
         reference = _fit(assets, tmp_path / "reference")
     assert_same_metrics(reference, [{k: r[k] for k in reference[0]} for r in ahead],
                         list(range(1, STEPS + 1)))  # fmt: skip
@@ -100,6 +78,14 @@ def test_one_step_off_equals_sync_with_the_lagged_weights_and_resumes_exactly(
             "with algorithm.adv_estimator=remax (greedy baselines)",
         ),
         (["async_training.mode=one_step"], "did you mean 'one_step_off'?"),
+        (  # one_step_off runs the agent loop ahead; fully_async's rollouter does not yet
+            [
+                "mesh.placement.rollout.devices=4",
+                "async_training.mode=fully_async",
+                "actor_rollout_ref.rollout.multi_turn.enable=true",
+            ],
+            "async_training.mode=fully_async with actor_rollout_ref.rollout.multi_turn.enable",
+        ),
     ],
 )
 def test_one_step_off_refuses_what_it_cannot_run(assets, tmp_path, extra, message):
