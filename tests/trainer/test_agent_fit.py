@@ -83,21 +83,22 @@ def test_one_step_off_runs_the_agent_loop_ahead(tool_assets, tmp_path, monkeypat
     exactly (`fingerprint/inputs`); the numbers within 1e-4 relative: the agent loop's
     log-probs round differently from run to run, ~1e-7 relative (observed in the
     synchronous run too; which conversations share a decode step depends on the tools' and
-    the threads' timing), ~1e-6 after four steps, while one update of lag moves them by
-    ~1e-2 (rollout_corr/kl is ~0.05 at step 3)."""
-    steps = ["trainer.total_training_steps=4", "trainer.save_freq=-1",
+    the threads' timing), ~1e-6 after a few steps, while one update of lag moves them by
+    ~1e-2 (rollout_corr/kl is ~0.05 at step 3; handing the reference the current weights
+    fails at step 2 on num_turns)."""
+    steps = ["trainer.total_training_steps=3", "trainer.save_freq=-1",
              "mesh.placement.rollout.devices=4",
              # both runs' plans with the old-log-prob pass (an async mode's always has it)
              "algorithm.rollout_correction.rollout_is=token"]  # fmt: skip
     ahead_dir = tmp_path / "ahead"
     fit(tools_config(tool_assets, ahead_dir, *steps, "async_training.mode=one_step_off"))
     ahead = read_metrics(ahead_dir)
-    assert [r["async/staleness/max"] for r in ahead] == [0, 1, 1, 1]
-    assert [r["async/queue_depth"] for r in ahead] == [1, 1, 1, 0]  # the last: none ahead
+    assert [r["async/staleness/max"] for r in ahead] == [0, 1, 1]
+    assert [r["async/queue_depth"] for r in ahead] == [1, 1, 0]  # the last: none ahead
     assert all(r["agent/tool_calls/total"] > 0 for r in ahead)  # tools ran on the thread
     assert "val-core/jaxrl/synthetic_add/acc/mean@1" in ahead[1]
     with monkeypatch.context() as patch:
         lagged_weights(patch, save_freq=-1)
         fit(tools_config(tool_assets, tmp_path / "reference", *steps))
     reference = read_metrics(tmp_path / "reference")
-    assert_close_metrics(reference, ahead, [1, 2, 3, 4], rtol=1e-4, atol=1e-5)
+    assert_close_metrics(reference, ahead, [1, 2, 3], rtol=1e-4, atol=1e-5)
