@@ -117,7 +117,8 @@ def rollout_slots(cfg: Config) -> int:
     """The rollout engine's KV-cache slots: `rollout.max_num_seqs`, but under
     `async_training.mode=fully_async` no more than its staleness gate can ever fill, n x
     R x T x (1 + θ) (`staleness.groups_cap`): a decode step computes every slot's row,
-    running or not, so a slot the gate never fills costs every step and brings nothing."""
+    running or not, so a slot the gate never fills costs every step (validation's batch
+    generation on the engine then decodes in waves of that many rows)."""
     rollout, at = cfg.actor_rollout_ref.rollout, cfg.async_training
     if at.mode != "fully_async":
         return rollout.max_num_seqs

@@ -27,8 +27,9 @@ Dispatched ahead (`async_training.mode=one_step_off`), batch generation is the d
 alone, while the agent loop needs the host between turns (tools, the next turn's prompt): it
 runs on a thread of its own (`dispatch_agent`) with the weights the rollout holds when it is
 dispatched, and nothing else may use the engine or publish weights to it until `collect` has
-its rows. That thread issues no cross-process collective (each process's loop runs its own
-rows), so every process must hold rollout devices.
+its rows. The loop gathers across processes (its rows' span, its metrics), which on that
+thread would interleave with the update's collectives: one process only (`OneStepOff`
+checks).
 """
 
 from __future__ import annotations
@@ -239,8 +240,8 @@ class StepRollout:
     ) -> Future[Generated]:
         """The agent loop over `prompts` (this process's rows) on a thread of its own, with
         the weights the rollout holds, not waited for (`collect` reads it; the module doc
-        says what must wait for it). Call it inside `holding()`, with every process holding
-        rollout devices (`OneStepOff` checks)."""
+        says what must wait for it). Call it inside `holding()`, in a run of one process
+        (`OneStepOff` checks)."""
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-ahead")
         return self._ahead.submit(self._agent, prompts, sampling, rng)

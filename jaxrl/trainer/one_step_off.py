@@ -41,7 +41,6 @@ import logging
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -89,12 +88,13 @@ class OneStepOff:
         # processes posts them to any process that holds none of them (`_rollout_figures`)
         homes = owners(producer.cluster.rollout.layout.mesh.devices.flat)
         self.poster = min(homes) if len(homes) < jax.process_count() else None
-        if producer.rollout.multi_turn.enable and self.poster is not None:
+        if producer.rollout.multi_turn.enable and jax.process_count() > 1:
             raise ValueError(
                 "async_training.mode=one_step_off with actor_rollout_ref.rollout.multi_turn."
-                "enable runs each process's agent loop on its own rollout devices, and process "
-                f"{min(set(range(jax.process_count())) - homes)} holds none: set "
-                "mesh.placement.spread=true (every process gives the rollout devices)"
+                f"enable runs the agent loop on a thread beside the update, and over "
+                f"{jax.process_count()} processes the loop's gathers would interleave with the "
+                "update's collectives: not built; run it in one process, or use "
+                "async_training.mode=sync"
             )
         self.measures = jax.process_index() in homes
         self.step = 0
@@ -110,7 +110,7 @@ class OneStepOff:
         after the batch generated ahead: batch generation is queued on the devices before
         it with its own weights, but the agent loop's thread uses the engine and its weights
         until it ends (`StepRollout.dispatch_agent`)."""
-        if self.ahead is not None and isinstance(self.ahead.pending, Future):
+        if self.ahead is not None and isinstance(self.ahead.pending, futures.Future):
             futures.wait([self.ahead.pending])  # failed: the next step's read raises
         yield
 
@@ -129,6 +129,8 @@ class OneStepOff:
                 "generating them now",
                 global_step,
             )
+            if isinstance(launched.pending, futures.Future):  # its loop off the engine first
+                futures.wait([launched.pending])
             launched = None
         if launched is None:  # the first step, or after one that looked no batch ahead
             launched = self.producer.launch(prompts, rng)
@@ -201,10 +203,10 @@ class OneStepOff:
         return idle, generating
 
 
-def _arrays(launched: Launched) -> tuple | Future:
+def _arrays(launched: Launched) -> tuple | futures.Future:
     """What `Spans` waits on for a dispatched generation: its output arrays (`BatchOutput`
     is a plain dataclass, not a pytree), or the agent loop's future."""
-    if isinstance(launched.pending, Future):
+    if isinstance(launched.pending, futures.Future):
         return launched.pending
     out = launched.pending.output
     return out.responses, out.response_mask, out.log_probs

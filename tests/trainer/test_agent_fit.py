@@ -80,12 +80,12 @@ def test_one_step_off_runs_the_agent_loop_ahead(tool_assets, tmp_path, monkeypat
     """Each step's agent loop runs on a thread beside the update before it (a validation at
     step 2 waits for it: it shares the engine), with the weights from before that update:
     the run equals a synchronous one whose rollout is handed those weights. The tokens
-    exactly (`fingerprint/inputs`); the numbers within 1e-4 relative: the agent loop's
-    log-probs round differently from run to run, ~1e-7 relative (observed in the
-    synchronous run too; which conversations share a decode step depends on the tools' and
-    the threads' timing), ~1e-6 after a few steps, while one update of lag moves them by
-    ~1e-2 (rollout_corr/kl is ~0.05 at step 3; handing the reference the current weights
-    fails at step 2 on num_turns)."""
+    exactly (`fingerprint/inputs`); the numbers within 1e-4 relative: run on a thread other
+    than the main one, the agent loop's log-probs round differently from run to run, ~1e-7
+    relative (observed in synchronous runs whose loop was moved to a thread; on the main
+    thread they are exact, as the test above shows; cause not found), ~1e-6 after a few
+    steps, while one update of lag moves them by ~1e-2 (rollout_corr/kl is ~0.05 at step 3;
+    handing the reference the current weights fails at step 2 on num_turns)."""
     steps = ["trainer.total_training_steps=3", "trainer.save_freq=-1",
              "mesh.placement.rollout.devices=4",
              # both runs' plans with the old-log-prob pass (an async mode's always has it)
