@@ -110,8 +110,8 @@ class OneStepOff:
         after the batch generated ahead: batch generation is queued on the devices before
         it with its own weights, but the agent loop's thread uses the engine and its weights
         until it ends (`StepRollout.dispatch_agent`)."""
-        if self.ahead is not None and isinstance(self.ahead.pending, futures.Future):
-            futures.wait([self.ahead.pending])  # failed: the next step's read raises
+        if self.ahead is not None:
+            _off_the_engine(self.ahead)  # failed: the next step's read raises
         yield
 
     def looks_ahead(self, step: int) -> bool:
@@ -129,8 +129,7 @@ class OneStepOff:
                 "generating them now",
                 global_step,
             )
-            if isinstance(launched.pending, futures.Future):  # its loop off the engine first
-                futures.wait([launched.pending])
+            _off_the_engine(launched)  # before the relaunch publishes weights
             launched = None
         if launched is None:  # the first step, or after one that looked no batch ahead
             launched = self.producer.launch(prompts, rng)
@@ -201,6 +200,13 @@ class OneStepOff:
         if self.poster == jax.process_index():
             _FIGURES.send(self.step, json.dumps([idle, generating]).encode())
         return idle, generating
+
+
+def _off_the_engine(launched: Launched) -> None:
+    """Wait until a generation dispatched ahead no longer uses the engine: an agent loop's
+    thread until it ends (batch generation is queued on the devices: nothing to wait for)."""
+    if isinstance(launched.pending, futures.Future):
+        futures.wait([launched.pending])
 
 
 def _arrays(launched: Launched) -> tuple | futures.Future:
