@@ -26,7 +26,8 @@ second over sync's.
 in each mode on the same two processes (the async modes with
 `algorithm.rollout_correction.rollout_is=token`, as `docs/async.md` runs them), validating
 every 10, and reports the wall seconds until validation accuracy first reaches 1.0 (null: not
-within K steps).
+within K steps), the step it came at and the median seconds per step; `--layouts ""` runs
+the quickstart only.
 
 `fully_async` runs with `trigger_parameter_sync_step=1` and `staleness_threshold=1.0` (two
 steps of groups a weights version: the rollouter may run a step ahead). The same modes also
@@ -272,16 +273,21 @@ def figures(rows: list[dict], mode: str) -> dict:
     return out
 
 
-def first_solved(run_dir: Path) -> float | None:
-    """Wall seconds (`timing_s/elapsed`) at the first validation with accuracy 1.0."""
+def first_solved(run_dir: Path) -> dict[str, float | None]:
+    """The first validation with accuracy 1.0: its wall seconds (`timing_s/elapsed`) and step
+    (None: none), and the run's median seconds per step."""
     sys.path.insert(0, str(ROOT))
     from jaxrl.trainer.loggers import read_metrics
 
-    for row in read_metrics(run_dir):
+    rows = read_metrics(run_dir)
+    steps_s = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
+    solved = {"solved_s": None, "solved_step": None, "step_s": statistics.median(steps_s)}
+    for row in rows:
         acc = [v for k, v in row.items() if k.startswith("val-core/") and k.endswith("/mean@1")]
         if acc and min(acc) >= 1.0:
-            return row.get("timing_s/elapsed")
-    return None
+            solved.update(solved_s=row.get("timing_s/elapsed"), solved_step=row.get("step"))
+            break
+    return solved
 
 
 def main() -> None:
@@ -332,7 +338,7 @@ def main() -> None:
                 f"--modes {args.modes}: sync first (the ratios are to it), then "
                 f"any of {list(MODES)[1:]}"
             )
-        for layout in args.layouts.split(","):
+        for layout in filter(None, args.layouts.split(",")):  # "": the quickstart only
             processes = 2 if layout == "two_processes" else 1
             result[layout] = {}
             for mode in modes:
@@ -357,8 +363,8 @@ def main() -> None:
                     f"trainer.default_local_dir={run_dir}", *PLACED, *MODES[mode],
                     *([] if mode == "sync" else ["algorithm.rollout_correction.rollout_is=token"]),
                 ], tmp / f"logs-quickstart-{mode}")  # fmt: skip
-                result[f"quickstart_{mode}_solved_s"] = first_solved(run_dir)
-                print(mode, "solved at", result[f"quickstart_{mode}_solved_s"], flush=True)
+                result[f"quickstart_{mode}"] = first_solved(run_dir)
+                print("quickstart", mode, result[f"quickstart_{mode}"], flush=True)
     emit({**result, "machine": machine()})
 
 

@@ -38,7 +38,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -164,14 +164,16 @@ class LoopStats:
 
 @dataclasses.dataclass
 class _Running:
-    """A trajectory in a slot: its request index, record, the scheduler's handle of its
-    current (or last) turn, and its outstanding tool calls."""
+    """A trajectory in a slot: its id, request, record, the scheduler's handle of its
+    current (or last) turn, its outstanding tool calls and its sampling key (turn t samples
+    with `fold_in(key, t)`)."""
 
-    index: int
+    id: Hashable
     request: AgentRequest
     record: Trajectory
     tools: list[dict[str, Any]] | None
     handle: Handle
+    key: jax.Array
     calls: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)
 
 
@@ -202,7 +204,6 @@ class AgentLoop:
         self.response_length, self.max_prompt_length = response_length, max_prompt_length
         self.stats = LoopStats()
         self._schemas = runner.schemas if runner is not None else {}
-        self._active_runner = runner  # run() makes an empty one when there are no tools
 
     def run(
         self,
@@ -223,56 +224,188 @@ class AgentLoop:
                 f"run(): {len(indices)} indices for {len(requests)} requests (first={first}); "
                 "give one index per request, or first alone"
             )
-        for i, request in enumerate(requests):
-            if request.agent_name not in AGENTS:
-                raise ValueError(
-                    f"request {i}: agent_name={request.agent_name!r}; jaxrl's agent loops are "
-                    f"{', '.join(AGENTS)} (the row's agent_name column, or "
-                    "actor_rollout_ref.rollout.agent.default_agent_loop)"
-                )
+        for i, request in enumerate(requests):  # before any starts
+            self.check(i, request)
         self.stats = stats = LoopStats()
         start = time.perf_counter()
+        index = list(range(first, first + len(requests)) if indices is None else indices)
         queue = collections.deque(range(len(requests)))
-        running: dict[int, _Running] = {}  # by request index
-        done: dict[int, Trajectory] = {}
-        scheduler = Scheduler(self.engine, chunk=self.limits.decode_chunk)
-        self._by_request: dict[int, int] = {}  # a scheduler request's trajectory
-        self._index = list(range(first, first + len(requests)) if indices is None else indices)
-        # Without tools an empty runner answers every call ("unknown tool", or the parse error).
-        self._active_runner = self.runner or ToolRunner({})
+        episodes = self.episodes(sampling)
+        scheduler = episodes.scheduler
         try:
-            while queue or running:
-                ready = [i for i in running if running[i].calls and
-                         all(f.done() for f in running[i].calls)]  # fmt: skip
-                if ready:
-                    self._append_tool_turns(scheduler, ready, running, done, sampling, rng)
+            while queue or episodes.running:
+                episodes.resume_ready()
                 if queue and scheduler.free_slots:
-                    self._admit(scheduler, queue, requests, running, sampling, rng)
+                    take = [queue.popleft() for _ in range(min(len(queue), scheduler.free_slots))]
+                    episodes.admit(
+                        [(i, requests[i], jax.random.fold_in(rng, index[i])) for i in take]
+                    )
                 if scheduler.busy:
-                    for handle in self._timed(scheduler.step):
-                        self._after_turn(scheduler, running, done, handle)
-                elif running:
-                    self._wait_for_tools([f for r in running.values() for f in r.calls])
-        finally:  # an engine error has ended the slots it touched already
-            for state in running.values():
-                if state.handle.slot is None or self.engine.is_open(state.handle.slot):
-                    scheduler.abort(state.handle)
-            stats.decode_calls = scheduler.decode_calls
-            if self.runner is None:
-                self._active_runner.close()
+                    episodes.decode()
+                elif episodes.running:
+                    episodes.wait_for_tools()
+                elif queue:  # nothing runs and no slot is free: another user holds them all
+                    raise RuntimeError(
+                        f"the agent loop has {len(queue)} requests to start and none of the "
+                        f"engine's {self.engine.slots} conversation slots is free"
+                    )
+        finally:
+            episodes.close()
         stats.seconds = time.perf_counter() - start
-        return [done[i] for i in range(len(requests))]
+        return [episodes.done.pop(i) for i in range(len(requests))]
 
-    # ---- the loop's steps ------------------------------------------------------------------
+    def episodes(self, sampling: SamplingParams) -> Episodes:
+        """Trajectories driven a step at a time over a scheduler of the engine's (`run`'s
+        loop; the fully asynchronous rollouter's stream), counted in `stats`."""
+        return Episodes(self, Scheduler(self.engine, chunk=self.limits.decode_chunk), sampling)
 
-    def _wait_for_tools(self, futures: list[concurrent.futures.Future]) -> None:
-        """Wait for the first call to finish; the runner answers every call within its
-        timeout, so one that does not (a tool blocking the runner's event loop) is an error,
-        never a hang."""
-        limit = (self.runner.timeout if self.runner is not None else 0.0) + STALL_GRACE_S
+    def check(self, key: Hashable, request: AgentRequest) -> None:
+        """Refuse a request no agent loop runs."""
+        if request.agent_name not in AGENTS:
+            raise ValueError(
+                f"request {key}: agent_name={request.agent_name!r}; jaxrl's agent loops are "
+                f"{', '.join(AGENTS)} (the row's agent_name column, or "
+                "actor_rollout_ref.rollout.agent.default_agent_loop)"
+            )
+
+    def turn_sampling(self, sampling: SamplingParams, used: int) -> SamplingParams:
+        """A turn's settings: one sample, at most the response's tokens left after `used`."""
+        return dataclasses.replace(sampling, n=1, max_tokens=self.response_length - used)
+
+    def tools_of(self, request: AgentRequest) -> list[dict[str, Any]] | None:
+        """The schemas a request's prompt shows (None: no tools)."""
+        if request.agent_name != "tool_agent":
+            return None
+        names = self._schemas if request.tool_names is None else request.tool_names
+        return [self._schemas[n] for n in names if n in self._schemas] or None
+
+    def truncated(self, text: str) -> str:
+        """verl's cut of a long tool answer to `max_tool_response_length` characters."""
+        n, side = self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
+        if len(text) <= n:
+            return text
+        if side == "left":
+            return "(truncated)..." + text[len(text) - n :]
+        if side == "right":
+            return text[:n] + "...(truncated)"
+        return text[: n // 2] + "...(truncated)..." + text[len(text) - n // 2 :]
+
+
+class Episodes:
+    """Trajectories in flight over one `Scheduler` (the module doc's loop, a step at a time).
+
+        episodes = loop.episodes(sampling)
+        episodes.admit([(id, request, key), ...])   # at most scheduler.free_slots of them
+        episodes.resume_ready()     # tool turns whose calls finished, appended
+        episodes.decode()           # a chunk of every decoding slot; turns over: end or tools
+        episodes.wait_for_tools()   # nothing decodes: wait for the first call
+        episodes.done.pop(id)       # a finished trajectory
+        episodes.close()            # abort what runs (its slots freed)
+
+    A trajectory's turn t samples with `fold_in(key, t)` (its `admit` key).
+    """
+
+    def __init__(self, loop: AgentLoop, scheduler: Scheduler, sampling: SamplingParams):
+        self.loop, self.scheduler, self.sampling = loop, scheduler, sampling
+        self.running: dict[Hashable, _Running] = {}
+        self.done: dict[Hashable, Trajectory] = {}
+        self._by_handle: dict[int, Hashable] = {}  # a scheduler request's trajectory
+        # Without tools an empty runner answers every call ("unknown tool", or the parse error).
+        self._runner = loop.runner or ToolRunner({})
+
+    @property
+    def decoding(self) -> bool:
+        """Whether a slot has a turn to decode (else every running one waits on tools)."""
+        return self.scheduler.busy
+
+    def admit(self, items: Sequence[tuple[Hashable, AgentRequest, jax.Array]]) -> None:
+        """Start each (id, request, key) in a free slot (the scheduler starts them together,
+        left-padded to the longest)."""
+        loop = self.loop
+        for key, request, _ in items:
+            loop.check(key, request)
+        tools = [loop.tools_of(request) for _, request, _ in items]
+        prompts = []
+        for (key, request, _), schemas in zip(items, tools, strict=True):
+            ids = loop.chat.prompt(request.messages, schemas)
+            if len(ids) > loop.max_prompt_length:
+                raise ValueError(
+                    f"request {key}: its prompt is {len(ids)} tokens with the tools' schemas, "
+                    f"more than data.max_prompt_length={loop.max_prompt_length}: raise it, or "
+                    "shorten the tool descriptions"
+                )
+            prompts.append(ids)
+        width = max(len(p) for p in prompts)
+        if (room := loop.engine.room_after_prompt(width)) < loop.response_length:
+            raise ValueError(
+                f"a conversation has room for {room} response tokens after its prompt (padded "
+                f"to {width}), fewer than response_length={loop.response_length}: raise "
+                f"actor_rollout_ref.rollout.max_model_len (now {loop.engine.max_model_len})"
+            )
+        first = loop.turn_sampling(self.sampling, 0)
+        for (name, request, key), schemas, prompt in zip(items, tools, prompts, strict=True):
+            record = Trajectory(prompt=prompt, messages=[dict(m) for m in request.messages])
+            [handle] = self.scheduler.submit(prompt, first, key, keep_open=True)  # turn 0
+            self.running[name] = _Running(name, request, record, schemas, handle, key)
+            self._by_handle[handle.id] = name
+
+    def resume_ready(self) -> None:
+        """Resume the trajectories whose calls finished with their answers as the next turn's
+        appended tokens (the others end: no room)."""
+        ready = [state for state in self.running.values()
+                 if state.calls and all(f.done() for f in state.calls)]  # fmt: skip
+        loop = self.loop
+        for state in ready:
+            results: list[ToolResult] = [f.result() for f in state.calls]
+            state.calls = []
+            record = state.record
+            messages = [{"role": "tool", "content": loop.truncated(r.text)} for r in results]
+            record.tool_seconds += max(r.seconds for r in results)  # they ran at once
+            for r in results:
+                record.tool_rewards.append(r.reward)
+                if r.error:
+                    record.tool_errors[r.error] += 1
+            ids = loop.chat.after_turn(record.messages, messages, state.tools)
+            record.messages += messages
+            room = loop.engine.room(state.handle.slot)
+            if len(record.response) + len(ids) >= loop.response_length or len(ids) > room:
+                self._finish(state.id, "length")
+                continue
+            record.add_tool_turn(ids)
+            turn = loop.turn_sampling(self.sampling, len(record.response))
+            key = jax.random.fold_in(state.key, record.assistant_turns)
+            state.handle = self.scheduler.resume(state.handle, ids, turn, key)
+            self._by_handle[state.handle.id] = state.id
+
+    def decode(self) -> None:
+        """A chunk of every decoding slot; each turn it finishes is recorded, then its
+        trajectory ends or its tool calls go to the runner."""
+        start = time.perf_counter()
+        try:
+            finished = self.scheduler.step()
+        finally:
+            self.loop.stats.decode_seconds += time.perf_counter() - start
+        for handle in finished:
+            state = self.running[self._by_handle.pop(handle.id)]
+            state.record.add_turn(handle.tokens, handle.log_probs, handle.versions)
+            why = self._verdict(state, handle)
+            if why:
+                self._finish(state.id, why)
+
+    def calls(self) -> list[concurrent.futures.Future]:
+        """The running trajectories' outstanding tool calls."""
+        return [f for state in self.running.values() for f in state.calls]
+
+    def wait_for_tools(self) -> None:
+        """Wait for the first outstanding call to finish. The runner answers every call
+        within its timeout, so one that does not (a tool blocking the runner's event loop) is
+        an error, never a hang."""
+        runner = self.loop.runner
+        limit = (runner.timeout if runner is not None else 0.0) + STALL_GRACE_S
         waited = time.perf_counter()
-        done, _ = concurrent.futures.wait(futures, timeout=limit, return_when="FIRST_COMPLETED")
-        self.stats.wait_seconds += time.perf_counter() - waited
+        done, _ = concurrent.futures.wait(self.calls(), timeout=limit,
+                                          return_when="FIRST_COMPLETED")  # fmt: skip
+        self.loop.stats.wait_seconds += time.perf_counter() - waited
         if not done:
             raise RuntimeError(
                 f"no tool call returned within {limit:g} s (the tool timeout + "
@@ -280,80 +413,36 @@ class AgentLoop:
                 "method that never awaits?); make it await, or make its methods plain functions"
             )
 
-    def _admit(
-        self,
-        scheduler: Scheduler,
-        queue: collections.deque,
-        requests: Sequence[AgentRequest],
-        running: dict[int, _Running],
-        sampling: SamplingParams,
-        rng: jax.Array,
-    ) -> None:
-        """Submit as many queued requests as there are free slots (the scheduler starts
-        them together, left-padded to the longest); request i's turn t samples with
-        `fold_in(fold_in(rng, i), t)`."""
-        take = [queue.popleft() for _ in range(min(len(queue), scheduler.free_slots))]
-        tools = [self._tools_of(requests[i]) for i in take]
-        prompts = []
-        for i, schemas in zip(take, tools, strict=True):
-            ids = self.chat.prompt(requests[i].messages, schemas)
-            if len(ids) > self.max_prompt_length:
-                raise ValueError(
-                    f"request {i}: its prompt is {len(ids)} tokens with the tools' schemas, "
-                    f"more than data.max_prompt_length={self.max_prompt_length}: raise it, or "
-                    "shorten the tool descriptions"
-                )
-            prompts.append(ids)
-        width = max(len(p) for p in prompts)
-        if (room := self.engine.room_after_prompt(width)) < self.response_length:
-            raise ValueError(
-                f"a conversation has room for {room} response tokens after its prompt (padded "
-                f"to {width}), fewer than response_length={self.response_length}: raise "
-                f"actor_rollout_ref.rollout.max_model_len (now {self.engine.max_model_len})"
-            )
-        first = self._turn_sampling(sampling, 0)
-        for i, schemas, prompt in zip(take, tools, prompts, strict=True):
-            record = Trajectory(prompt=prompt, messages=[dict(m) for m in requests[i].messages])
-            key = jax.random.fold_in(rng, self._index[i])  # copy 0: the first turn's
-            [handle] = scheduler.submit(prompt, first, key, keep_open=True)
-            running[i] = _Running(i, requests[i], record, schemas, handle)
-            self._by_request[handle.id] = i
+    def abort(self, names: Sequence[Hashable]) -> None:
+        """End these running trajectories unfinished (their slots freed, their outstanding
+        calls cancelled)."""
+        for name in names:
+            state = self.running.pop(name)
+            for call in state.calls:
+                call.cancel()
+            self._by_handle.pop(state.handle.id, None)
+            handle = state.handle
+            if handle.slot is None or self.loop.engine.is_open(handle.slot):
+                self.scheduler.abort(handle)
 
-    def _turn_sampling(self, sampling: SamplingParams, used: int) -> SamplingParams:
-        """A turn's settings: one sample, at most the response's tokens left after `used`."""
-        return dataclasses.replace(sampling, n=1, max_tokens=self.response_length - used)
-
-    def _tools_of(self, request: AgentRequest) -> list[dict[str, Any]] | None:
-        """The schemas a request's prompt shows (None: no tools)."""
-        if request.agent_name != "tool_agent":
-            return None
-        names = self._schemas if request.tool_names is None else request.tool_names
-        return [self._schemas[n] for n in names if n in self._schemas] or None
-
-    def _after_turn(
-        self,
-        scheduler: Scheduler,
-        running: dict[int, _Running],
-        done: dict[int, Trajectory],
-        handle: Handle,
-    ) -> None:
-        """A turn is over (its tokens stop at the response's length): record it, then end
-        the trajectory or submit the turn's tool calls."""
-        index = self._by_request[handle.id]
-        state = running[index]
-        record = state.record
-        record.add_turn(handle.tokens, handle.log_probs, handle.versions)
-        finish = self._verdict(state, handle)
-        if finish:
-            self._finish(scheduler, running, done, index, finish)
+    def close(self) -> None:
+        """Abort what runs (an engine error has ended the slots it touched already) and
+        count the decode calls in the loop's stats."""
+        try:
+            self.abort(list(self.running))
+        finally:
+            self.loop.stats.decode_calls += self.scheduler.decode_calls
+            if self.loop.runner is None:
+                self._runner.close()
 
     def _verdict(self, state: _Running, handle: Handle) -> str | None:
         """After a finished turn: submit its tool calls and return None, or return why the
         trajectory ends."""
-        record, limits = state.record, self.limits
-        text = self.chat.text(handle.tokens)
+        record, loop = state.record, self.loop
+        limits = loop.limits
+        text = loop.chat.text(handle.tokens)
         record.messages.append({"role": "assistant", "content": text})
-        if len(record.response) >= self.response_length or handle.finish_reason != "stop":
+        if len(record.response) >= loop.response_length or handle.finish_reason != "stop":
             return "length"
         if limits.max_assistant_turns and record.assistant_turns >= limits.max_assistant_turns:
             return "turns"
@@ -366,81 +455,22 @@ class AgentLoop:
             return "stop"
         calls = calls[: limits.max_parallel_calls]
         record.tool_calls += len(calls)
-        runner = self._active_runner
         kwargs = state.request.tools_kwargs or {}
         allowed = state.request.tool_names
         state.calls = [
-            runner.submit(c, (kwargs.get(c.name) or {}).get("create_kwargs"), allowed=allowed)
+            self._runner.submit(c, (kwargs.get(c.name) or {}).get("create_kwargs"),
+                                allowed=allowed)
             for c in calls
-        ]
+        ]  # fmt: skip
         return None
 
-    def _append_tool_turns(
-        self,
-        scheduler: Scheduler,
-        ready: list[int],
-        running: dict[int, _Running],
-        done: dict[int, Trajectory],
-        sampling: SamplingParams,
-        rng: jax.Array,
-    ) -> None:
-        """Resume the trajectories whose calls finished with their answers as the next turn's
-        appended tokens (the others end: no room)."""
-        for index in ready:
-            state = running[index]
-            results: list[ToolResult] = [f.result() for f in state.calls]
-            state.calls = []
-            record = state.record
-            messages = [{"role": "tool", "content": self._truncated(r.text)} for r in results]
-            record.tool_seconds += max(r.seconds for r in results)  # they ran at once
-            for r in results:
-                record.tool_rewards.append(r.reward)
-                if r.error:
-                    record.tool_errors[r.error] += 1
-            ids = self.chat.after_turn(record.messages, messages, state.tools)
-            record.messages += messages
-            room = self.engine.room(state.handle.slot)
-            if len(record.response) + len(ids) >= self.response_length or len(ids) > room:
-                self._finish(scheduler, running, done, index, "length")
-                continue
-            record.add_tool_turn(ids)
-            turn = self._turn_sampling(sampling, len(record.response))
-            key = jax.random.fold_in(rng, self._index[index])
-            key = jax.random.fold_in(key, record.assistant_turns)
-            state.handle = scheduler.resume(state.handle, ids, turn, key)
-            self._by_request[state.handle.id] = index
-
-    def _finish(
-        self,
-        scheduler: Scheduler,
-        running: dict[int, _Running],
-        done: dict[int, Trajectory],
-        index: int,
-        why: str,
-    ) -> None:
-        state = running.pop(index)
-        scheduler.close(state.handle)
+    def _finish(self, name: Hashable, why: str) -> None:
+        state = self.running.pop(name)
+        self._by_handle.pop(state.handle.id, None)
+        self.scheduler.close(state.handle)
         record = state.record
         record.finish = why
-        n = self.response_length
+        n = self.loop.response_length
         record.response, record.sampled = record.response[:n], record.sampled[:n]
         record.log_probs, record.versions = record.log_probs[:n], record.versions[:n]
-        done[state.index] = record
-
-    def _truncated(self, text: str) -> str:
-        """verl's cut of a long tool answer to `max_tool_response_length` characters."""
-        n, side = self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
-        if len(text) <= n:
-            return text
-        if side == "left":
-            return "(truncated)..." + text[len(text) - n :]
-        if side == "right":
-            return text[:n] + "...(truncated)"
-        return text[: n // 2] + "...(truncated)..." + text[len(text) - n // 2 :]
-
-    def _timed(self, fn, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.stats.decode_seconds += time.perf_counter() - start
+        self.done[name] = record

@@ -802,10 +802,14 @@ def _check_async(cfg: Config, p: _Problems) -> None:
     unsupported = {
         "algorithm.adv_estimator=remax (greedy baselines)": cfg.algorithm.adv_estimator == "remax",
     }
-    if mode == "fully_async":  # it judges dynamic sampling's groups as they finish
+    if mode == "fully_async":  # it judges dynamic sampling's groups as they finish, runs
+        # the agent loop's trajectories as groups
         _check_fully_async(cfg, p)
         unsupported["actor_rollout_ref.rollout.over_sample_rate>0"] = bool(rollout.over_sample_rate)
-        unsupported["actor_rollout_ref.rollout.multi_turn.enable=true"] = rollout.multi_turn.enable
+        judged_trajectories = rollout.multi_turn.enable and cfg.algorithm.filter_groups.enable
+        unsupported[
+            "actor_rollout_ref.rollout.multi_turn.enable=true and algorithm.filter_groups"
+        ] = judged_trajectories  # its judge scores a group without its trajectories' turns
     else:  # one_step_off runs the agent loop ahead on a thread of its own
         unsupported["algorithm.filter_groups.enable=true"] = cfg.algorithm.filter_groups.enable
     for name, on in unsupported.items():

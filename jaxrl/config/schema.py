@@ -416,7 +416,8 @@ class RolloutConfig:
             1 so that a single device works).
         max_num_seqs: Sequences decoded at once (KV-cache slots of continuous batching).
             Under `async_training.mode=fully_async`, at most n x the groups its staleness
-            gate lets run at once (a decode step computes every slot's row).
+            gate lets run at once, rounded up to a multiple of the rollout's dp (the cache
+            holds every slot's `max_model_len` tokens).
         max_model_len: Cells of a multi-turn conversation's KV cache (its prompt padded to
             a length bucket, then every response token); null: the prompt length's bucket
             (`jaxrl.data.bucket`) + the response length, within the model's context.
@@ -1065,13 +1066,15 @@ class AsyncTrainingConfig:
             the rollout generates batch k+1 with the weights from before update k while the
             trainer updates on batch k (verl's `one_step_off_policy`): the loss sees batches
             one update old, corrected as `algorithm.rollout_correction` says. Needs the
-            rollout on devices of its own (`mesh.placement.rollout.devices`); batch
-            generation only (no multi-turn, dynamic sampling or ReMax yet). A step that saves
+            rollout on devices of its own (`mesh.placement.rollout.devices`); a multi-turn
+            agent loop runs ahead on a thread (one process); no dynamic sampling or ReMax
+            yet. A step that saves
             a checkpoint, and the last, look no batch ahead: nothing is in flight at a
             checkpoint, and a resumed run computes what an uninterrupted one does.
             `fully_async`: a rollouter thread generates groups continuously into a queue and
             the trainer takes `require_batches` x `ppo_mini_batch_size` finished groups a step
-            (verl's `fully_async_policy`; one process, batch generation only).
+            (verl's `fully_async_policy`; the rollout on one process's devices; multi-turn
+            agents' trajectories as groups; dynamic sampling judges groups as they finish).
         staleness_threshold: `fully_async`: the rollouter starts at most (1 + this) x the
             groups the trainer takes between two pushes per weights version (verl's
             `max_required_samples`), so stale groups are mostly never produced; a group whose

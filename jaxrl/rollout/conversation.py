@@ -4,6 +4,7 @@
     cache = start(config, layout, params, cache, slot_f, ids_fp, mask_fp)    # prompts in
     cache, decoded = decode(config, layout, steps, block, backend, params, cache,
                             pending, budget_s, keys_s, offsets_s, rows_s)    # sample
+    cache, decoded = decode_rows(..., cache, active_b, pending, ...)  # only B slots' rows
     cache = append(config, layout, params, cache, slot_f, ids_ft, index_ft, positions_ft)
 
 A slot's sequence is in the cache up to its last token, which is *pending*: known, but its
@@ -172,6 +173,48 @@ def decode(
         )
         st = jax.lax.while_loop(lambda st: jnp.any(running(st)), body, init)
     return st.cache, Decoded(st.tokens[:s], st.log_probs[:s], st.counts, st.ended)
+
+
+def decode_rows(
+    config: DecoderConfig,
+    layout: Layout | None,
+    steps: int,
+    block: int,
+    backend: DecodeBackend,
+    params: Any,
+    cache: KVCache,
+    active: Int[Array, " b"],
+    pending: Pending,
+    budget: Int[Array, " s"],
+    keys: jax.Array,
+    offsets: Int[Array, " s"],
+    settings: RowSampling,
+) -> tuple[KVCache, Decoded]:
+    """`decode` of the slots `active` [B] (B < S) only, as a batch of B rows: their cache
+    rows gathered into a cache of B rows, decoded, and put back (an id >= S pads: not
+    decoded, not written). A decode step's cost is its rows': B of them instead of every
+    slot when few run (vLLM's running batch). `Decoded` is per slot [S], as `decode`'s."""
+    s = budget.shape[0]
+    i = jnp.minimum(active, s - 1)
+
+    def take(tree):
+        return jax.tree.map(lambda x: x[i], tree)
+
+    def per_slot(x, fill):
+        whole = jnp.full((s, *x.shape[1:]), fill, x.dtype)
+        return whole.at[active].set(x, mode="drop")
+
+    with use_layout(layout):
+        rows = cache.rows(active)
+    budget_b = jnp.where(active < s, budget[i], 0)
+    rows, out = decode(config, layout, steps, block, backend, params, rows, take(pending),
+                       budget_b, keys[i], offsets[i], take(settings))  # fmt: skip
+    with use_layout(layout):
+        cache = cache.put_rows(active, rows).constrain()
+    return cache, Decoded(
+        per_slot(out.tokens, 0), per_slot(out.log_probs, 0.0), per_slot(out.counts, 0),
+        per_slot(out.ended, False),
+    )  # fmt: skip
 
 
 def append(

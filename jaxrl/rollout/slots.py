@@ -21,8 +21,11 @@ Unlike batch generation's cache (which lives in its program), the conversations'
 across calls: one cache of `max_num_seqs` slots of `max_model_len` tokens each, allocated on
 the first `start` and donated into and out of every conversation program
 (`jaxrl.rollout.conversation`), so a conversation's keys and values stay on the devices
-between turns while the host runs tools. The host keeps each slot's record (its tokens, their
-log-probs, and which were sampled) and its pending token (see `conversation`'s module doc).
+between turns while the host runs tools. A decode chunk computes the rows of the slots it
+decodes only (`conversation.decode_rows`: their cache rows gathered into a batch of a `bucket`
+size of at least 16, a multiple of the mesh's dp, and put back), unless that is all of them.
+The host keeps each slot's record (its tokens, their log-probs, and which were sampled) and
+its pending token (see `conversation`'s module doc).
 
 A stop string needs the text: with `sampling.stop`, `decode` samples in chunks of
 `stop_check_tokens`, detokenizes each still running slot's turn after every chunk, and cuts
@@ -354,7 +357,9 @@ class ConversationSlots:
         if any(t.sampling.stop for t in turns.values()):  # chunks, the text checked between
             steps = min(steps, self.stop_check_tokens)
         block = self._geometry()[1]
-        program = _decode_program(self.config, self.layout, steps, block, self.backend)
+        whole = _decode_program(self.config, self.layout, steps, block, self.backend)
+        rows_only = _decode_rows_program(self.config, self.layout, steps, block, self.backend)
+        dp = int(self.layout.mesh.shape.get("dp", 1))
         taken = 0
         with self._ending_on_error(slots):
             while not all(t.reason for t in turns.values()):
@@ -369,9 +374,15 @@ class ConversationSlots:
                         offsets[s] = len(turn.tokens)
                 pending = conversation.Pending(**self._pending)
                 keys = jax.random.wrap_key_data(self._keys, impl=self._key_impl)
-                self._cache, out = program(
-                    params, self._cache, pending, budget, keys, offsets, self._rows
-                )
+                args = (pending, budget, keys, offsets, self._rows)
+                active = np.flatnonzero(budget)
+                width = _running_rows(len(active), dp)
+                if width < self.slots:  # the running slots' rows only
+                    ids = np.full(width, self.slots, np.int32)
+                    ids[: len(active)] = active
+                    self._cache, out = rows_only(params, self._cache, ids, *args)
+                else:
+                    self._cache, out = whole(params, self._cache, *args)
                 taken += steps
                 out = jax.tree.map(np.asarray, out)
                 for s, turn in turns.items():
@@ -577,6 +588,25 @@ def _decode_program(
 ):
     fn = functools.partial(conversation.decode, config, layout, steps, block, backend)
     return jax.jit(fn, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=32)
+def _decode_rows_program(
+    config: DecoderConfig, layout: Layout | None, steps: int, block: int, backend: DecodeBackend
+):
+    fn = functools.partial(conversation.decode_rows, config, layout, steps, block, backend)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+_MIN_ROWS = 16  # the CPU kernels' vector lanes: narrower batches are padded to them anyway
+
+
+def _running_rows(running: int, dp: int) -> int:
+    """The rows a decode chunk of `running` slots computes: a `bucket` size of at least 16
+    rows (a handful of compiled widths; fewer rows save nothing), a multiple of the mesh's
+    dp (each device its share)."""
+    width = bucket(max(running, 1), _MIN_ROWS)
+    return -(-width // dp) * dp
 
 
 @functools.lru_cache(maxsize=8)

@@ -113,18 +113,19 @@ def cluster_layouts(
     }
 
 
-def rollout_slots(cfg: Config) -> int:
+def rollout_slots(cfg: Config, dp: int = 1) -> int:
     """The rollout engine's KV-cache slots: `rollout.max_num_seqs`, but under
     `async_training.mode=fully_async` no more than its staleness gate can ever fill, n x
-    R x T x (1 + θ) (`staleness.groups_cap`): a decode step computes every slot's row,
-    running or not, so a slot the gate never fills costs every step (validation's batch
-    generation on the engine then decodes in waves of that many rows)."""
+    R x T x (1 + θ) (`staleness.groups_cap`), rounded up to a multiple of the rollout's `dp`
+    (the engine keeps a multiple of it): the cache holds every slot's `max_model_len` tokens
+    whether the gate can fill it or not (validation's batch generation on the engine then
+    decodes in waves of that many rows)."""
     rollout, at = cfg.actor_rollout_ref.rollout, cfg.async_training
     if at.mode != "fully_async":
         return rollout.max_num_seqs
     cap = groups_cap(cfg.data.train_batch_size, at.trigger_parameter_sync_step,
                      at.staleness_threshold)  # fmt: skip
-    slots = min(rollout.max_num_seqs, rollout.n * cap)
+    slots = min(rollout.max_num_seqs, -(-rollout.n * cap // dp) * dp)
     if slots < rollout.max_num_seqs:
         log.info(
             "async_training.mode=fully_async runs at most %d groups of %d at once: the "
@@ -222,7 +223,7 @@ class Cluster:
             ),
             layouts["rollout"],
             max_prompt_length=cfg.data.max_prompt_length,
-            max_num_seqs=rollout_slots(cfg),
+            max_num_seqs=rollout_slots(cfg, int(layouts["rollout"].mesh.shape.get("dp", 1))),
             max_model_len=max_model_len,
             tokenizer=tokenizer,
             decode_backend=rollout_cfg.decode_backend,

@@ -56,6 +56,7 @@ import jax
 import numpy as np
 
 from jaxrl import distributed
+from jaxrl.agent import LoopStats
 from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rollout import SamplingParams
@@ -168,6 +169,11 @@ class FullyAsync:
         self.gen_batch = cfg.data.gen_batch_size or self.per_step
         self.max_judged = fg.max_num_gen_batches * self.gen_batch
         self.seed = cfg.actor_rollout_ref.rollout.seed + SEED_OFFSET
+        rollout = cfg.actor_rollout_ref.rollout
+        self.multi_turn = rollout.multi_turn.enable  # groups of the agent loop's trajectories
+        self.default_agent = rollout.agent.default_agent_loop
+        self.prompt_length = cfg.data.max_prompt_length
+        self._tool_wait = (time.perf_counter(), 0.0)  # at the last step: (when, tool wait s)
         self.gate = StalenessGate(self.per_step, self.trigger, at.staleness_threshold)
         self.feed = PromptFeed(source.global_view())
         self.rollouter: Rollouter | None = None
@@ -195,6 +201,12 @@ class FullyAsync:
         batch = self.feed.dataset.batch([g.prompt.row for g in mine], group_offset=step.first,
                                         uid_prefix=f"{global_step}-")  # fmt: skip
         n = self.sampling.n
+        version = step.versions[2]
+        if self.multi_turn:  # the trajectories' rows, the agent loop's metrics (a collective)
+            ready = Launched(batch, self._agent_generated(mine), version, start)
+            experience = self.producer.produce(batch, global_step, rng, launched=ready)
+            experience.timing["gen"] = waited
+            return experience
         rows = {
             "prompts": np.repeat(batch.input_ids, n, axis=0),
             "prompt_mask": np.repeat(batch.attention_mask, n, axis=0),
@@ -202,7 +214,6 @@ class FullyAsync:
             "response_mask": np.concatenate([g.response_mask for g in mine]),
             "rollout_log_probs": np.concatenate([g.log_probs for g in mine]),
         }
-        version = step.versions[2]
         scores = None
         if self.metric is not None:  # scored by the judge: this process's groups' scores,
             # the evicted groups' reward metrics on process 0's (the processes' are summed)
@@ -256,11 +267,14 @@ class FullyAsync:
     @contextlib.contextmanager
     def validation(self) -> Iterator[None]:
         """The block (validation's generation on the same engine) with the rollouter paused
-        between two chunks and the current weights pushed (a push the gate counts)."""
+        between two chunks (with the agent loop, after its running groups have ended: their
+        trajectories hold their slots between turns) and the current weights pushed (a push
+        the gate counts)."""
         if not self._started:
             yield
             return
-        with self._paused(drain=False):
+        # the agent loop's trajectories hold their slots between turns: they end first
+        with self._paused(drain=self.multi_turn):
             self._publish()
             yield
 
@@ -287,9 +301,13 @@ class FullyAsync:
         self.cluster.sync_weights()
         self._started = True
         if self.here:
+            agent = None
+            if self.multi_turn:  # its prompts are the dataset's rows, padded to its width
+                agent = self.producer.rollout.agent_loop(self.prompt_length,
+                                                         self.sampling.max_tokens)  # fmt: skip
             self.rollouter = Rollouter(
                 self.cluster.rollout.local(), self.feed, self.gate, self.sampling, self.seed,
-                partial=self.partial,
+                partial=self.partial, agent=agent, default_agent=self.default_agent,
             )  # fmt: skip
             self.rollouter.start()
 
@@ -334,7 +352,7 @@ class FullyAsync:
         groups = self._take()
         self.feed.trained([g.prompt for g in groups])
         evicted, self._evicted_metrics = self._evicted_metrics, {}
-        versions = np.concatenate([g.versions[g.response_mask > 0] for g in groups])
+        versions = np.concatenate([g.versions[g.versions >= 0] for g in groups])  # sampled
         summary = (versions.size, float(versions.mean()), int(versions.min())) if versions.size \
             else (0, -1.0, -1)  # fmt: skip
         feed, figures = self.feed.state_dict(), self._figures()
@@ -347,10 +365,25 @@ class FullyAsync:
                 _MESSAGES.send(global_step, data, to=p)
         return shares[jax.process_index()]
 
+    def _agent_generated(self, groups: list[FinishedGroup]) -> Generated:
+        """This process's groups' trajectories as the step's rows, with the agent loop's
+        metrics; its tool-wait share is of the wall time since the last step (the rollouter's
+        figures: the home's, the others' count nothing)."""
+        trajectories = [t for g in groups for t in g.trajectories]
+        now, waited = time.perf_counter(), self._step.rollout["tool_wait_s"]
+        stats = LoopStats()
+        if self.here:
+            (then, before), self._tool_wait = self._tool_wait, (now, waited)
+            stats = LoopStats(seconds=now - then, wait_seconds=waited - before)
+        return self.producer.rollout.agent_generated(
+            trajectories, stats, self.prompt_length, self.sampling.max_tokens
+        )
+
     def _figures(self) -> dict[str, float]:
         """The rollouter's figures for `StepGroups.rollout` (its counts since the last)."""
         rollouter = self.rollouter
         figures = {
+            "tool_wait_s": rollouter.tool_wait_s,
             "busy_s": rollouter.busy_s,
             "tokens": float(rollouter.tokens),
             "queue_depth": float(rollouter.queue.qsize()),

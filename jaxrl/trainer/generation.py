@@ -279,9 +279,22 @@ class StepRollout:
             trajectories, stats = self._run_agent(requests, indices, sampling, rng, p)
         else:
             trajectories, stats = self._routed(requests, first, holders, sampling, rng, p)
+        return self.agent_generated(trajectories, stats, p, sampling.max_tokens)
+
+    def agent_generated(
+        self,
+        trajectories: Sequence[Trajectory],
+        stats: LoopStats,
+        prompt_length: int,
+        response_length: int,
+    ) -> Generated:
+        """Trajectories (this process's rows, in order) as a `Generated`: their rows, the
+        agent loop's metrics (over every process's: a collective), conversations and the
+        reward managers' extra info."""
         rows = trajectory_rows(
-            trajectories, prompt_length=p, response_length=sampling.max_tokens, pad_id=self.pad_id
-        )
+            trajectories, prompt_length=prompt_length, response_length=response_length,
+            pad_id=self.pad_id,
+        )  # fmt: skip
         return Generated(
             rows,
             metrics=agent_metrics(trajectories, stats),
@@ -290,6 +303,17 @@ class StepRollout:
                 {"num_turns": t.num_turns, "tool_rewards": t.tool_rewards, "turn_scores": []}
                 for t in trajectories
             ],
+        )
+
+    def agent_loop(self, prompt_length: int, response_length: int) -> AgentLoop:
+        """An agent loop on this process's share of the rollout, with the run's tools."""
+        return AgentLoop(
+            self.cluster.rollout.local(),  # this process's share: its rows, at its pace
+            self.chat,
+            self.runner,
+            Limits.from_config(self.multi_turn),
+            response_length=response_length,
+            max_prompt_length=prompt_length,
         )
 
     def _run_agent(
@@ -302,14 +326,7 @@ class StepRollout:
     ) -> tuple[list[Trajectory], LoopStats]:
         """The agent loop over `requests` (each sampling as row `indices[i]` of the batch)
         on this process's share of the rollout, with its tools."""
-        loop = AgentLoop(
-            self.cluster.rollout.local(),  # this process's share: its rows, at its pace
-            self.chat,
-            self.runner,
-            Limits.from_config(self.multi_turn),
-            response_length=sampling.max_tokens,
-            max_prompt_length=prompt_length,
-        )
+        loop = self.agent_loop(prompt_length, sampling.max_tokens)
         return loop.run(requests, sampling, rng, indices=indices), loop.stats
 
     def _routed(

@@ -22,7 +22,13 @@ validation, between two decode chunks):
 With `partial` (verl's `partial_rollout`), a push lands between two chunks: the running
 groups continue on the new weights with the caches they have, their later tokens recording
 the new version. Without it, `paused(drain=True)` first stops admitting and lets the running
-groups end on the old weights. Group g (the feed's draw number) samples response j with
+groups end on the old weights.
+
+With an agent loop (`agent=`, multi-turn tools) a group is n trajectories (`Episodes`): the
+loop also appends the tool turns whose calls returned before admitting, a turn over goes to
+its tools or ends its trajectory, and when every running trajectory waits on tools the
+thread waits for the first call outside the lock. Trajectories keep their slots between
+turns (a validation drains them first), and an aborted group's calls are cancelled. Group g (the feed's draw number) samples response j with
 `fold_in(fold_in(key(seed), g), j)`. An exception in the thread is kept and raised to the
 trainer by `check` (and by its next `get`).
 """
@@ -36,10 +42,12 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 
 import jax
 import numpy as np
 
+from jaxrl.agent import AgentLoop, Trajectory, agent_requests
 from jaxrl.rollout import SamplingParams, Scheduler
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.scheduler import Handle
@@ -47,6 +55,7 @@ from jaxrl.trainer.prompt_feed import FedPrompt, PromptFeed
 from jaxrl.trainer.staleness import StalenessGate
 
 log = logging.getLogger("jaxrl.train")
+_TOOLS_POLL_S = 0.05  # the thread's longest wait for a tool call, outside the lock
 
 
 class RolloutError(RuntimeError):
@@ -65,6 +74,8 @@ class FinishedGroup:
         log_probs: float32 [n, R], the rollout's (0 on padding).
         versions: int64 [n, R], each token's weights version (-1 on padding).
         scored: Its scores, when dynamic sampling's judge kept it (`Generated.scores`).
+        trajectories: With the agent loop, its n trajectories (the arrays above are theirs:
+            every response token in `response_mask`, a version on the sampled ones only).
     """
 
     prompt: FedPrompt
@@ -74,13 +85,18 @@ class FinishedGroup:
     log_probs: np.ndarray
     versions: np.ndarray
     scored: tuple[np.ndarray, dict[str, float], dict[str, list]] | None = None
+    trajectories: list[Trajectory] | None = None
 
 
 @dataclasses.dataclass
 class _Running:
     prompt: FedPrompt
     push: int
-    handles: list[Handle]
+    handles: list[Handle]  # batch generation's; the agent loop's are its episodes' `names`
+
+    def names(self, n: int) -> list[tuple[int, int]]:
+        """Its trajectories' ids in the agent loop's `Episodes`."""
+        return [(self.prompt.draw, j) for j in range(n)]
 
 
 class Rollouter:
@@ -93,7 +109,10 @@ class Rollouter:
         sampling: The training rollout's settings (`n` responses per group).
         seed: The groups' sampling seed.
         partial: Pushes land on running groups (verl's `partial_rollout`).
-        chunk: Decode steps per `Scheduler.step`.
+        chunk: Decode steps per `Scheduler.step` (the agent loop's: its `decode_chunk`).
+        agent: Groups of multi-turn trajectories through this agent loop (on `engine`)
+            instead of single responses; the feed's dataset gives their messages.
+        default_agent: The agent of rows without an `agent_name`.
     """
 
     def __init__(
@@ -106,6 +125,8 @@ class Rollouter:
         *,
         partial: bool,
         chunk: int = 16,
+        agent: AgentLoop | None = None,
+        default_agent: str = "tool_agent",
     ):
         if engine.slots < sampling.n:
             raise ValueError(
@@ -117,13 +138,18 @@ class Rollouter:
         self.n, self.width = sampling.n, sampling.max_tokens
         self.sampling = dataclasses.replace(sampling, n=1)
         self.key = jax.random.key(seed)
-        self.scheduler = Scheduler(engine, chunk=chunk)
+        self.default_agent = default_agent
+        # the agent loop's trajectories in flight (its scheduler the engine's), or None
+        self.episodes = None if agent is None else agent.episodes(self.sampling)
+        self.scheduler = Scheduler(engine, chunk=chunk) if agent is None else \
+            self.episodes.scheduler  # fmt: skip
         self.queue: queue.Queue[FinishedGroup] = queue.Queue()
         self.lock = threading.Condition()
         self.running: dict[int, _Running] = {}  # by draw number
         self.error: BaseException | None = None
         self.busy_s = 0.0  # seconds of decode chunks (the rollout's busy time)
         self.tokens = 0  # response tokens sampled
+        self.tool_wait_s = 0.0  # seconds nothing decoded, every trajectory waiting on tools
         self._draining = self._stopping = False
         # set while the trainer's thread waits for the lock: the loop lets it in before its
         # next chunk (a lock is not fair: a thread that releases it and takes it again at
@@ -150,10 +176,10 @@ class Rollouter:
             log.warning("the rollouter thread did not stop in %.0f s: left behind", timeout)
             return
         for group in self.running.values():
-            for handle in group.handles:
-                if not handle.done:
-                    self.scheduler.abort(handle)
+            self._abort(group)
         self.running.clear()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def check(self) -> None:
         """Raise the thread's exception, if it had one."""
@@ -239,9 +265,7 @@ class Rollouter:
         prompts = []
         for draw in stale:
             group = self.running.pop(draw)
-            for handle in group.handles:
-                if not handle.done:
-                    self.scheduler.abort(handle)
+            self._abort(group)
             self.gate.release()
             prompts.append(group.prompt)
         return prompts
@@ -256,15 +280,23 @@ class Rollouter:
                         self.lock.wait(timeout=0.1)
                     if self._stopping:
                         return
+                    if self.episodes is not None:
+                        self.episodes.resume_ready()  # tool turns whose calls finished
                     self._admit()
-                    if self.scheduler.busy:
+                    decoding = self.scheduler.busy
+                    if decoding:
                         start = time.perf_counter()
-                        self.scheduler.step()
+                        self._decode()
                         self.busy_s += time.perf_counter() - start
                     done = self._finished()
+                    calls = [] if decoding or self.episodes is None else self.episodes.calls()
                     self.lock.notify_all()
                 for group in done:
                     self.queue.put(group)
+                if calls:  # every running trajectory waits on tools: wait outside the lock
+                    start = time.perf_counter()
+                    futures.wait(calls, timeout=_TOOLS_POLL_S, return_when="FIRST_COMPLETED")
+                    self.tool_wait_s += time.perf_counter() - start
         except BaseException as e:  # the trainer raises it (check / get)
             self.error = e
             log.error("the rollouter thread failed: %s: %s", type(e).__name__, e)
@@ -280,15 +312,54 @@ class Rollouter:
             prompt = self.feed.next()
             ids, mask = prompt.input_ids, prompt.attention_mask
             key = jax.random.fold_in(self.key, prompt.draw)
-            handles = self.scheduler.submit(ids[mask > 0], self.sampling, key, copies=self.n,
-                                            pad_to=len(ids))  # fmt: skip
-            self.running[prompt.draw] = _Running(prompt, self.gate.start(), handles)
+            group = _Running(prompt, -1, [])
+            if self.episodes is None:  # response j samples with fold_in(key, j)
+                group.handles = self.scheduler.submit(ids[mask > 0], self.sampling, key,
+                                                      copies=self.n, pad_to=len(ids))  # fmt: skip
+            else:  # trajectory j's turn t with fold_in(fold_in(key, j), t)
+                rows = self.feed.dataset.batch([prompt.row]).repeat(self.n)
+                requests = agent_requests(rows, self.default_agent)
+                self.episodes.admit(
+                    [
+                        (name, r, jax.random.fold_in(key, j))
+                        for j, (name, r) in enumerate(
+                            zip(group.names(self.n), requests, strict=True)
+                        )
+                    ]
+                )
+            group.push = self.gate.start()
+            self.running[prompt.draw] = group
+
+    def _decode(self) -> None:
+        if self.episodes is None:
+            self.scheduler.step()
+        else:
+            self.episodes.decode()
+
+    def _ended(self, group: _Running) -> bool:
+        if self.episodes is None:
+            return all(h.done for h in group.handles)
+        return all(name in self.episodes.done for name in group.names(self.n))
+
+    def _abort(self, group: _Running) -> None:
+        """End a running group's unfinished responses (their slots freed)."""
+        if self.episodes is None:
+            for handle in group.handles:
+                if not handle.done:
+                    self.scheduler.abort(handle)
+            return
+        names = group.names(self.n)
+        self.episodes.abort([name for name in names if name in self.episodes.running])
+        for name in names:
+            self.episodes.done.pop(name, None)
 
     def _finished(self) -> list[FinishedGroup]:
-        ended = [d for d, g in self.running.items() if all(h.done for h in g.handles)]
+        ended = [d for d, g in self.running.items() if self._ended(g)]
         return [self._rows(self.running.pop(d)) for d in ended]
 
     def _rows(self, group: _Running) -> FinishedGroup:
+        if self.episodes is not None:
+            return self._trajectory_rows(group)
         n, width = len(group.handles), self.width
         responses = np.zeros((n, width), np.int32)
         mask = np.zeros((n, width), np.int32)
@@ -301,3 +372,18 @@ class Rollouter:
             versions[j, :k] = [-1 if v is None else v for v in handle.versions]
             self.tokens += k
         return FinishedGroup(group.prompt, group.push, responses, mask, log_probs, versions)
+
+    def _trajectory_rows(self, group: _Running) -> FinishedGroup:
+        trajectories = [self.episodes.done.pop(name) for name in group.names(self.n)]
+        n, width = len(trajectories), self.width
+        responses = np.zeros((n, width), np.int32)
+        mask = np.zeros((n, width), np.int32)
+        log_probs = np.zeros((n, width), np.float32)
+        versions = np.full((n, width), -1, np.int64)
+        for j, t in enumerate(trajectories):
+            k = len(t.response)
+            responses[j, :k], mask[j, :k], log_probs[j, :k] = t.response, 1, t.log_probs
+            versions[j, :k] = [-1 if v is None else v for v in t.versions]  # tool turns: -1
+            self.tokens += sum(t.sampled)
+        return FinishedGroup(group.prompt, group.push, responses, mask, log_probs, versions,
+                             trajectories=trajectories)  # fmt: skip

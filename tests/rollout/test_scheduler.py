@@ -85,6 +85,24 @@ def test_requests_with_their_own_settings_share_the_engine(tiny):
     assert eng.free_slots == 4
 
 
+def test_few_running_slots_decode_as_a_batch_of_their_own(tiny):
+    """An engine of 40 slots with 3 turns running decodes them as a batch of 16 rows (their
+    cache rows gathered and put back, `conversation.decode_rows`): each turn equals the one
+    a 4-slot engine decodes alone (all its slots' rows), the other slots untouched."""
+    config, params = tiny
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(2, 97, n).tolist() for n in (6, 3, 8)]
+    sp = SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True)
+    keys = [jax.random.key(20 + i) for i in range(3)]
+    eng = engine(config, params, max_num_seqs=40)
+    scheduler = Scheduler(eng, chunk=3)
+    handles = [scheduler.submit(p, sp, k)[0] for p, k in zip(prompts, keys, strict=True)]
+    scheduler.run(handles)
+    for h, p, k in zip(handles, prompts, keys, strict=True):
+        assert_turn(h, alone(config, params, p, sp, jax.random.fold_in(k, 0)))
+    assert eng.free_slots == 40
+
+
 def test_groups_conversations_and_abort(tiny):
     config, params = tiny
     prompt = [5, 9, 13, 2, 40, 41, 7]

@@ -10,12 +10,15 @@ and tests/trainer/test_batch.py's."""
 import json
 
 import jax
+import numpy as np
 import pytest
 from _quickstart import assert_close_metrics, assert_same_metrics, lagged_weights
 
 from jaxrl.assets import prepare, write_quickstart_model
 from jaxrl.config import load_config
-from jaxrl.trainer.fit import fit
+from jaxrl.trainer import rollouter as rollouter_module
+from jaxrl.trainer.checkpoint import Checkpoints
+from jaxrl.trainer.fit import build_run, fit, train_run
 from jaxrl.trainer.loggers import read_metrics
 
 
@@ -102,3 +105,55 @@ def test_one_step_off_runs_the_agent_loop_ahead(tool_assets, tmp_path, monkeypat
         fit(tools_config(tool_assets, tmp_path / "reference", *steps))
     reference = read_metrics(tmp_path / "reference")
     assert_close_metrics(reference, ahead, [1, 2, 3], rtol=1e-4, atol=1e-5)
+
+
+def test_fully_async_runs_agent_trajectories_as_groups(tool_assets, tmp_path, step_batches):
+    """Under fully_async the rollouter runs groups of n agent trajectories (tools between
+    their turns, weights pushed every step with partial rollouts): each step trains on groups
+    whose trajectories called tools, with the tool turns' tokens in the responses and out of
+    the loss; every sampled token carries the version that sampled it (tool tokens none),
+    none past the staleness bound; a validation (step 2) runs once the running trajectories
+    ended (they hold their slots between turns); the checkpoint's accounting loses no prompt:
+    the loader's rows drawn less the pending ones are those trained, each once."""
+    steps, per_step = 3, 4
+    finished = []
+    rows_of = rollouter_module.Rollouter._trajectory_rows
+
+    def spy(self, group):
+        out = rows_of(self, group)
+        finished.append(out)
+        return out
+
+    run_dir = tmp_path / "run"
+    cfg = tools_config(
+        tool_assets, run_dir, f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={steps}", "mesh.placement.rollout.devices=4",
+        "async_training.mode=fully_async", "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=1.0", "algorithm.rollout_correction.rollout_is=token",
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollouter_module.Rollouter, "_trajectory_rows", spy)
+        run = build_run(cfg)
+        try:
+            train_run(cfg, run)
+        finally:
+            run.trainer.close()
+    metrics = [r for r in read_metrics(run_dir) if "async/pushes" in r]
+    assert [r["training/global_step"] for r in metrics] == list(range(1, steps + 1))
+    assert all(r["agent/tool_calls/total"] > 0 for r in metrics)
+    assert all(r["async/staleness/max"] <= 2 for r in metrics)  # bound x trigger + trigger - 1
+    assert "val-core/jaxrl/synthetic_add/acc/mean@1" in read_metrics(run_dir)[1]
+    for batch in step_batches:  # tool turns attended to, not trained on
+        assert (batch["loss_mask"] <= batch["response_mask"]).all()
+    assert any((b["response_mask"] > b["loss_mask"]).any() for b in step_batches)
+    for group in finished:
+        for t, versions in zip(group.trajectories, group.versions, strict=True):
+            sampled = np.asarray(t.sampled, bool)
+            assert (versions[: len(sampled)][sampled] >= 0).all()
+            assert (versions[: len(sampled)][~sampled] == -1).all()
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    meta = ckpts.read_meta(steps)
+    ckpts.close()
+    drawn = run.train_loader.order(0)[: meta["data"]["position"] * per_step].tolist()
+    assert len(drawn) - len(meta["async_feed"]["pending"]) == steps * per_step
+    assert not set(meta["async_feed"]["pending"]) - set(drawn)

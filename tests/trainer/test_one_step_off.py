@@ -5,13 +5,17 @@ that saves looks no batch ahead, so a run resumed from its checkpoint computes t
 uninterrupted run's later steps bit for bit; what the mode cannot run is refused by name."""
 
 import re
+from types import SimpleNamespace
 
+import jax
+import numpy as np
 import pytest
 from _quickstart import assert_same_metrics, lagged_weights, quickstart_config
 
 from jaxrl.config import ConfigError
 from jaxrl.trainer.fit import fit
 from jaxrl.trainer.loggers import read_metrics
+from jaxrl.trainer.one_step_off import OneStepOff
 
 STEPS, SAVE = 4, 2
 COMMON = [
@@ -78,16 +82,35 @@ def test_one_step_off_equals_sync_with_the_lagged_weights_and_resumes_exactly(
             "with algorithm.adv_estimator=remax (greedy baselines)",
         ),
         (["async_training.mode=one_step"], "did you mean 'one_step_off'?"),
-        (  # one_step_off runs the agent loop ahead; fully_async's rollouter does not yet
+        (  # fully_async's judge scores a group without its trajectories' turns
             [
                 "mesh.placement.rollout.devices=4",
                 "async_training.mode=fully_async",
                 "actor_rollout_ref.rollout.multi_turn.enable=true",
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=acc",
             ],
-            "async_training.mode=fully_async with actor_rollout_ref.rollout.multi_turn.enable",
+            "fully_async with actor_rollout_ref.rollout.multi_turn.enable=true and algorithm."
+            "filter_groups",
         ),
     ],
 )
 def test_one_step_off_refuses_what_it_cannot_run(assets, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         quickstart_config(assets, tmp_path, "async_training.mode=one_step_off", *extra)
+
+
+def test_the_agent_loop_ahead_is_refused_over_several_processes(monkeypatch):
+    """The agent loop ahead runs on a thread beside the update; over several processes its
+    gathers would interleave with the update's collectives: refused when built, by name. (The
+    process count is faked: the producer is only read for its rollout's devices and mode.)"""
+    mesh = SimpleNamespace(devices=np.array(jax.devices()[:4]))
+    producer = SimpleNamespace(
+        cluster=SimpleNamespace(rollout=SimpleNamespace(layout=SimpleNamespace(mesh=mesh))),
+        rollout=SimpleNamespace(multi_turn=SimpleNamespace(enable=True)),
+    )
+    source = SimpleNamespace(peek=lambda: None)
+    OneStepOff(producer, source, total_steps=2, save_freq=0, seed=0)  # one process: built
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="over 2 processes the loop's gathers would interleave"):
+        OneStepOff(producer, source, total_steps=2, save_freq=0, seed=0)

@@ -113,14 +113,15 @@ def test_gate_counts_as_verl():
 
 
 @pytest.mark.parametrize(
-    ("extra", "slots"),
+    ("extra", "dp", "slots"),
     [
-        ([], 8 * 12),  # n x R x T x (1 + θ) = 8 x 4 x 2 x 1.5
-        (["actor_rollout_ref.rollout.max_num_seqs=64"], 64),  # fewer asked: those
-        (["async_training.mode=sync"], 256),  # max_num_seqs (the default)
+        ([], 1, 8 * 12),  # n x R x T x (1 + θ) = 8 x 4 x 2 x 1.5
+        (["actor_rollout_ref.rollout.n=5"], 8, 64),  # 5 x 12 = 60, up to a multiple of dp
+        (["actor_rollout_ref.rollout.max_num_seqs=64"], 1, 64),  # fewer asked: those
+        (["async_training.mode=sync"], 1, 256),  # max_num_seqs (the default)
     ],
 )
-def test_the_rollout_holds_only_the_slots_the_gate_can_fill(extra, slots):
+def test_the_rollout_holds_only_the_slots_the_gate_can_fill(extra, dp, slots):
     cfg = load_config(None, [
         "actor_rollout_ref.model.path=unused", "async_training.mode=fully_async",
         "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -128,4 +129,4 @@ def test_the_rollout_holds_only_the_slots_the_gate_can_fill(extra, slots):
         "async_training.trigger_parameter_sync_step=2", "mesh.placement.spread=false",
         "mesh.placement.rollout.devices=1", *extra,
     ], num_devices=2)  # fmt: skip
-    assert rollout_slots(cfg) == slots
+    assert rollout_slots(cfg, dp) == slots
