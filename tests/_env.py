@@ -12,9 +12,9 @@ execution compiles its programs at level 2 itself (`OPTIMIZED`, passed to
 The caller's `XLA_FLAGS` come after these defaults, so they win: the suite's second XLA
 configuration (docs/testing.md) is `XLA_FLAGS="--xla_backend_optimization_level=2 ..."`.
 
-Subprocesses get the session's flags with their own device count, and the caller's persistent
-compilation cache (`JAX_COMPILATION_CACHE_DIR`) when one is set; the suite sets none
-(tests/conftest.py says why).
+Subprocesses get the session's flags with their own device count and the session's
+compilation cache (`JAX_COMPILATION_CACHE_DIR`): a program that the session or another
+subprocess compiled already is read back instead of compiled again.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Markers: `slow` (long, still run in CI), `multiprocess` (several JAX processes o
 """
 
 import os
+import tempfile
 
 from _env import SESSION_FLAGS, session_flags, xla_flags
 
@@ -15,10 +16,13 @@ if SESSION_FLAGS not in os.environ:
     os.environ[SESSION_FLAGS] = session_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent XLA compilation cache unless the caller sets one (JAX_COMPILATION_CACHE_DIR,
-# passed on to the tests' subprocesses): on jax 0.10.2's CPU backend, reading a cached
-# executable back (`deserialize_executable`) crashed xdist workers natively, now and then,
-# in 3 of 5 clean-clone runs of the suite (docs/testing.md, "Why no compilation cache").
+# One XLA compilation cache for the session (and the processes its tests start): the many
+# runs of the same tiny models compile the same programs, and each is compiled once. Only the
+# compile is shared; every test still runs its programs. A fresh folder per session.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-test-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,8 +30,9 @@ from hypothesis import HealthCheck, settings
 import jaxrl.models as M
 from jaxrl.testing.tiny import save_tiny
 
-# Wall and compile time per test file, printed at the end (tests/_timing.py).
-pytest_plugins = ["_timing"]
+# Wall and compile time per test file, printed at the end (tests/_timing.py); compiled programs
+# dropped between files before the process runs out of memory mappings (tests/_programs.py).
+pytest_plugins = ["_timing", "_programs"]
 
 # Property tests (hypothesis) are derandomized: CI sees the same examples each run, so a
 # failure reproduces. JAXRL_HYPOTHESIS_EXAMPLES=2000 searches wider by hand.
