@@ -22,15 +22,16 @@ validation, between two decode chunks):
 With `partial` (verl's `partial_rollout`), a push lands between two chunks: the running
 groups continue on the new weights with the caches they have, their later tokens recording
 the new version. Without it, `paused(drain=True)` first stops admitting and lets the running
-groups end on the old weights.
+groups end on the old weights. Group g (the feed's draw number) samples response j with
+`fold_in(fold_in(key(seed), g), j)`. An exception in the thread is kept and raised to the
+trainer by `check` (and by its next `get`).
 
 With an agent loop (`agent=`, multi-turn tools) a group is n trajectories (`Episodes`): the
 loop also appends the tool turns whose calls returned before admitting, a turn over goes to
 its tools or ends its trajectory, and when every running trajectory waits on tools the
 thread waits for the first call outside the lock. Trajectories keep their slots between
-turns (a validation drains them first), and an aborted group's calls are cancelled. Group g (the feed's draw number) samples response j with
-`fold_in(fold_in(key(seed), g), j)`. An exception in the thread is kept and raised to the
-trainer by `check` (and by its next `get`).
+turns (a validation drains them first), an aborted group's calls are cancelled, and
+trajectory j's turn t samples with `fold_in` of response j's key and t.
 """
 
 from __future__ import annotations
