@@ -285,7 +285,9 @@ def first_solved(run_dir: Path) -> dict[str, float | None]:
     for row in rows:
         acc = [v for k, v in row.items() if k.startswith("val-core/") and k.endswith("/mean@1")]
         if acc and min(acc) >= 1.0:
-            solved.update(solved_s=row.get("timing_s/elapsed"), solved_step=row.get("step"))
+            solved.update(
+                solved_s=row.get("timing_s/elapsed"), solved_step=row.get("training/global_step")
+            )
             break
     return solved
 
