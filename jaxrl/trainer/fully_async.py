@@ -200,28 +200,12 @@ class FullyAsync:
         self._state, mine = step.feed, step.groups
         batch = self.feed.dataset.batch([g.prompt.row for g in mine], group_offset=step.first,
                                         uid_prefix=f"{global_step}-")  # fmt: skip
-        n = self.sampling.n
         version = step.versions[2]
         if self.multi_turn:  # the trajectories' rows, the agent loop's metrics (a collective)
-            ready = Launched(batch, self._agent_generated(mine), version, start)
-            experience = self.producer.produce(batch, global_step, rng, launched=ready)
-            experience.timing["gen"] = waited
-            return experience
-        rows = {
-            "prompts": np.repeat(batch.input_ids, n, axis=0),
-            "prompt_mask": np.repeat(batch.attention_mask, n, axis=0),
-            "responses": np.concatenate([g.responses for g in mine]),
-            "response_mask": np.concatenate([g.response_mask for g in mine]),
-            "rollout_log_probs": np.concatenate([g.log_probs for g in mine]),
-        }
-        scores = None
-        if self.metric is not None:  # scored by the judge: this process's groups' scores,
-            # the evicted groups' reward metrics on process 0's (the processes' are summed)
-            scores = (np.concatenate([g.scored[0] for g in mine]),
-                      _summed([g.scored[1] for g in mine]
-                              + ([step.evicted_metrics] if jax.process_index() == 0 else [])),
-                      merged_extra([n] * len(mine), [g.scored[2] for g in mine]))  # fmt: skip
-        ready = Launched(batch, Generated(rows, scores=scores), version, start)
+            generated = self._agent_generated(mine)
+        else:
+            generated = self._generated(mine, batch, step)
+        ready = Launched(batch, generated, version, start)
         experience = self.producer.produce(batch, global_step, rng, launched=ready)
         experience.timing["gen"] = waited  # the trainer's wait for the groups
         return experience
@@ -364,6 +348,28 @@ class FullyAsync:
                 data = pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL)
                 _MESSAGES.send(global_step, data, to=p)
         return shares[jax.process_index()]
+
+    def _generated(
+        self, groups: list[FinishedGroup], batch: PromptBatch, step: StepGroups
+    ) -> Generated:
+        """This process's groups' responses as the step's rows, with dynamic sampling's
+        scores when its judge scored them."""
+        n = self.sampling.n
+        rows = {
+            "prompts": np.repeat(batch.input_ids, n, axis=0),
+            "prompt_mask": np.repeat(batch.attention_mask, n, axis=0),
+            "responses": np.concatenate([g.responses for g in groups]),
+            "response_mask": np.concatenate([g.response_mask for g in groups]),
+            "rollout_log_probs": np.concatenate([g.log_probs for g in groups]),
+        }
+        scores = None
+        if self.metric is not None:  # scored by the judge: this process's groups' scores,
+            # the evicted groups' reward metrics on process 0's (the processes' are summed)
+            scores = (np.concatenate([g.scored[0] for g in groups]),
+                      _summed([g.scored[1] for g in groups]
+                              + ([step.evicted_metrics] if jax.process_index() == 0 else [])),
+                      merged_extra([n] * len(groups), [g.scored[2] for g in groups]))  # fmt: skip
+        return Generated(rows, scores=scores)
 
     def _agent_generated(self, groups: list[FinishedGroup]) -> Generated:
         """This process's groups' trajectories as the step's rows, with the agent loop's

@@ -48,7 +48,7 @@ from concurrent import futures
 import jax
 import numpy as np
 
-from jaxrl.agent import AgentLoop, Trajectory, agent_requests
+from jaxrl.agent import AgentLoop, Trajectory, agent_requests, trajectory_rows
 from jaxrl.rollout import SamplingParams, Scheduler
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.scheduler import Handle
@@ -376,15 +376,15 @@ class Rollouter:
 
     def _trajectory_rows(self, group: _Running) -> FinishedGroup:
         trajectories = [self.episodes.done.pop(name) for name in group.names(self.n)]
-        n, width = len(trajectories), self.width
-        responses = np.zeros((n, width), np.int32)
-        mask = np.zeros((n, width), np.int32)
-        log_probs = np.zeros((n, width), np.float32)
-        versions = np.full((n, width), -1, np.int64)
+        prompt_length = self.episodes.loop.max_prompt_length
+        rows = trajectory_rows(
+            trajectories, prompt_length=prompt_length, response_length=self.width, pad_id=0
+        )
+        versions = np.full((len(trajectories), self.width), -1, np.int64)
         for j, t in enumerate(trajectories):
-            k = len(t.response)
-            responses[j, :k], mask[j, :k], log_probs[j, :k] = t.response, 1, t.log_probs
-            versions[j, :k] = [-1 if v is None else v for v in t.versions]  # tool turns: -1
+            versions[j, : len(t.versions)] = [-1 if v is None else v for v in t.versions]
             self.tokens += sum(t.sampled)
-        return FinishedGroup(group.prompt, group.push, responses, mask, log_probs, versions,
-                             trajectories=trajectories)  # fmt: skip
+        return FinishedGroup(
+            group.prompt, group.push, rows["responses"], rows["response_mask"],
+            rows["rollout_log_probs"], versions, trajectories=trajectories,
+        )  # fmt: skip
