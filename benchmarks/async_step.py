@@ -3,6 +3,7 @@ core each, synchronous against `async_training.mode=one_step_off` (`docs/async.m
 
     python benchmarks/async_step.py [--steps 10] [--prompts 8] [--n 8] [--max-tokens 256]
                                     [--eos-scale 32] [--quickstart-steps 0]
+                                    [--quickstart-seeds 0]
                                     [--layouts two_processes,one_process]
                                     [--modes sync,one_step_off,fully_async]
 
@@ -23,11 +24,14 @@ training; the async modes: their `async/*` metrics), and each async mode's sampl
 second over sync's.
 
 `--quickstart-steps K` also trains the quickstart task (`configs/quickstart.yaml`) for K steps
-in each mode on the same two processes (the async modes with
-`algorithm.rollout_correction.rollout_is=token`, as `docs/async.md` runs them), validating
-every 10, and reports the wall seconds until validation accuracy first reaches 1.0 (null: not
-within K steps), the step it came at and the median seconds per step; `--layouts ""` runs
-the quickstart only.
+in each mode on the same two processes, once per `--quickstart-seeds` (`data.seed`; the
+modes in turn for each seed), every mode with `algorithm.rollout_correction.bypass_mode=true`
+(as the steps above: the async modes clip against the rollout's own log-probs instead of
+recomputing them, a pass as long as the quickstart's whole generation), validating every
+10, and reports per seed the wall seconds until validation accuracy first reaches 1.0 (null:
+not within K steps), the step it came at and the median seconds per step; per mode the
+median solved seconds and, for the async modes, on how many seeds they solved it no later
+than sync did. `--layouts ""` runs the quickstart only.
 
 `fully_async` runs with `trigger_parameter_sync_step=1` and `staleness_threshold=1.0` (two
 steps of groups a weights version: the rollouter may run a step ahead). The same modes also
@@ -301,6 +305,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--eos-scale", type=float, default=32.0)
     parser.add_argument("--quickstart-steps", type=int, default=0)
+    parser.add_argument("--quickstart-seeds", default="0", help="data.seed of each run: 0,1,2")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of " + ",".join(LAYOUTS))
     parser.add_argument("--modes", default=",".join(MODES), help="of " + ",".join(MODES))
     parser.add_argument("--model")
@@ -356,17 +361,32 @@ def main() -> None:
             rates = {mode: result[layout][mode]["samples_per_s"] for mode in modes}
             for mode in modes[1:]:
                 result[layout][f"{mode}_speedup"] = rates[mode] / rates["sync"]
-        if args.quickstart_steps:
+        seeds = [int(s) for s in args.quickstart_seeds.split(",")] if args.quickstart_steps else []
+        for seed in seeds:  # the modes in turn for each seed: the host's load drifts alike
             for mode in modes:
-                run_dir = tmp / f"quickstart-{mode}"
+                run_dir = tmp / f"quickstart-{mode}-{seed}"
                 launch("quickstart", [
-                    f"trainer.total_training_steps={args.quickstart_steps}",
+                    f"trainer.total_training_steps={args.quickstart_steps}", f"data.seed={seed}",
                     "trainer.test_freq=10", "trainer.save_freq=-1", "trainer.logger=[]",
                     f"trainer.default_local_dir={run_dir}", *PLACED, *MODES[mode],
-                    *([] if mode == "sync" else ["algorithm.rollout_correction.rollout_is=token"]),
-                ], tmp / f"logs-quickstart-{mode}")  # fmt: skip
-                result[f"quickstart_{mode}"] = first_solved(run_dir)
-                print("quickstart", mode, result[f"quickstart_{mode}"], flush=True)
+                    "algorithm.rollout_correction.bypass_mode=true",
+                ], tmp / f"logs-quickstart-{mode}-{seed}")  # fmt: skip
+                runs = result.setdefault(f"quickstart_{mode}", {"seeds": {}})
+                runs["seeds"][seed] = first_solved(run_dir)
+                print("quickstart", mode, seed, runs["seeds"][seed], flush=True)
+        for mode in modes if seeds else ():
+            runs = result[f"quickstart_{mode}"]
+            solved = [r["solved_s"] for r in runs["seeds"].values()]
+            # a seed not solved within the steps counts as later than any solved one
+            runs["solved_s_median"] = statistics.median(s or float("inf") for s in solved)
+            runs["solved_all"] = None not in solved
+            if mode != "sync":
+                sync_seeds = result["quickstart_sync"]["seeds"]
+                runs["no_later_than_sync"] = sum(
+                    (r["solved_s"] or float("inf")) <= (sync_seeds[s]["solved_s"] or float("inf"))
+                    and r["solved_s"] is not None
+                    for s, r in runs["seeds"].items()
+                )
     emit({**result, "machine": machine()})
 
 

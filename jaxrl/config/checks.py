@@ -799,26 +799,39 @@ def _check_async(cfg: Config, p: _Problems) -> None:
             "likewise gives the rollout its own GPUs)"
         )
     rollout = cfg.actor_rollout_ref.rollout
+    host = ("the host drives that generation (or a second one) and the step would wait for it; "
+            "not built for the async modes yet. Use async_training.mode=sync")  # fmt: skip
+    # each refused combination: (whether it is set, why not and what to do instead)
     unsupported = {
-        "algorithm.adv_estimator=remax (greedy baselines)": cfg.algorithm.adv_estimator == "remax",
-    }
+        "algorithm.adv_estimator=remax (greedy baselines)": (
+            cfg.algorithm.adv_estimator == "remax", host),
+    }  # fmt: skip
     if mode == "fully_async":  # it judges dynamic sampling's groups as they finish, runs
         # the agent loop's trajectories as groups
         _check_fully_async(cfg, p)
-        unsupported["actor_rollout_ref.rollout.over_sample_rate>0"] = bool(rollout.over_sample_rate)
-        judged_trajectories = rollout.multi_turn.enable and cfg.algorithm.filter_groups.enable
+        unsupported["actor_rollout_ref.rollout.over_sample_rate>0"] = (
+            bool(rollout.over_sample_rate),
+            "fully_async takes groups in the order they finish, so the slowest never hold a "
+            "step back (they train in a later one, within the staleness bound): the early "
+            "abort has nothing to cut. Set actor_rollout_ref.rollout.over_sample_rate=0",
+        )
         unsupported[
             "actor_rollout_ref.rollout.multi_turn.enable=true and algorithm.filter_groups"
-        ] = judged_trajectories  # its judge scores a group without its trajectories' turns
+        ] = (
+            rollout.multi_turn.enable and cfg.algorithm.filter_groups.enable,
+            "the rollouter's judge scores a group's single-turn responses, not agent "
+            "trajectories (not built yet). Use async_training.mode=sync for dynamic sampling "
+            "of agent trajectories",
+        )
     else:  # one_step_off runs the agent loop ahead on a thread of its own
-        unsupported["algorithm.filter_groups.enable=true"] = cfg.algorithm.filter_groups.enable
-    for name, on in unsupported.items():
+        unsupported["algorithm.filter_groups.enable=true"] = (
+            cfg.algorithm.filter_groups.enable,
+            "its rounds of generation would wait on the step's judge. async_training."
+            "mode=fully_async judges each group as it finishes: use it (or mode=sync)",
+        )
+    for name, (on, why) in unsupported.items():
         if on:
-            p.append(
-                f"{key} with {name}: the host drives that generation (or a second one) and the "
-                "step would wait for it; not built for the async modes yet. Use "
-                "async_training.mode=sync"
-            )
+            p.append(f"{key} with {name}: {why}")
 
 
 def _check_fully_async(cfg: Config, p: _Problems) -> None:

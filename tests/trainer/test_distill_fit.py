@@ -205,6 +205,20 @@ def routed_data(assets, path, values):
     return frame
 
 
+def teacher_rows(assets, host, first, second):
+    """(teacher folder, bool [N, R] of its rows' response tokens) of a batch routed by
+    `routed_data(..., ["a", "b"])`: `first` scores even prompt digits, `second` odd ones
+    (both have rows)."""
+    tokenizer = load_tokenizer(str(assets / "model"))
+    prompts = zip(host["prompts"], host["prompt_mask"], strict=True)
+    odd = np.array([prompt_digit(tokenizer.decode(ids[m == 1])) % 2 for ids, m in prompts])
+    assert 0 < odd.sum() < len(odd)  # both teachers have rows
+    mask = host["response_mask"].astype(bool)
+    return [
+        (folder, (odd == parity)[:, None] & mask) for parity, folder in enumerate((first, second))
+    ]
+
+
 def two_teachers(first, second, *extra):
     entries = [
         f"+distillation.teacher_models.{name}.{k}={v}"
@@ -235,13 +249,7 @@ def test_each_row_is_scored_by_the_teacher_its_field_routes_it_to(
     fit(config(assets, run, *two_teachers(first, second, "trainer.total_training_steps=1",
                                           f"data.train_files={data}", *loss)))  # fmt: skip
     (host,) = step_batches
-    tokenizer = load_tokenizer(str(assets / "model"))
-    prompts = zip(host["prompts"], host["prompt_mask"], strict=True)
-    odd = np.array([prompt_digit(tokenizer.decode(ids[m == 1])) % 2 for ids, m in prompts])
-    assert 0 < odd.sum() < len(odd)  # both teachers have rows
-    mask = host["response_mask"].astype(bool)
-    for parity, folder in enumerate((first, second)):
-        rows = (odd == parity)[:, None] & mask
+    for folder, rows in teacher_rows(assets, host, first, second):
         z = torch.log_softmax(torch.tensor(hf_response_logits(folder, host)), dim=-1)
         if loss_mode == "k3":
             want = torch.gather(z, -1, torch.tensor(host["responses"])[..., None])[..., 0]

@@ -3,14 +3,18 @@ engine on 4), attacked from the host side: a run whose rollout hangs mid-run sto
 `rollout_timeout` with an error naming the rollouter, its checkpoints intact; the run resumed
 from them trains every prompt the loader gave once (those trained before the checkpoint, those
 after, and those still pending at the end are the loader's rows, none twice); no trained
-token is past the staleness bound; a rollouter thread that raises is reported by name."""
+token is past the staleness bound; a rollouter thread that raises is reported by name; it
+composes with dynamic sampling (groups judged as they finish), LoRA (pushes move the adapters
+only) and several routed distillation teachers."""
 
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from _quickstart import quickstart_config
+from test_distill_fit import routed_data, teacher_rows, torch_log_probs, two_teachers, write_teacher
 
 from jaxrl.trainer import rollouter as rollouter_module
 from jaxrl.trainer.checkpoint import Checkpoints, step_numbers
@@ -206,3 +210,49 @@ def test_dynamic_sampling_judges_groups_as_they_finish(assets, tmp_path, step_ba
     pending = meta["async_feed"]["pending"]
     assert not set(pending) - set(drawn)
     assert len(drawn) - len(pending) == steps * PER_STEP + evicted
+
+
+@pytest.mark.entry
+def test_fully_async_with_lora_and_routed_teachers(assets, tmp_path, step_batches):
+    """fully_async composes with LoRA and several teachers: each push after the first moves
+    the adapters only (the rollout's base arrays are the same objects at the end as after the
+    first push), and a group's teacher route travels with it through the rollouter: each
+    trained row's teacher log-probs equal those of the HF torch teacher its prompt names."""
+    first = write_teacher(tmp_path / "first", assets / "model", seed=1)
+    second = write_teacher(tmp_path / "second", assets / "model", seed=2, layers=2)
+    data = tmp_path / "train.parquet"
+    routed_data(assets, data, ["a", "b"])
+    steps = 3
+    lora_ = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+             "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"]  # fmt: skip
+    cfg = quickstart_config(
+        assets, tmp_path / "run", *COMMON, *lora_,
+        *two_teachers(first, second, f"data.train_files={data}"),
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.logger=[]",
+    )  # fmt: skip
+    run = build_run(cfg)
+    cluster = run.trainer.cluster
+    bases = []
+    sync = cluster.sync_weights
+
+    def remember_base():
+        pushed = sync()
+        bases.append(jax.tree.leaves(cluster.rollout.weights.base))
+        return pushed
+
+    cluster.sync_weights = remember_base
+    try:
+        train_run(cfg, run)
+    finally:
+        run.trainer.close()
+    assert len(bases) >= steps  # the first weights and a push a step (trigger 1)
+    assert bases[0] and all(a is b for a, b in zip(bases[0], bases[-1], strict=True))
+    metrics = [r for r in read_metrics(tmp_path / "run") if "async/pushes" in r]
+    assert [r["training/global_step"] for r in metrics] == list(range(1, steps + 1))
+    assert all(np.isfinite(r["distillation/loss"]) for r in metrics)
+    for folder, rows in teacher_rows(assets, step_batches[-1], first, second):
+        # jaxrl's forward against torch's: DESIGN §6's composite tolerance
+        want = torch_log_probs(folder, step_batches[-1])[rows]
+        np.testing.assert_allclose(
+            step_batches[-1]["teacher_log_probs"][rows], want, rtol=1e-4, atol=1e-4
+        )

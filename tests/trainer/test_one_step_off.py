@@ -75,7 +75,17 @@ def test_one_step_off_equals_sync_with_the_lagged_weights_and_resumes_exactly(
                 "algorithm.filter_groups.enable=true",
                 "algorithm.filter_groups.metric=acc",
             ],
-            "async_training.mode=one_step_off with algorithm.filter_groups.enable=true",
+            "async_training.mode=one_step_off with algorithm.filter_groups.enable=true: its "
+            "rounds of generation would wait on the step's judge. async_training.mode="
+            "fully_async judges each group as it finishes",
+        ),
+        (  # fully_async takes groups as they finish: nothing for the early abort to cut
+            [
+                "mesh.placement.rollout.devices=4",
+                "async_training.mode=fully_async",
+                "actor_rollout_ref.rollout.over_sample_rate=0.25",
+            ],
+            "Set actor_rollout_ref.rollout.over_sample_rate=0",
         ),
         (
             ["mesh.placement.rollout.devices=4", "algorithm.adv_estimator=remax"],
