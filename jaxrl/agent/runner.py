@@ -99,8 +99,12 @@ class ToolRunner:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def close(self) -> None:
-        """Stop the loop (calls still running are abandoned; their threads are daemons)."""
+        """Cancel the calls still running (waiting up to a second for them to unwind: a plain
+        function's thread is abandoned, a daemon), then stop the loop."""
         if self._loop.is_running():
+            ended = asyncio.run_coroutine_threadsafe(_cancel_tasks(1.0), self._loop)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                ended.result(timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         if not self._loop.is_running() and not self._loop.is_closed():
@@ -173,6 +177,16 @@ class ToolRunner:
 
         done = _in_daemon_thread(lifecycle_in_thread, on_exit=self._workers.release)
         return await asyncio.wait_for(asyncio.shield(done), self.timeout)
+
+
+async def _cancel_tasks(seconds: float) -> None:
+    """Cancel every other task of the running loop and give them `seconds` to end (a task
+    left pending when the loop closes is reported as destroyed when it is collected)."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=seconds)
 
 
 def _is_async(method: Any) -> bool:

@@ -196,3 +196,45 @@ def test_schema_keys_are_in_verls_order_and_items_are_kept():
     del tags["items"]
     assert json.dumps(ours) == json.dumps(want)
     assert schema_dict(model) == want  # a verl model: dumped, already in its order
+
+
+class Stalled(Calculator):
+    """The calculator whose `execute` never returns by itself; counts its instances created
+    and released."""
+
+    created = released = 0
+
+    async def create(self, instance_id=None, **kwargs):
+        Stalled.created += 1
+        return await super().create(instance_id, **kwargs)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(3600)
+
+    async def release(self, instance_id, **kwargs):
+        Stalled.released += 1
+
+
+def test_close_cancels_the_calls_in_flight_and_releases_their_instances(caplog):
+    """A run that ends with tool calls in flight (an episode aborted at the end): `close`
+    cancels them, each instance is released, and no task is left pending on the closed loop
+    (asyncio reports those as destroyed when they are collected)."""
+    import gc
+    import time
+
+    runner = ToolRunner({"calculator": Stalled({})}, timeout=3600)
+    futures = [runner.submit(ToolCall("calculator", {"expression": "1+1"})) for _ in range(8)]
+    for future in futures[:4]:  # as an aborted episode does: some cancelled just before
+        future.cancel()
+    began = time.monotonic()
+    while Stalled.created < 4 and time.monotonic() - began < 30:  # the others running
+        time.sleep(0.01)
+    began = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        runner.close()
+        del runner
+        gc.collect()
+    assert time.monotonic() - began < 5
+    assert Stalled.created >= 4 and Stalled.released == Stalled.created
+    assert all(f.cancelled() for f in futures)
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
