@@ -19,6 +19,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("jaxrl.export")
 
@@ -38,18 +39,17 @@ def resolve_step(path: Path) -> tuple[Path, int]:
     )
 
 
-def export(
-    checkpoint: str | Path, out: str | Path, dtype: str | None = None, merge: bool = False
-) -> Path:
-    """Write the actor of `checkpoint` to `out`: an HF folder, or for a LoRA run a PEFT adapter
-    folder (`merge`: the HF folder of the base with the adapters merged in); returns `out`."""
+def read_actor(checkpoint: str | Path, merge: bool = True) -> tuple[Any, Any, Path, dict]:
+    """(config, params, the model folder it was trained from, the checkpoint's meta) of the
+    actor of `checkpoint` (a step folder, a checkpoints folder or a run directory), on the
+    first device. A LoRA run's params are its adapters, or with `merge` the base as it was
+    loaded with the adapters beside its weights (the config's LoRA spec applies them)."""
     import jax
 
-    from jaxrl.models import abstract_params, from_pretrained, load_config, save_pretrained
+    from jaxrl.models import abstract_params, from_pretrained, load_config
     from jaxrl.models.config import LoraSpec
     from jaxrl.models.lora import merge as merge_trees
     from jaxrl.models.lora import split
-    from jaxrl.models.peft_io import save_adapter
     from jaxrl.trainer.checkpoint import Checkpoints
 
     folder, step = resolve_step(Path(checkpoint))
@@ -70,13 +70,25 @@ def export(
         target = split(target)[1]
     params = ckpts.restore_item(step, "actor_params", target)
     ckpts.close()
-    if adapter is not None and not merge:
+    if adapter is not None and merge:  # the base as it was loaded, the adapters merged into it
+        _, base = from_pretrained(source, dtype=meta["param_dtype"], **options)
+        params = merge_trees(base, params)
+    return config, params, source, meta
+
+
+def export(
+    checkpoint: str | Path, out: str | Path, dtype: str | None = None, merge: bool = False
+) -> Path:
+    """Write the actor of `checkpoint` to `out`: an HF folder, or for a LoRA run a PEFT adapter
+    folder (`merge`: the HF folder of the base with the adapters merged in); returns `out`."""
+    from jaxrl.models import save_pretrained
+    from jaxrl.models.peft_io import save_adapter
+
+    config, params, source, meta = read_actor(checkpoint, merge=merge)
+    if meta.get("actor_lora") is not None and not merge:
         out = save_adapter(config, params, out, base_model=str(source), dtype=dtype)
         _save_tokenizer(source, out)
         return out
-    if adapter is not None:  # the base as it was loaded, the adapters merged into it
-        _, base = from_pretrained(source, dtype=meta["param_dtype"], **options)
-        params = merge_trees(base, params)
     tokenizer = None
     try:
         from jaxrl.data import load_tokenizer

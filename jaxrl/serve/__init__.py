@@ -18,6 +18,7 @@ import jax
 
 import jaxrl.models as M
 from jaxrl.data import load_tokenizer
+from jaxrl.export import read_actor, resolve_step
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.serve.app import Served, make_app
 from jaxrl.serve.engine_loop import EngineLoop
@@ -28,8 +29,9 @@ __all__ = ["ApiError", "EngineLoop", "Served", "load", "make_app"]
 
 
 def load(
-    model: str | os.PathLike,
+    model: str | os.PathLike | None = None,
     *,
+    checkpoint: str | os.PathLike | None = None,
     name: str | None = None,
     max_num_seqs: int = 64,
     max_model_len: int | None = None,
@@ -40,10 +42,22 @@ def load(
     request_timeout: float = 600.0,
     seed: int = 0,
 ) -> Served:
-    """An HF model folder on the rollout mesh (dp = the devices / tp), served as `name`
-    (default: the folder's name)."""
-    folder = Path(model).expanduser()
-    config, params = M.from_pretrained(folder, dtype=dtype)
+    """An HF model folder (`model`), or the actor of a run's checkpoint (`checkpoint`: a run
+    directory, its checkpoints folder or a step folder; a LoRA run's adapters on its base,
+    the tokenizer of the folder it trained from), on the rollout mesh (dp = the devices /
+    tp), served as `name` (default: the model folder's name, or `{run}-step{N}`)."""
+    if (model is None) == (checkpoint is None):
+        raise ValueError(
+            "serve one of: an HF model folder (--model) or a checkpoint (--checkpoint)"
+        )
+    if checkpoint is not None:
+        config, params, folder, _ = read_actor(checkpoint, merge=True)
+        config = config.replace(param_dtype=dtype, dtype=dtype)
+        checkpoints, step = resolve_step(Path(checkpoint))
+        name = name or f"{checkpoints.parent.name}-step{step}"
+    else:
+        folder = Path(model).expanduser()
+        config, params = M.from_pretrained(folder, dtype=dtype)
     layout = Layout.create(rollout_mesh(tensor_parallel_size), ROLLOUT_RULES)
     tokenizer = load_tokenizer(str(folder))
     engine = RolloutEngine(config, layout, max_num_seqs=max_num_seqs,

@@ -1,4 +1,4 @@
-"""`python -m jaxrl.serve --model DIR`: an HF model folder served over the OpenAI API.
+"""`python -m jaxrl.serve --model DIR | --checkpoint RUN`: a model served over the OpenAI API.
 
     python -m jaxrl.serve --model ~/.cache/jaxrl/quickstart_tools/model --port 8000
     curl localhost:8000/v1/chat/completions -d '{"model": "model", "messages": [...]}'
@@ -23,8 +23,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxrl.serve", description=__doc__.split("\n")[0]
     )
-    parser.add_argument(
-        "--model", required=True, help="an HF model folder (config, weights, tokenizer)"
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="an HF model folder (config, weights, tokenizer)")
+    source.add_argument(
+        "--checkpoint",
+        help="a run directory, its checkpoints folder or a "
+        "step folder: the actor's weights (LoRA merged), the run's tokenizer",
     )
     parser.add_argument(
         "--served-model-name", help="the name clients ask for (default: the folder's)"

@@ -11,8 +11,10 @@ import pytest
 import torch
 import transformers
 from _quickstart import assert_same_metrics, asset_paths, quickstart_config
+from starlette.testclient import TestClient
 
 import jaxrl.models as M
+from jaxrl import serve
 from jaxrl.config import load_config
 from jaxrl.export import export
 from jaxrl.models import lora
@@ -183,6 +185,22 @@ def test_lora_resume_sharding_and_export(peft, assets, tmp_path, caplog):
     with torch.no_grad():
         # transformers' forward against jaxrl's: DESIGN §6's composite tolerance (logits O(1))
         np.testing.assert_allclose(hf_merged(torch.tensor(ids)).logits.numpy(), ours, atol=1e-4)
+    # the checkpoint served (`python -m jaxrl.serve --checkpoint`): the adapted policy's
+    # next token and its log-prob, greedy, after the same ids
+    served = serve.load(checkpoint=stopped, max_num_seqs=2, max_model_len=32)
+    try:
+        assert served.model == "stopped-step2"
+        body = {"model": served.model, "prompt": ids[0].tolist(), "max_tokens": 1,
+                "temperature": 0, "logprobs": 1}  # fmt: skip
+        with TestClient(serve.make_app(served)) as client:
+            (choice,) = client.post("/v1/completions", json=body).json()["choices"]
+    finally:
+        served.engine.close()
+    want = jax.nn.log_softmax(ours[0, -1])
+    token = served.tokenizer.decode([int(np.argmax(want))])
+    assert choice["logprobs"]["tokens"] == [token]
+    # the engine's program against the forward's: DESIGN §6's composite tolerance
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][0], want.max(), atol=1e-4)
 
 
 def test_lora_on_a_family_jaxrl_cannot_load(tmp_path):
