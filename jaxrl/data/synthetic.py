@@ -50,11 +50,18 @@ TOOL_WORDS = (
     CALL_OPEN, CALL_CLOSE,
 )  # fmt: skip
 # ChatML with hermes tool turns (consecutive tool messages share one user turn, as Qwen2.5's).
+# An assistant message with OpenAI `tool_calls` (an external agent's history) renders each call
+# as the policy writes it: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 HERMES_CHATML_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'tool' %}"
     "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
     "{% endif %}\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
     "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n"
+    "{{ m['content'] or '' }}{% for c in m['tool_calls'] %}<tool_call>{\"name\": \""
+    "{{ c['function']['name'] }}\", \"arguments\": {% if c['function']['arguments'] is string %}"
+    "{{ c['function']['arguments'] }}{% else %}{{ c['function']['arguments'] | tojson }}"
+    "{% endif %}}</tool_call>{% endfor %}<|im_end|>\n"
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -48,6 +48,7 @@ from jaxrl.serve.protocol import (
     tool_call_objects,
     with_max_tokens,
 )
+from jaxrl.serve.recorder import Call, Recorder
 
 _TOOL_OPEN = "<tool_call>"
 
@@ -63,6 +64,8 @@ class Served:
         max_model_len: The engine's context: prompt + response tokens at most.
         end_ids: The tokens that end a response (not part of its text or log-probs).
         request_timeout: Seconds a request may take before it is aborted (408).
+        recorder: Records the choices of requests whose api key is an open episode's
+            (`jaxrl.serve.recorder`; None: nothing is recorded).
     """
 
     engine: EngineLoop
@@ -71,6 +74,7 @@ class Served:
     max_model_len: int
     end_ids: frozenset[int]
     request_timeout: float = 600.0
+    recorder: Recorder | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -116,12 +120,14 @@ class _Choice:
     tokens: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
     finish: str | None = None
+    versions: list[int | None] = dataclasses.field(default_factory=list)
     streamed: int = 0  # characters of its text sent
     logprobs_sent: int = 0  # tokens whose log-probs were sent
 
     def add(self, update: Update) -> None:
         self.tokens += update.tokens
         self.log_probs += update.log_probs
+        self.versions += update.versions
         self.finish = update.finish_reason
 
 
@@ -138,7 +144,7 @@ async def _complete(served: Served, http: HttpRequest, *, chat: bool) -> Respons
         request = with_max_tokens(request, len(ids), served.max_model_len)
     except ApiError as error:
         return _error(error)
-    run = _Run(served, request, ids, chat=chat)
+    run = _Run(served, request, ids, chat=chat, episode=_api_key(http))
     try:
         run.start()
     except ApiError as error:
@@ -173,8 +179,10 @@ def _prompt_ids(served: Served, request: Request) -> list[int]:
 class _Run:
     """One request on the engine: its updates arrive on this event loop."""
 
-    def __init__(self, served: Served, request: Request, ids: list[int], *, chat: bool):
+    def __init__(self, served: Served, request: Request, ids: list[int], *, chat: bool,
+                 episode: str | None = None):  # fmt: skip
         self.served, self.request, self.ids, self.chat = served, request, ids, chat
+        self.episode = episode
         self.choices = [_Choice() for _ in range(request.n)]
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -214,10 +222,21 @@ class _Run:
                     raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}")
                 for update in item:
                     self.choices[update.choice].add(update)
+                if all(c.finish is not None for c in self.choices):
+                    self._record()
                 yield item
         finally:
             if any(c.finish is None for c in self.choices):
                 self.served.engine.abort(self.job)
+
+    def _record(self) -> None:
+        """Each choice under the request's episode, when its key is one being recorded."""
+        recorder = self.served.recorder
+        if recorder is None or not recorder.records(self.episode):
+            return
+        for c in self.choices:
+            call = Call(list(self.ids), list(c.tokens), list(c.log_probs), c.finish, c.versions)
+            recorder.record(self.episode, call)
 
     async def wait(self, http: HttpRequest) -> None:
         async for _ in self.updates(http):
@@ -287,11 +306,12 @@ class _Run:
     async def events(self) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer (a client gone cancels this, and the
         job is aborted)."""
-        if self.chat:
-            for i in range(self.request.n):
-                yield _event(self._chunk(i, {"role": "assistant", "content": ""}))
+        stream = self.updates()
         try:
-            async for updates in self.updates():
+            if self.chat:
+                for i in range(self.request.n):
+                    yield _event(self._chunk(i, {"role": "assistant", "content": ""}))
+            async for updates in stream:
                 for update in updates:
                     for event in self._deltas(update.choice):
                         yield event
@@ -299,6 +319,10 @@ class _Run:
             yield _event(error.body())
             yield "data: [DONE]\n\n"
             return
+        finally:  # a client gone closes this at a `yield`: abort the job now, not at GC
+            await stream.aclose()
+            if any(c.finish is None for c in self.choices):
+                self.served.engine.abort(self.job)
         if self.request.include_usage:
             yield _event({**self._chunk(0, None), "choices": [], "usage": self._usage()})
         yield "data: [DONE]\n\n"
@@ -355,6 +379,12 @@ class _Run:
             return None
         start, choice.logprobs_sent = choice.logprobs_sent, upto
         return self._log_probs(choice, start, upto)
+
+
+def _api_key(http: HttpRequest) -> str | None:
+    """The bearer token of the request (the OpenAI client's `api_key`)."""
+    scheme, _, token = http.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 def _offsets(pieces: Sequence[str]) -> list[int]:

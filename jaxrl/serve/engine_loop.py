@@ -55,12 +55,14 @@ class Update:
         tokens: The new token ids.
         log_probs: Their log-probs (the processed distribution).
         finish_reason: "stop", "length" or "abort" when the copy ended in this chunk.
+        versions: The weights version that sampled each token (None: unversioned).
     """
 
     choice: int
     tokens: list[int]
     log_probs: list[float]
     finish_reason: str | None
+    versions: list[int | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -187,7 +189,8 @@ class EngineLoop:
                     continue
                 if len(handle.tokens) > sent or handle.done:
                     new = handle.tokens[sent:], handle.log_probs[sent:]
-                    updates.append(Update(choice, *new, handle.finish_reason))
+                    updates.append(Update(choice, *new, handle.finish_reason,
+                                          handle.versions[sent:]))  # fmt: skip
                     job.sent[choice] = None if handle.done else len(handle.tokens)
             if updates and not self._notify(job, updates):
                 self._abort(job)  # nobody listens any more

@@ -19,11 +19,14 @@ import numpy as np
 import pytest
 import uvicorn
 
+from jaxrl.agent import AgentLoop, AgentRequest, ChatTokens, Limits, ToolRunner
+from jaxrl.agent.tools.calculator import Calculator
 from jaxrl.data import load_tokenizer, synthetic
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.scheduler import Scheduler
 from jaxrl.serve import EngineLoop, Served, make_app
+from jaxrl.serve.recorder import Call, Recorder, episode_sequences
 from jaxrl.testing.scripted import calculator_chain, scripted_policy
 
 openai = pytest.importorskip("openai")
@@ -34,7 +37,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}]  # fmt: skip
 ASK = [{"role": "user", "content": "add: 1 + 2"}]
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12"}}</tool_call>'
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def policy(tmp_path_factory):
     synthetic.write_tokenizer(folder, tools=True)
     tokenizer = load_tokenizer(str(folder))
     # a weight that leaves other tokens some mass: sampled answers differ by key
-    config, params = scripted_policy(tokenizer, calculator_chain("12"), weight=6.0)
+    config, params = scripted_policy(tokenizer, calculator_chain("7"), weight=6.0)
     return tokenizer, config, params
 
 
@@ -113,8 +116,8 @@ def test_chat_with_tools_answers_tool_calls_streamed_or_not(server):
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     (call,) = choice.message.tool_calls
     assert call.function.name == "calculator"
-    assert json.loads(call.function.arguments) == {"expression": "12"}
-    assert out.usage.completion_tokens == 6 and out.usage.prompt_tokens > 0
+    assert json.loads(call.function.arguments) == {"expression": "7"}
+    assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens > 0
     # without tools the same turn is text; streamed, the pieces add up to it
     plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0)
     assert plain.choices[0].message.content == CALL
@@ -123,7 +126,7 @@ def test_chat_with_tools_answers_tool_calls_streamed_or_not(server):
         model=MODEL, messages=ASK, temperature=0, stream=True,
         stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == CALL and chunks[-1].usage.completion_tokens == 6
+    assert text == CALL and chunks[-1].usage.completion_tokens == 5
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     # streamed with tools: no call text in the content, the call in the last chunk
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
@@ -162,7 +165,7 @@ def test_text_completions(server, policy):
     prompt = tokenizer.decode(server.served.chat.prompt(ASK, None))
     out = server.client.completions.create(model=MODEL, prompt=prompt, temperature=0,
                                            max_tokens=10, logprobs=1)  # fmt: skip
-    assert out.choices[0].text == CALL and len(out.choices[0].logprobs.token_logprobs) == 6
+    assert out.choices[0].text == CALL and len(out.choices[0].logprobs.token_logprobs) == 5
     streamed = server.client.completions.create(model=MODEL, prompt=prompt, temperature=0,
                                                 max_tokens=10, stream=True)  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed) == CALL
@@ -269,12 +272,12 @@ def test_full_queue_timeout_and_a_failing_engine(policy, monkeypatch):
 
 
 def _settled(server):
-    """Wait (10 s at most) until no request is pending; then every slot is free."""
-    began = time.monotonic()
-    while server.served.engine.pending and time.monotonic() - began < 10:
+    """Wait (10 s at most: the engine's thread catches up) until no request is pending and
+    every slot is free."""
+    engine, began = server.served.engine, time.monotonic()
+    while (engine.pending, engine.scheduler.free_slots) != (0, 4):
+        assert time.monotonic() - began < 10, (engine.pending, engine.scheduler.free_slots)
         time.sleep(0.05)
-    assert server.served.engine.pending == 0
-    assert server.served.engine.scheduler.free_slots == 4
 
 
 def test_a_client_that_disconnects_frees_its_slot(policy, monkeypatch):
@@ -334,3 +337,58 @@ def test_the_command_serves_a_model_folder(tmp_path):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_a_two_call_episode_is_the_agent_loops_trajectory(server, policy):
+    """An external agent (the openai client, its api_key the episode's) calls the policy,
+    runs the calculator on its tool call, sends the result back and calls again: the two
+    recorded calls chain into one sequence equal, token by token, to the internal agent
+    loop's trajectory of the same two turns (prompt, response, trained mask, log-probs)."""
+    tokenizer = policy[0]
+    calculator = Calculator({})
+    tools = [calculator.get_openai_tool_schema()]
+    recorder = server.served.recorder = Recorder()
+    recorder.open("episode-0")
+    client = openai.OpenAI(base_url=server.url, api_key="episode-0", max_retries=0)
+    messages = list(ASK)
+    try:
+        for _ in range(2):  # the loop's max_assistant_turns
+            reply = client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                                   temperature=0).choices[0].message  # fmt: skip
+            messages.append(reply.model_dump(exclude_none=True))
+            for call in reply.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                text = asyncio.run(calculator.execute("i", arguments))[0].text
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+        server.client.chat.completions.create(model=MODEL, messages=ASK)  # another key
+    finally:
+        calls = recorder.close("episode-0")
+        server.served.recorder = None
+    assert len(calls) == 2
+    (sequence,) = episode_sequences(calls)
+
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    with ToolRunner({"calculator": calculator}) as runner:
+        loop = AgentLoop(_engine(policy), ChatTokens(tokenizer, [tokenizer.eos_token_id]),
+                         runner, Limits(max_assistant_turns=2, decode_chunk=4),
+                         response_length=64, max_prompt_length=64)  # fmt: skip
+        (want,) = loop.run([AgentRequest(ASK)], greedy, jax.random.key(0))
+    assert want.assistant_turns == 2 and want.user_turns == 1
+    assert sequence.prompt == want.prompt
+    assert sequence.response == want.response
+    assert sequence.sampled == want.sampled and 0 < sum(want.sampled) < len(want.sampled)
+    # the same programs on the same tokens: equal up to float32 summation order
+    np.testing.assert_allclose(sequence.log_probs, want.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_calls_that_do_not_continue_the_sequence_start_another():
+    """A call whose prompt is not the sequence so far (history edited) is a sample of its
+    own; one that continues it appends the tokens between as untrained."""
+    a = Call([1, 2], [3, 4], [-0.1, -0.2], "stop")
+    b = Call([1, 2, 3, 4, 9, 9], [5], [-0.3], "stop", [7])
+    c = Call([1, 2, 8], [6], [-0.4], "stop")
+    first, second = episode_sequences([a, b, c])
+    assert (first.prompt, first.response) == ([1, 2], [3, 4, 9, 9, 5])
+    assert first.sampled == [1, 1, 0, 0, 1] and first.log_probs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    assert first.versions == [None, None, None, None, 7]
+    assert (second.prompt, second.response, second.sampled) == ([1, 2, 8], [6], [1])
