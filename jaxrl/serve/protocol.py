@@ -252,7 +252,10 @@ def _sampling(body: Mapping[str, Any], limit: Any) -> SamplingParams:
     top_k = body.get("top_k", -1)  # vLLM's extension
     if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k != -1):
         raise ApiError(400, f"top_k={top_k!r} must be -1 (off) or >= 1", param="top_k")
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"ignore_eos={ignore_eos!r} must be true or false", param="ignore_eos")
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=limit or 1,
-        do_sample=temperature > 0, stop=tuple(stop), seed=seed,
+        do_sample=temperature > 0, stop=tuple(stop), seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
