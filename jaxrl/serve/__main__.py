@@ -49,10 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the key of requests without a seed")
     args = parser.parse_args(argv)
     served = load(
-        args.model, name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype, chunk=args.chunk, max_pending=args.max_pending,
-        request_timeout=args.request_timeout, seed=args.seed,
+        args.model, checkpoint=args.checkpoint, name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, chunk=args.chunk,
+        max_pending=args.max_pending, request_timeout=args.request_timeout, seed=args.seed,
     )  # fmt: skip
     print(f"jaxrl.serve: {served.model} on http://{args.host}:{args.port}/v1", flush=True)
     try:

@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from jaxrl.agent.chat import ChatTokens
 from jaxrl.agent.parser import parse_hermes
-from jaxrl.serve.engine_loop import BadRequest, EngineLoop, QueueFull, Update
+from jaxrl.serve.engine_loop import BadRequest, EngineLoop, JobTimeout, QueueFull, Update
 from jaxrl.serve.protocol import (
     ApiError,
     Request,
@@ -144,6 +144,15 @@ async def _complete(served: Served, http: HttpRequest, *, chat: bool) -> Respons
         request = with_max_tokens(request, len(ids), served.max_model_len)
     except ApiError as error:
         return _error(error)
+    engine = served.engine.scheduler.engine
+    vocab = engine.config.vocab_size
+    if max(ids) >= vocab:  # refused here, not inside a stream that has begun
+        return _error(ApiError(400, f"prompt token id {max(ids)} is past the model's vocabulary "
+                               f"of {vocab}", param="prompt"))  # fmt: skip
+    slots = engine.slots
+    if request.n > slots:
+        return _error(ApiError(400, f"n={request.n}: more choices than the server's {slots} "
+                               "slots (--max-num-seqs) hold at once", param="n"))  # fmt: skip
     run = _Run(served, request, ids, chat=chat, episode=_api_key(http))
     try:
         run.start()
@@ -172,7 +181,8 @@ def _prompt_ids(served: Served, request: Request) -> list[int]:
                 param="messages",
             ) from error
     if isinstance(request.prompt, str):
-        return list(served.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+        # as vLLM's completions: the tokenizer's special tokens (a BOS) added
+        return list(served.tokenizer(request.prompt)["input_ids"])
     return list(request.prompt)
 
 
@@ -195,27 +205,34 @@ class _Run:
             self.job = self.served.engine.submit(
                 self.ids, self.request.sampling, copies=self.request.n,
                 notify=lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item),
+                timeout=self.served.request_timeout,
             )  # fmt: skip
         except QueueFull as error:
             raise ApiError(429, f"the server is busy ({error}): retry later") from error
+        except (ValueError, OverflowError) as error:  # ids the engine cannot hold
+            raise ApiError(400, f"the prompt's token ids: {error}") from error
 
     async def updates(self, http: HttpRequest | None = None) -> AsyncIterator[list[Update]]:
         """Each chunk's updates until every choice ended; aborts the job when left early
         (a disconnect, a timeout, an error)."""
-        deadline = time.monotonic() + self.served.request_timeout
+        limit = self.served.request_timeout
+        deadline = time.monotonic() + limit
+        checked = time.monotonic()
         try:
             while any(c.finish is None for c in self.choices):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    limit = self.served.request_timeout
-                    raise ApiError(408, f"the request took longer than the server's {limit:g} s",
-                                   code="timeout")  # fmt: skip
+                    raise _timeout(limit)
+                if http is not None and time.monotonic() - checked > 0.25:
+                    checked = time.monotonic()  # updates or not: a client gone is noticed
+                    if await http.is_disconnected():
+                        return
                 try:
                     item = await asyncio.wait_for(self.queue.get(), min(left, 0.25))
                 except TimeoutError:
-                    if http is not None and await http.is_disconnected():
-                        return
                     continue
+                if isinstance(item, JobTimeout):
+                    raise _timeout(limit)
                 if isinstance(item, BadRequest):
                     raise ApiError(400, str(item))
                 if isinstance(item, BaseException):
@@ -348,8 +365,8 @@ class _Run:
         ready = len(text)
         if choice.finish is None and text.endswith("\ufffd"):
             ready = len(text.rstrip("\ufffd"))
-        if self.chat and self.request.tools and _TOOL_OPEN in text:
-            ready = min(ready, text.index(_TOOL_OPEN))
+        if self.chat and self.request.tools:  # from `<tool_call>` on, or a start of it
+            ready = min(ready, _held_from(text, _TOOL_OPEN, choice.finish is not None))
         if choice.finish is None and self.request.sampling.stop:  # maybe a stop string's start
             ready = min(ready, len(text) - max(map(len, self.request.sampling.stop)) + 1)
         events = []
@@ -381,6 +398,23 @@ class _Run:
         return self._log_probs(choice, start, upto)
 
 
+def _held_from(text: str, tag: str, finished: bool) -> int:
+    """Where a stream holds `text` back: at `tag`, or (while it runs) at a last part of it
+    that may begin `tag` (a tag split over several tokens)."""
+    if tag in text:
+        return text.index(tag)
+    if not finished:
+        for size in range(min(len(tag) - 1, len(text)), 0, -1):
+            if text.endswith(tag[:size]):
+                return len(text) - size
+    return len(text)
+
+
+def _timeout(limit: float) -> ApiError:
+    return ApiError(408, f"the request took longer than the server's {limit:g} s "
+                    "(--request-timeout); it was aborted", code="timeout")  # fmt: skip
+
+
 def _api_key(http: HttpRequest) -> str | None:
     """The bearer token of the request (the OpenAI client's `api_key`)."""
     scheme, _, token = http.headers.get("authorization", "").partition(" ")
@@ -400,4 +434,6 @@ def _event(payload: dict) -> str:
 
 
 def _error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    # a timeout was aborted here: the openai client must not send it again on its own
+    headers = {"x-should-retry": "false"} if error.status == 408 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -7,6 +7,10 @@
     loop.abort(job)                    # a client gone: its slots are freed at the next chunk
     loop.close()
 
+A job past its `deadline` (seconds from submission) is aborted by the thread itself and told
+`JobTimeout`, whether or not its client still listens. Anything the thread raises while
+starting or stepping fails the jobs concerned, never the thread.
+
 The scheduler is not thread-safe, so one thread owns it: it takes the submissions and aborts
 queued since its last pass, steps the scheduler a chunk (continuous batching: every running
 request of every client decodes in the same `engine.decode` call) and reports to each job
@@ -25,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +49,10 @@ class QueueFull(Exception):
 
 class BadRequest(ValueError):
     """The engine's own checks refused a request (its ids, its sampling settings)."""
+
+
+class JobTimeout(TimeoutError):
+    """A job not done by its deadline (aborted)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +82,7 @@ class Job:
     sampling: SamplingParams
     copies: int
     notify: Callable[[Any], None]
+    deadline: float = float("inf")  # time.monotonic() past which it is aborted
     handles: list[Handle] = dataclasses.field(default_factory=list)
     # tokens reported per copy (None: its end reported)
     sent: list[int | None] = dataclasses.field(default_factory=list)
@@ -100,18 +110,27 @@ class EngineLoop:
         self._pending = 0  # jobs submitted and not done (any thread, under the lock)
         self._count = 0
         self._closed = False
+        self._free_slots = engine.slots  # the scheduler's, as of the thread's last pass
         self._thread = threading.Thread(target=self._run, name="jaxrl-serve-engine", daemon=True)
         self._thread.start()
 
     @property
     def pending(self) -> int:
+        """Jobs submitted and not ended."""
         return self._pending
 
+    @property
+    def free_slots(self) -> int:
+        """The engine's free slots as of the thread's last pass (any thread may read it)."""
+        return self._free_slots
+
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, copies: int,
-               notify: Callable[[Any], None]) -> Job:  # fmt: skip
-        """Queue a request of `copies` copies; `notify` gets its updates (module doc).
-        Raises `QueueFull` with `max_pending` jobs pending."""
-        job = Job(np.asarray(prompt, np.int32), sampling, copies, notify)
+               notify: Callable[[Any], None], timeout: float = float("inf")) -> Job:  # fmt: skip
+        """Queue a request of `copies` copies; `notify` gets its updates (module doc), and
+        `JobTimeout` if it is not done within `timeout` seconds. Raises `QueueFull` with
+        `max_pending` jobs pending."""
+        deadline = time.monotonic() + timeout
+        job = Job(np.asarray(prompt, np.int32), sampling, copies, notify, deadline)
         with self._lock:
             if self._closed:
                 raise RuntimeError("EngineLoop.submit after close()")
@@ -145,41 +164,57 @@ class EngineLoop:
             if closed:
                 self._fail(self._jobs + submitted, RuntimeError("the server is shutting down"))
                 return
-            for job in submitted:
-                self._start(job)
-            for job in aborted:
-                self._abort(job)
-            if not self.scheduler.busy:
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
             try:
-                self.scheduler.step()
-            except Exception as error:  # the engine failed: these jobs with it, not the server
-                self._fail(list(self._jobs), error)
-                continue
-            self._report()
+                self._pass(submitted, aborted)
+            except Exception as error:  # a bug of this loop's: the jobs fail, the thread lives
+                log.exception("the engine loop failed; failing the requests in flight")
+                self._fail([*self._jobs, *submitted], error)
+            self._free_slots = self.scheduler.free_slots
+
+    def _pass(self, submitted: list[Job], aborted: list[Job]) -> None:
+        """Start, abort and expire jobs, then decode a chunk (or wait for work)."""
+        for job in submitted:
+            self._start(job)
+        for job in aborted:
+            self._abort(job)
+        now = time.monotonic()
+        for job in [j for j in self._jobs if j.deadline < now]:
+            self._abort(job, JobTimeout("not done by its deadline"))
+        if not self.scheduler.busy:
+            self._free_slots = self.scheduler.free_slots
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            return
+        try:
+            self.scheduler.step()
+        except Exception as error:  # the engine failed: these jobs with it, not the server
+            self._fail(list(self._jobs), error)
+            return
+        self._report()
 
     def _start(self, job: Job) -> None:
         sampling = job.sampling
-        key = (jax.random.key(sampling.seed) if sampling.seed is not None
-               else jax.random.fold_in(self.base_key, self._count))  # fmt: skip
         self._count += 1
         try:
+            key = (jax.random.key(sampling.seed) if sampling.seed is not None
+                   else jax.random.fold_in(self.base_key, self._count - 1))  # fmt: skip
             job.handles = self.scheduler.submit(job.prompt, sampling, key, copies=job.copies)
-        except ValueError as error:  # the engine's own checks of the ids and the settings
+        except (ValueError, OverflowError, TypeError) as error:  # the engine's own checks
             self._end(job, BadRequest(str(error)))
+            return
+        except Exception as error:  # the engine failed on it
+            self._end(job, error)
             return
         job.sent = [0] * job.copies
         self._jobs.append(job)
 
-    def _abort(self, job: Job) -> None:
+    def _abort(self, job: Job, error: BaseException | None = None) -> None:
         if job.done:
             return
         for handle in job.handles:
             if not handle.done:
                 self.scheduler.abort(handle)
-        self._end(job, None)
+        self._end(job, error)
 
     def _report(self) -> None:
         for job in list(self._jobs):
@@ -192,10 +227,10 @@ class EngineLoop:
                     updates.append(Update(choice, *new, handle.finish_reason,
                                           handle.versions[sent:]))  # fmt: skip
                     job.sent[choice] = None if handle.done else len(handle.tokens)
+            if all(h.done for h in job.handles):
+                self._end(job, None)  # before its client hears of the end: pending is right
             if updates and not self._notify(job, updates):
                 self._abort(job)  # nobody listens any more
-            elif all(h.done for h in job.handles):
-                self._end(job, None)
 
     def _fail(self, jobs: Sequence[Job], error: BaseException) -> None:
         for job in jobs:

@@ -7,9 +7,10 @@
 
 Only what the engine can do is accepted; anything else is refused with a 400 naming the
 parameter, never ignored: a sampled token's log-prob is returned (`logprobs`) but not the
-other candidates' (`top_logprobs` > 0 is refused), and penalties, `logit_bias`, `echo` and
-`suffix` are refused unless they are their no-op defaults. Sampling follows vLLM's reading of
-OpenAI's parameters: `temperature` 0 is greedy, `max_tokens` (or `max_completion_tokens`)
+other candidates' (`top_logprobs` > 0 is refused); penalties, `logit_bias`, `echo` and
+`suffix` are refused unless they are their no-op defaults, as are `response_format` other
+than text, `best_of` > 1 and `parallel_tool_calls: false`. Sampling follows vLLM's reading
+of OpenAI's parameters: `temperature` 0 is greedy, `max_tokens` (or `max_completion_tokens`)
 defaults to what the context leaves after the prompt, `seed` fixes the request's samples.
 """
 
@@ -114,7 +115,8 @@ def chat_request(body: Any, model: str) -> Request:
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     stream_options = body.get("stream_options") or {}
     return Request(
-        messages=[dict(m) for m in messages], tools=tools or None, prompt=None,
+        messages=[_text_content(m, i) for i, m in enumerate(messages)], tools=tools or None,
+        prompt=None,
         sampling=_sampling(body, limit), n=_n(body), stream=bool(body.get("stream")),
         logprobs=bool(body.get("logprobs")), max_tokens=limit,
         include_usage=bool(stream_options.get("include_usage")),
@@ -128,10 +130,11 @@ def completion_request(body: Any, model: str) -> Request:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    ids = isinstance(prompt, list) and all(_is_int(t) and 0 <= t < 2**31 for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not (ids and prompt):
-        raise ApiError(400, "prompt must be one non-empty string or list of token ids (send "
-                       "several prompts as several requests)", param="prompt")  # fmt: skip
+        raise ApiError(400, "prompt must be one non-empty string or list of token ids in "
+                       "[0, 2**31) (send several prompts as several requests)",
+                       param="prompt")  # fmt: skip
     for name in ("echo", "suffix"):
         if body.get(name):
             raise ApiError(400, f"{name} is not supported", param=name)
@@ -190,9 +193,21 @@ _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "user": None}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} (structured outputs are "
+                       "not built)", param="response_format")  # fmt: skip
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "best_of > 1 is not supported (ask for n choices)", param="best_of")
+    if body.get("parallel_tool_calls") is False:
+        raise ApiError(400, "parallel_tool_calls=false is not supported: the model may write "
+                       "several calls in a turn", param="parallel_tool_calls")  # fmt: skip
     for name, default in _NO_OPS.items():
         value = body.get(name, default)
         if name != "user" and value not in (default, None, {}):
@@ -209,6 +224,19 @@ def _model(body: Mapping[str, Any], model: str) -> None:
                        code="model_not_found")  # fmt: skip
 
 
+def _text_content(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """The message with content given as parts (`[{"type": "text", "text": ...}]`) joined
+    into one string; parts other than text are refused."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):  # fmt: skip
+        raise ApiError(400, f"messages[{index}].content: only text parts are supported",
+                       param=f"messages[{index}].content")  # fmt: skip
+    return {**message, "content": "".join(p["text"] for p in content)}
+
+
 def _is_function_tool(tool: Any) -> bool:
     return (isinstance(tool, dict) and tool.get("type") == "function"
             and isinstance(tool.get("function"), dict) and "name" in tool["function"])  # fmt: skip
@@ -216,7 +244,7 @@ def _is_function_tool(tool: Any) -> bool:
 
 def _n(body: Mapping[str, Any]) -> int:
     n = body.get("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not _is_int(n) or n < 1:
         raise ApiError(400, f"n={n!r} must be an integer >= 1", param="n")
     return n
 
@@ -233,8 +261,7 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
 
 def _sampling(body: Mapping[str, Any], limit: Any) -> SamplingParams:
     """The engine's settings of a request (`max_tokens` filled in later, from the prompt)."""
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
-                              or limit < 1):  # fmt: skip
+    if limit is not None and (not _is_int(limit) or limit < 1):
         raise ApiError(400, f"max_tokens={limit!r} must be an integer >= 1", param="max_tokens")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -247,11 +274,11 @@ def _sampling(body: Mapping[str, Any], limit: Any) -> SamplingParams:
         raise ApiError(400, "stop must be a string or a list of at most 4 non-empty strings",
                        param="stop")  # fmt: skip
     seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ApiError(400, f"seed={seed!r} must be an integer", param="seed")
+    if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**63):
+        raise ApiError(400, f"seed={seed!r} must be a 64-bit integer", param="seed")
     top_k = body.get("top_k", -1)  # vLLM's extension
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k != -1):
-        raise ApiError(400, f"top_k={top_k!r} must be -1 (off) or >= 1", param="top_k")
+    if not _is_int(top_k) or not (top_k == -1 or 1 <= top_k < 2**31):
+        raise ApiError(400, f"top_k={top_k!r} must be -1 (off) or in [1, 2**31)", param="top_k")
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, f"ignore_eos={ignore_eos!r} must be true or false", param="ignore_eos")

@@ -15,7 +15,8 @@ prompt, then each call's sampled tokens (trained on: `sampled` 1, their log-prob
 tokens between them (the template's rest: tool results, user turns; attended to, not trained
 on). A call whose prompt does not continue the sequence so far (the agent edited or dropped
 history, or the template renders the reply differently) starts a new sequence: one sample
-per such call.
+per such call. A call continues the longest sequence its prompt begins with, so the choices
+of an `n` > 1 request, or calls made concurrently, each grow their own.
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ def episode_sequences(calls: Sequence[Call]) -> list[Conversation]:
     """The training sequences of an episode's calls (module doc): one per chain."""
     sequences: list[Conversation] = []
     for call in calls:
-        current = sequences[-1] if sequences else None
-        so_far = [] if current is None else current.prompt + current.response
-        if current is None or call.prompt[: len(so_far)] != so_far:
+        # the longest sequence so far that this call's prompt continues (choices of one
+        # request, or concurrent calls, each grow a sequence of their own)
+        continued = [s for s in sequences if _continues(call.prompt, s)]
+        current = max(continued, key=lambda s: len(s.response), default=None)
+        if current is None:
             current = Conversation(list(call.prompt))
             sequences.append(current)
         else:
-            between = call.prompt[len(so_far) :]
+            between = call.prompt[len(current.prompt) + len(current.response) :]
             current.response += between
             current.sampled += [0] * len(between)
             current.log_probs += [0.0] * len(between)
@@ -96,3 +99,8 @@ def episode_sequences(calls: Sequence[Call]) -> list[Conversation]:
         current.log_probs += call.log_probs
         current.versions += call.versions or [None] * len(call.tokens)
     return sequences
+
+
+def _continues(prompt: Sequence[int], sequence: Conversation) -> bool:
+    so_far = sequence.prompt + sequence.response
+    return len(prompt) >= len(so_far) and list(prompt[: len(so_far)]) == so_far

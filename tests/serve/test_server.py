@@ -121,6 +121,9 @@ def test_chat_with_tools_answers_tool_calls_streamed_or_not(server):
     # without tools the same turn is text; streamed, the pieces add up to it
     plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0)
     assert plain.choices[0].message.content == CALL
+    parts = [{"role": "user", "content": [{"type": "text", "text": ASK[0]["content"]}]}]
+    same = client.chat.completions.create(model=MODEL, messages=parts, temperature=0)
+    assert same.usage.prompt_tokens == plain.usage.prompt_tokens
     assert plain.choices[0].finish_reason == "stop"
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=ASK, temperature=0, stream=True,
@@ -217,6 +220,19 @@ def test_errors_are_openais(server):
     status, body = _post(f"{server.url}/chat/completions",
                          json.dumps({"model": MODEL, "messages": []}).encode())  # fmt: skip
     assert status == 400 and body["error"]["param"] == "messages"
+    # values past what the engine's arrays hold are refused before they reach its thread
+    for bad, param in (({"seed": 2**63}, "seed"), ({"extra_body": {"top_k": 2**31}}, "top_k"),
+                       ({"n": 5}, "n"), ({"response_format": {"type": "json_object"}},
+                                         "response_format")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=ASK, **bad)
+        assert error.value.body["param"] == param, bad
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        client.completions.create(model=MODEL, prompt=[5, 2**31])
+    with pytest.raises(openai.BadRequestError, match="past the model's vocabulary"):
+        client.completions.create(model=MODEL, prompt=[5, 2**20], stream=True)
+    out = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0)
+    assert out.choices[0].message.content == CALL  # still serving
 
 
 def test_full_queue_timeout_and_a_failing_engine(policy, monkeypatch):
@@ -260,11 +276,19 @@ def test_full_queue_timeout_and_a_failing_engine(policy, monkeypatch):
         with pytest.raises(openai.APIStatusError, match="longer than") as error:
             client.chat.completions.create(model=MODEL, messages=ASK)
         assert error.value.status_code == 408
+        assert error.value.response.headers["x-should-retry"] == "false"  # aborted: no retry
         slow.clear()
         _settled(server)
         server.broken = True
         with pytest.raises(openai.InternalServerError, match="FloatingPointError: the decode"):
             client.chat.completions.create(model=MODEL, messages=ASK)
+        # a failure while admitting a request: that request fails, the thread lives on
+        submit = server.served.engine.scheduler.submit
+        monkeypatch.setattr(server.served.engine.scheduler, "submit",
+                            lambda *a, **k: {}["no such slot"])  # fmt: skip
+        with pytest.raises(openai.InternalServerError, match="KeyError"):
+            client.chat.completions.create(model=MODEL, messages=ASK)
+        monkeypatch.setattr(server.served.engine.scheduler, "submit", submit)
         out = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0)
         assert out.choices[0].message.content == CALL
     finally:
@@ -275,8 +299,8 @@ def _settled(server):
     """Wait (10 s at most: the engine's thread catches up) until no request is pending and
     every slot is free."""
     engine, began = server.served.engine, time.monotonic()
-    while (engine.pending, engine.scheduler.free_slots) != (0, 4):
-        assert time.monotonic() - began < 10, (engine.pending, engine.scheduler.free_slots)
+    while (engine.pending, engine.free_slots) != (0, 4):
+        assert time.monotonic() - began < 10, (engine.pending, engine.free_slots)
         time.sleep(0.05)
 
 
@@ -296,6 +320,14 @@ def test_a_client_that_disconnects_frees_its_slot(policy, monkeypatch):
         stream.close()  # gone after the first chunk, its two copies still decoding
         _settled(server)
         assert server.served.engine.scheduler.decode_calls < 6  # not decoded to their end
+        # a client that gives up on an answer it was not streaming: noticed while tokens come
+        impatient = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0,
+                                  timeout=0.5)  # fmt: skip
+        before = server.served.engine.scheduler.decode_calls
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model=MODEL, messages=ASK, temperature=0)
+        _settled(server)
+        assert server.served.engine.scheduler.decode_calls - before < 6
     finally:
         server.close()
 
@@ -316,10 +348,10 @@ def test_the_command_serves_a_model_folder(tmp_path):
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "jaxrl.serve", "--model", str(tmp_path / "tiny"),
                "--port", str(port), "--max-num-seqs", "2", "--max-model-len", "128"]  # fmt: skip
-    process = subprocess.Popen(command, env=subprocess_env(1), stdout=subprocess.PIPE,
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed in finally)
+    process = subprocess.Popen(command, env=subprocess_env(1), stdout=log,
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        assert "jaxrl.serve: tiny on" in process.stdout.readline()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)  # fmt: skip
         began = time.monotonic()
@@ -334,9 +366,36 @@ def test_the_command_serves_a_model_folder(tmp_path):
         out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, seed=0)
         assert out.choices[0].finish_reason in ("stop", "length")
         assert 1 <= out.usage.completion_tokens <= 8
+        assert "jaxrl.serve: tiny on" in (tmp_path / "serve.log").read_text()
     finally:
         process.terminate()
         process.wait(30)
+        log.close()
+
+
+def test_the_command_passes_its_arguments(monkeypatch):
+    """`--checkpoint` and the engine's settings reach `load`; `--model` and `--checkpoint`
+    exclude each other."""
+    from jaxrl.serve import __main__ as command
+
+    seen = {}
+
+    class Engine:
+        def close(self):
+            seen["closed"] = True
+
+    def load(model, **kwargs):
+        seen.update(model=model, **kwargs)
+        return Served(Engine(), None, "run-step2", 64, frozenset())
+
+    monkeypatch.setattr(command, "load", load)
+    monkeypatch.setattr(command, "make_app", lambda served: "app")
+    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    assert command.main(["--checkpoint", "RUN", "--max-num-seqs", "8", "--seed", "3"]) == 0
+    assert seen["model"] is None and seen["checkpoint"] == "RUN" and seen["max_num_seqs"] == 8
+    assert seen["seed"] == 3 and seen["app"] == "app" and seen["closed"]
+    with pytest.raises(SystemExit):
+        command.main(["--checkpoint", "RUN", "--model", "DIR"])
 
 
 def test_a_two_call_episode_is_the_agent_loops_trajectory(server, policy):
