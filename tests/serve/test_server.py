@@ -451,3 +451,7 @@ def test_calls_that_do_not_continue_the_sequence_start_another():
     assert first.sampled == [1, 1, 0, 0, 1] and first.log_probs == [-0.1, -0.2, 0.0, 0.0, -0.3]
     assert first.versions == [None, None, None, None, 7]
     assert (second.prompt, second.response, second.sampled) == ([1, 2, 8], [6], [1])
+    # two choices of one request, then a call continuing the first: it chains to that one
+    a2 = Call([1, 2], [7], [-0.5], "stop")
+    first, second = episode_sequences([a, a2, b])
+    assert first.response == [3, 4, 9, 9, 5] and second.response == [7]
