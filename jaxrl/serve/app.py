@@ -212,21 +212,18 @@ class _Run:
         except (ValueError, OverflowError) as error:  # ids the engine cannot hold
             raise ApiError(400, f"the prompt's token ids: {error}") from error
 
-    async def updates(self, http: HttpRequest | None = None) -> AsyncIterator[list[Update]]:
+    async def updates(self, gone: asyncio.Event | None = None) -> AsyncIterator[list[Update]]:
         """Each chunk's updates until every choice ended; aborts the job when left early
-        (a disconnect, a timeout, an error)."""
+        (`gone` set: the client disconnected; a timeout; an error)."""
         limit = self.served.request_timeout
         deadline = time.monotonic() + limit
-        checked = time.monotonic()
         try:
             while any(c.finish is None for c in self.choices):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise _timeout(limit)
-                if http is not None and time.monotonic() - checked > 0.25:
-                    checked = time.monotonic()  # updates or not: a client gone is noticed
-                    if await http.is_disconnected():
-                        return
+                if gone is not None and gone.is_set():
+                    return
                 try:
                     item = await asyncio.wait_for(self.queue.get(), min(left, 0.25))
                 except TimeoutError:
@@ -256,8 +253,21 @@ class _Run:
             recorder.record(self.episode, call)
 
     async def wait(self, http: HttpRequest) -> None:
-        async for _ in self.updates(http):
-            pass
+        """Until the answer is complete, or the client disconnects (its body read, the next
+        ASGI message it sends is the disconnect: watched beside the updates)."""
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for _ in self.updates(gone):
+                pass
+        finally:
+            watcher.cancel()
 
     # ---- the answer ----------------------------------------------------------------------
 

@@ -309,8 +309,8 @@ def test_a_client_that_disconnects_frees_its_slot(policy, monkeypatch):
     try:
         step = server.served.engine.scheduler.step
 
-        def slow():
-            time.sleep(0.2)
+        def slow():  # the answer's 6 chunks take 2.4 s: a client gone is noticed well before
+            time.sleep(0.4)
             return step()
 
         monkeypatch.setattr(server.served.engine.scheduler, "step", slow)
