@@ -120,6 +120,19 @@ def prepare(cfg, kind: str = "rl") -> list[str]:
     return _prepare(cfg, model_key, Path(model_path).expanduser(), makers[kind])
 
 
+def _refresh_template(model: Path) -> list[str]:
+    """The tool model's chat template as `synthetic` writes it now, over an older cache's
+    (one written before the template rendered an assistant's `tool_calls`, which an external
+    agent's calls need to chain: `jaxrl.serve.external`); the weights are kept."""
+    from jaxrl.data import synthetic
+
+    file = model / "chat_template.jinja"
+    if not file.is_file() or file.read_text() == synthetic.HERMES_CHATML_TEMPLATE:
+        return []
+    file.write_text(synthetic.HERMES_CHATML_TEMPLATE)
+    return [str(file)]
+
+
 def _prepare(cfg, model_key: str, model: Path, make_records) -> list[str]:
     from jaxrl.data.rows import write_parquet
 
@@ -136,6 +149,8 @@ def _prepare(cfg, model_key: str, model: Path, make_records) -> list[str]:
     if not (model / "config.json").is_file():
         write_quickstart_model(model, seed=seed, tools=cfg.assets.task == "add")
         written.append(str(model))
+    elif cfg.assets.task == "add":
+        written += _refresh_template(model)
     a = cfg.assets
     for path, split, size in ((train, "train", a.train_size), (val, "test", a.val_size)):
         if path.is_file():

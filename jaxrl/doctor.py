@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxrl.assets import prepare
+from jaxrl.checkpoint import KILLED, step_numbers, survey, verify
 from jaxrl.config import Config, ConfigError, load_config
 from jaxrl.config.checks import critic_enabled
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
@@ -49,7 +50,6 @@ from jaxrl.data.dataset import selection
 from jaxrl.data.rows import DataError, read_rows
 from jaxrl.rewards.scorers import ground_truth_problem
 from jaxrl.train import device_summary, folder_problems, preflight_problems, run_summary
-from jaxrl.trainer.checkpoint import KILLED, step_numbers, survey, verify
 from jaxrl.trainer.fit import build_run, fresh_start_problem, resume_path_problem, total_steps
 from jaxrl.trainer.memory import MemoryPlan, gib
 from jaxrl.trainer.teachers import TeacherRouter

@@ -46,11 +46,11 @@ def read_actor(checkpoint: str | Path, merge: bool = True) -> tuple[Any, Any, Pa
     loaded with the adapters beside its weights (the config's LoRA spec applies them)."""
     import jax
 
+    from jaxrl.checkpoint import Checkpoints
     from jaxrl.models import abstract_params, from_pretrained, load_config
     from jaxrl.models.config import LoraSpec
     from jaxrl.models.lora import merge as merge_trees
     from jaxrl.models.lora import split
-    from jaxrl.trainer.checkpoint import Checkpoints
 
     folder, step = resolve_step(Path(checkpoint))
     ckpts = Checkpoints(folder)
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="LoRA run: write the base with the adapters merged (default: a PEFT adapter folder)",
     )
     args = parser.parse_args(argv)
-    from jaxrl.trainer.checkpoint import CheckpointError  # jax and orbax: after --help
+    from jaxrl.checkpoint import CheckpointError  # jax and orbax: after --help
 
     try:
         path = export(args.checkpoint, args.out, args.dtype, merge=args.merge)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from jaxrl import doctor
+from jaxrl.checkpoint import INCOMPLETE, SAVING, write_manifest
 from jaxrl.config import load_config
 from jaxrl.data import synthetic
 from jaxrl.data.rows import write_parquet
-from jaxrl.trainer.checkpoint import INCOMPLETE, SAVING, write_manifest
 from jaxrl.trainer.memory import bytes_per_device
 
 ROOT = Path(__file__).parents[1]

@@ -777,6 +777,33 @@ def _check_multi_turn(cfg: Config, p: _Problems) -> None:
     path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
     if path and not os.path.isfile(os.path.expanduser(path)):
         p.append(f"{key}.tool_config_path={path}: no such file (a tool YAML: `tools: [...]`)")
+    _check_external(cfg, p)
+
+
+def _check_external(cfg: Config, p: _Problems) -> None:
+    """`rollout.agent.external`: a user's episode function in place of the agent loop."""
+    rollout = cfg.actor_rollout_ref.rollout
+    spec, key = rollout.agent.external, "actor_rollout_ref.rollout.agent.external"
+    if not spec:
+        return
+    module, _, name = str(spec).rpartition(":")
+    if not module or not name:
+        p.append(f"{key}={spec!r}: name the function as module:function or "
+                 "path/to/file.py:function")  # fmt: skip
+    if not rollout.multi_turn.enable:
+        p.append(f"{key} runs multi-turn episodes: set actor_rollout_ref.rollout.multi_turn."
+                 "enable=true")  # fmt: skip
+    if rollout.multi_turn.tool_config_path:
+        p.append(f"{key}: the external agent runs its own tools; set actor_rollout_ref.rollout."
+                 "multi_turn.tool_config_path=null")  # fmt: skip
+    if rollout.agent.external_timeout <= 0:
+        p.append(f"{key}_timeout must be > 0 seconds")
+    if not 0 <= rollout.agent.external_port < 65536:
+        p.append(f"{key}_port={rollout.agent.external_port}: a port (0: any free one)")
+    if cfg.async_training.mode == "fully_async":
+        p.append(f"{key} with async_training.mode=fully_async: the rollouter streams the "
+                 "internal agent loop's groups (an external agent's not built yet); use "
+                 "async_training.mode=sync or one_step_off")  # fmt: skip
 
 
 ASYNC_MODES = ("sync", "one_step_off", "fully_async")

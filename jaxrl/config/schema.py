@@ -383,10 +383,24 @@ class AgentConfig:
             one): `single_turn_agent` (one turn, no tools) or `tool_agent`.
         num_workers: verl's agent-loop worker count; jaxrl runs every loop in the trainer
             process (accepted, unused).
+        external: jaxrl's key (verl has none): `module:function` or `path/to/file.py:function`,
+            an `async def f(episode) -> reward` that runs one episode of a row with any
+            OpenAI client against `episode.base_url` and `episode.api_key`; the trainer serves
+            the policy over the OpenAI API during each rollout, records the episode's calls
+            and trains on them in place of the agent loop (`jaxrl.serve.external`; needs
+            `multi_turn.enable=true`). It returns a number, or a dict with `score` (and more
+            values, validated as a reward function's). null: jaxrl's own agent loop.
+        external_timeout: Seconds an episode may take; one that takes longer is cancelled
+            (its recorded calls kept, reward 0, `agent/external/timeouts`).
+        external_port: The port of the trainer's server on 127.0.0.1 (0: a free one; each
+            process of a run serves its own rows on its own port).
     """
 
     default_agent_loop: str = "single_turn_agent"
     num_workers: int = 8
+    external: str | None = None
+    external_timeout: float = 600.0
+    external_port: int = 0
 
 
 @dataclass(frozen=True)

@@ -190,12 +190,15 @@ class Scheduler:
         copies: int = 1,
         keep_open: bool = False,
         pad_to: int = 0,
+        first_copy: int = 0,
     ) -> list[Handle]:
         """Queue a new conversation's first turn, `copies` times (copy j samples with
-        `fold_in(key, j)`); returns its handles. `keep_open`: the conversation stays in its
-        slot after the turn (for `resume` or `close`). `pad_to`: prefill the prompt
-        left-padded to at least this many columns (a client that must lay prompts out as
-        its batches were: the padding changes no token, but the cache cells they land in)."""
+        `fold_in(key, first_copy + j)`: a client numbering its requests under one key, as
+        an external agent's episode numbers its calls); returns its handles. `keep_open`:
+        the conversation stays in its slot after the turn (for `resume` or `close`).
+        `pad_to`: prefill the prompt left-padded to at least this many columns (a client
+        that must lay prompts out as its batches were: the padding changes no token, but
+        the cache cells they land in)."""
         ids = np.asarray(prompt)
         if ids.ndim != 1 or not ids.size or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(
@@ -211,7 +214,7 @@ class Scheduler:
             )
         self.engine.check_sampling(sampling)
         self.engine.check_ids(ids, "submit()")
-        keys = _key_data(key, copies)
+        keys = _key_data(key, copies, first_copy)
         handles = [self._handle(sampling, k, keep_open) for k in keys]
         self._queue.append(_NewGroup(ids.astype(np.int32), handles, pad_to))
         return handles
@@ -457,11 +460,11 @@ def _padded(handles: list[Handle], width: int, pad_id: int, version: int | None)
     return BatchOutput(responses, mask, log_probs, version, False)
 
 
-def _key_data(key: jax.Array, copies: int) -> np.ndarray:
-    """Key data [copies, ...]: `fold_in(key, j)` for copy j (one copy too: a request's
-    samples do not depend on how many were asked for with it)."""
+def _key_data(key: jax.Array, copies: int, first: int = 0) -> np.ndarray:
+    """Key data [copies, ...]: `fold_in(key, first + j)` for copy j (one copy too: a
+    request's samples do not depend on how many were asked for with it)."""
     key = _one_key(key, "submit()")
-    return np.asarray(_copy_keys(key, np.arange(copies, dtype=np.uint32)))
+    return np.asarray(_copy_keys(key, np.arange(first, first + copies, dtype=np.uint32)))
 
 
 def _one_key(key: jax.Array, what: str) -> jax.Array:

@@ -6,7 +6,9 @@
 
 `protocol` reads OpenAI's requests and writes its errors; `engine_loop` runs the engine's
 scheduler on a thread of its own; `app` is the HTTP API (its module doc lists the routes and
-the errors).
+the errors); `recorder` records an episode's calls and chains them into training sequences;
+`external` runs a trainer's rollout phase of a user's agent (`Episode` is what the agent's
+function gets); `background` runs uvicorn on a thread.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from jaxrl.export import read_actor, resolve_step
 from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.serve.app import Served, make_app
 from jaxrl.serve.engine_loop import EngineLoop
+from jaxrl.serve.external import Episode, ExternalAgents
 from jaxrl.serve.protocol import ApiError
 from jaxrl.sharding import ROLLOUT_RULES, Layout, rollout_mesh
 
-__all__ = ["ApiError", "EngineLoop", "Served", "load", "make_app"]
+__all__ = ["ApiError", "EngineLoop", "Episode", "ExternalAgents", "Served", "load", "make_app"]
 
 
 def load(

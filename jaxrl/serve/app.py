@@ -19,6 +19,12 @@ prompt, or prompt + max_tokens, past the context), 429 (`max_pending` requests p
 (not done within `request_timeout`: the request is aborted), 500 (the engine failed: named;
 the server goes on serving). A client that disconnects has its request aborted and its slots
 freed at the engine's next chunk.
+
+Recording (a trainer's server, `jaxrl.serve.external`): a request whose bearer key (the
+client's `api_key`) is an open episode's is run as its `Recorder` says (the trainer's
+sampling settings and keys, the episode's token budget) and each of its choices is recorded
+under the key. A recorder that is `exclusive` refuses other keys (401), and between rollout
+phases (`engine` None) every request gets 503.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from jaxrl.serve.protocol import (
     tool_call_objects,
     with_max_tokens,
 )
-from jaxrl.serve.recorder import Call, Recorder
+from jaxrl.serve.recorder import Call, Recorder, Turn
 
 _TOOL_OPEN = "<tool_call>"
 
@@ -58,7 +64,7 @@ class Served:
     """What the API serves.
 
     Attributes:
-        engine: The engine's thread.
+        engine: The engine's thread (None: not serving now, 503).
         tokenizer: The model's HF tokenizer (with a chat template for the chat route).
         model: The name clients ask for (`model` in a request, `GET /v1/models`).
         max_model_len: The engine's context: prompt + response tokens at most.
@@ -66,20 +72,24 @@ class Served:
         request_timeout: Seconds a request may take before it is aborted (408).
         recorder: Records the choices of requests whose api key is an open episode's
             (`jaxrl.serve.recorder`; None: nothing is recorded).
+        chat: The chat template's tokens (None: the tokenizer's template with `end_ids`,
+            when it has one; a trainer passes its own, its template arguments included).
     """
 
-    engine: EngineLoop
+    engine: EngineLoop | None
     tokenizer: Any
     model: str
     max_model_len: int
     end_ids: frozenset[int]
     request_timeout: float = 600.0
     recorder: Recorder | None = None
+    chat: ChatTokens | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         template = getattr(self.tokenizer, "chat_template", None)
-        self.chat = ChatTokens(self.tokenizer, self.end_ids) if template else None
+        if self.chat is None and template:
+            self.chat = ChatTokens(self.tokenizer, self.end_ids)
 
 
 def make_app(served: Served) -> Starlette:
@@ -97,7 +107,8 @@ def make_app(served: Served) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(_: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok", "pending": served.engine.pending})
+        engine = served.engine
+        return JSONResponse({"status": "ok", "pending": engine.pending if engine else 0})
 
     async def unexpected(_: HttpRequest, error: Exception) -> Response:
         return _error(ApiError(500, f"the server failed: {type(error).__name__}: {error}"))
@@ -144,6 +155,13 @@ async def _complete(served: Served, http: HttpRequest, *, chat: bool) -> Respons
         request = with_max_tokens(request, len(ids), served.max_model_len)
     except ApiError as error:
         return _error(error)
+    episode, recorder = _api_key(http), served.recorder
+    if served.engine is None:
+        return _error(ApiError(503, "the policy is not being served now (between rollout "
+                               "phases)", code="unavailable"))  # fmt: skip
+    if recorder is not None and recorder.exclusive and not recorder.records(episode):
+        return _error(ApiError(401, "this server serves a trainer's episodes: use the api_key "
+                               "the trainer gave the episode", code="invalid_api_key"))  # fmt: skip
     engine = served.engine.scheduler.engine
     vocab = engine.config.vocab_size
     if max(ids) >= vocab:  # refused here, not inside a stream that has begun
@@ -153,8 +171,11 @@ async def _complete(served: Served, http: HttpRequest, *, chat: bool) -> Respons
     if request.n > slots:
         return _error(ApiError(400, f"n={request.n}: more choices than the server's {slots} "
                                "slots (--max-num-seqs) hold at once", param="n"))  # fmt: skip
-    run = _Run(served, request, ids, chat=chat, episode=_api_key(http))
     try:
+        turn = (recorder.turn(episode, ids, request.sampling, request.n) if recorder is not None
+                else Turn(request.sampling))  # fmt: skip
+        request = dataclasses.replace(request, sampling=turn.sampling)
+        run = _Run(served, request, ids, chat=chat, episode=episode, turn=turn)
         run.start()
     except ApiError as error:
         return _error(error)
@@ -190,9 +211,9 @@ class _Run:
     """One request on the engine: its updates arrive on this event loop."""
 
     def __init__(self, served: Served, request: Request, ids: list[int], *, chat: bool,
-                 episode: str | None = None):  # fmt: skip
+                 episode: str | None = None, turn: Turn | None = None):  # fmt: skip
         self.served, self.request, self.ids, self.chat = served, request, ids, chat
-        self.episode = episode
+        self.episode, self.turn = episode, turn or Turn(request.sampling)
         self.choices = [_Choice() for _ in range(request.n)]
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -200,12 +221,19 @@ class _Run:
         self.job = None
 
     def start(self) -> None:
+        """Submit the request to the engine (an exhausted episode's: its choices end now,
+        empty, for length)."""
+        if self.turn.exhausted:
+            for choice in self.choices:
+                choice.finish = "length"
+            return
         loop = asyncio.get_running_loop()
         try:
             self.job = self.served.engine.submit(
                 self.ids, self.request.sampling, copies=self.request.n,
                 notify=lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item),
-                timeout=self.served.request_timeout,
+                timeout=self.served.request_timeout, key=self.turn.key,
+                first_copy=self.turn.first_copy,
             )  # fmt: skip
         except QueueFull as error:
             raise ApiError(429, f"the server is busy ({error}): retry later") from error
@@ -248,8 +276,12 @@ class _Run:
         recorder = self.served.recorder
         if recorder is None or not recorder.records(self.episode):
             return
-        for c in self.choices:
-            call = Call(list(self.ids), list(c.tokens), list(c.log_probs), c.finish, c.versions)
+        for i, c in enumerate(self.choices):
+            calls = 0
+            if self.chat and self.request.tools:
+                calls = len(self._message(c, i)[0].get("tool_calls", ()))
+            call = Call(list(self.ids), list(c.tokens), list(c.log_probs), c.finish, c.versions,
+                        calls)  # fmt: skip
             recorder.record(self.episode, call)
 
     async def wait(self, http: HttpRequest) -> None:
@@ -341,6 +373,10 @@ class _Run:
             async for updates in stream:
                 for update in updates:
                     for event in self._deltas(update.choice):
+                        yield event
+            if self.turn.exhausted:  # no updates: each choice's end
+                for i in range(self.request.n):
+                    for event in self._deltas(i):
                         yield event
         except ApiError as error:
             yield _event(error.body())

@@ -83,6 +83,8 @@ class Job:
     copies: int
     notify: Callable[[Any], None]
     deadline: float = float("inf")  # time.monotonic() past which it is aborted
+    key: jax.Array | None = None  # None: the seed's, or the loop's next
+    first_copy: int = 0
     handles: list[Handle] = dataclasses.field(default_factory=list)
     # tokens reported per copy (None: its end reported)
     sent: list[int | None] = dataclasses.field(default_factory=list)
@@ -125,12 +127,15 @@ class EngineLoop:
         return self._free_slots
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, copies: int,
-               notify: Callable[[Any], None], timeout: float = float("inf")) -> Job:  # fmt: skip
+               notify: Callable[[Any], None], timeout: float = float("inf"),
+               key: jax.Array | None = None, first_copy: int = 0) -> Job:  # fmt: skip
         """Queue a request of `copies` copies; `notify` gets its updates (module doc), and
-        `JobTimeout` if it is not done within `timeout` seconds. Raises `QueueFull` with
-        `max_pending` jobs pending."""
+        `JobTimeout` if it is not done within `timeout` seconds. `key`: its copies sample with
+        `fold_in(key, first_copy + j)` (an episode's calls; None: the module doc's keys).
+        Raises `QueueFull` with `max_pending` jobs pending."""
         deadline = time.monotonic() + timeout
-        job = Job(np.asarray(prompt, np.int32), sampling, copies, notify, deadline)
+        job = Job(np.asarray(prompt, np.int32), sampling, copies, notify, deadline, key,
+                  first_copy)  # fmt: skip
         with self._lock:
             if self._closed:
                 raise RuntimeError("EngineLoop.submit after close()")
@@ -196,9 +201,12 @@ class EngineLoop:
         sampling = job.sampling
         self._count += 1
         try:
-            key = (jax.random.key(sampling.seed) if sampling.seed is not None
-                   else jax.random.fold_in(self.base_key, self._count - 1))  # fmt: skip
-            job.handles = self.scheduler.submit(job.prompt, sampling, key, copies=job.copies)
+            key = job.key
+            if key is None:
+                key = (jax.random.key(sampling.seed) if sampling.seed is not None
+                       else jax.random.fold_in(self.base_key, self._count - 1))  # fmt: skip
+            job.handles = self.scheduler.submit(job.prompt, sampling, key, copies=job.copies,
+                                                first_copy=job.first_copy)  # fmt: skip
         except (ValueError, OverflowError, TypeError) as error:  # the engine's own checks
             self._end(job, BadRequest(str(error)))
             return

@@ -28,6 +28,7 @@ from jaxrl.rollout.sampling import SamplingParams
 ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    401: "authentication_error",
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

@@ -6,6 +6,24 @@
     calls = recorder.close("episode-3")    # [Call]: prompt ids, sampled tokens, log-probs
     sequences = episode_sequences(calls)   # [Conversation]: one when the calls chain
 
+The trainer opens each episode with its sampling settings, key and token budgets
+(`open(key, sampling=, rng=, response_length=, max_prompt_length=)`); the server then asks
+`turn(key, ids, sampling, copies)` how to run each of the episode's requests:
+
+    sampling   the trainer's temperature, top_k, top_p, do_sample and end tokens (the
+               distribution the trainer's log-probs assume), whatever the request asked;
+               its `stop` strings added to the trainer's; `max_tokens` at most the
+               response tokens the episode has left (`response_length` less the tokens
+               after the episode's first prompt, when the request continues it)
+    keys       its copy j samples with `fold_in(rng, c + j)`, c the copies the episode's
+               earlier requests took: an agent calling once per turn samples turn t with
+               `fold_in(rng, t)`, as the internal agent loop samples row i's turn t
+    exhausted  no response tokens left: the server answers an empty choice, finish reason
+               "length", without the engine (the internal loop ends such a trajectory)
+
+A first request whose prompt is longer than `max_prompt_length` is refused (400), as the
+internal loop refuses such a row.
+
 An external agent (any OpenAI client) sends each request with its whole message history, so
 call k+1's prompt is the chat template over call k's messages, its reply and what came after
 (tool results, the next user message). When that prompt begins with call k's prompt and
@@ -25,7 +43,11 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
+import jax
+
+from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.slots import Conversation
+from jaxrl.serve.protocol import ApiError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +60,7 @@ class Call:
         log_probs: Their log-probs (the processed distribution).
         finish: "stop", "length" or "abort".
         versions: The weights version that sampled each token (None: unversioned).
+        tool_calls: The tool calls the server read in it (`tool_calls` of its message).
     """
 
     prompt: list[int]
@@ -45,60 +68,151 @@ class Call:
     log_probs: list[float]
     finish: str
     versions: list[int | None] | None = None
+    tool_calls: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """How the server runs one request of an episode (`Recorder.turn`).
+
+    Attributes:
+        sampling: The request's settings with the episode's (module doc).
+        key: Its copies' key (None: the server's own keys).
+        first_copy: Copy j samples with `fold_in(key, first_copy + j)`.
+        exhausted: No response tokens left: answer an empty "length" choice.
+    """
+
+    sampling: SamplingParams
+    key: jax.Array | None = None
+    first_copy: int = 0
+    exhausted: bool = False
+
+
+@dataclasses.dataclass
+class _Episode:
+    calls: list[Call]
+    sampling: SamplingParams | None
+    rng: jax.Array | None
+    response_length: int | None
+    max_prompt_length: int | None
+    copies: int = 0  # sampling keys its requests took
+    first_prompt: list[int] | None = None
 
 
 class Recorder:
     """Calls by episode key, for keys opened (thread-safe: the server records from its event
-    loop, the trainer opens and closes)."""
+    loop, the trainer opens and closes).
 
-    def __init__(self):
+    Args:
+        exclusive: Refuse requests whose key is no open episode's (401): a trainer's server
+            serves its episodes only.
+    """
+
+    def __init__(self, exclusive: bool = False):
+        self.exclusive = exclusive
         self._lock = threading.Lock()
-        self._calls: dict[str, list[Call]] = {}
+        self._episodes: dict[str, _Episode] = {}
 
-    def open(self, key: str) -> None:
+    def open(
+        self,
+        key: str,
+        *,
+        sampling: SamplingParams | None = None,
+        rng: jax.Array | None = None,
+        response_length: int | None = None,
+        max_prompt_length: int | None = None,
+    ) -> None:
+        """Record requests with `key` from now on, run as the module doc says."""
         with self._lock:
-            if key in self._calls:
+            if key in self._episodes:
                 raise ValueError(f"episode {key!r} is open already")
-            self._calls[key] = []
+            self._episodes[key] = _Episode([], sampling, rng, response_length, max_prompt_length)
 
     def records(self, key: str | None) -> bool:
         """Whether requests with this key are recorded."""
         with self._lock:
-            return key in self._calls
+            return key in self._episodes
+
+    def turn(self, key: str | None, ids: Sequence[int], sampling: SamplingParams,
+             copies: int) -> Turn:  # fmt: skip
+        """How to run a request of `copies` copies with prompt `ids` and the client's
+        `sampling` under `key` (module doc; not an open episode's: as it asked). Raises
+        `ApiError` for a first prompt past the episode's `max_prompt_length`."""
+        with self._lock:
+            episode = self._episodes.get(key) if key is not None else None
+            if episode is None:
+                return Turn(sampling)
+            ids = list(ids)
+            if episode.first_prompt is None:
+                limit = episode.max_prompt_length
+                if limit is not None and len(ids) > limit:
+                    raise ApiError(
+                        400,
+                        f"the episode's first prompt is {len(ids)} tokens, more than the "
+                        f"trainer's data.max_prompt_length={limit}: shorten the messages or "
+                        "the tools, or raise it",
+                        param="messages",
+                    )
+                episode.first_prompt = ids
+            first = episode.first_prompt
+            used = len(ids) - len(first) if ids[: len(first)] == first else 0
+            if episode.sampling is not None:
+                own = episode.sampling
+                sampling = dataclasses.replace(
+                    sampling, temperature=own.temperature, top_k=own.top_k, top_p=own.top_p,
+                    do_sample=own.do_sample, ignore_eos=own.ignore_eos,
+                    eos_token_ids=own.eos_token_ids, stop_token_ids=own.stop_token_ids,
+                    stop=tuple(dict.fromkeys(own.stop + sampling.stop)), seed=None,
+                )  # fmt: skip
+            left = None if episode.response_length is None else episode.response_length - used
+            if left is not None and left <= 0:
+                return Turn(sampling, exhausted=True)
+            if left is not None and sampling.max_tokens > left:
+                sampling = dataclasses.replace(sampling, max_tokens=left)
+            turn = Turn(sampling, episode.rng, episode.copies)
+            episode.copies += copies
+            return turn
 
     def record(self, key: str, call: Call) -> None:
         with self._lock:
-            if key in self._calls:
-                self._calls[key].append(call)
+            if key in self._episodes:
+                self._episodes[key].calls.append(call)
 
     def close(self, key: str) -> list[Call]:
         """The episode's calls in the order they were answered; the key is no longer recorded."""
         with self._lock:
-            return self._calls.pop(key)
+            return self._episodes.pop(key).calls
 
 
 def episode_sequences(calls: Sequence[Call]) -> list[Conversation]:
     """The training sequences of an episode's calls (module doc): one per chain."""
-    sequences: list[Conversation] = []
-    for call in calls:
+    return [sequence for sequence, _ in episode_chains(calls)]
+
+
+def episode_chains(calls: Sequence[Call]) -> list[tuple[Conversation, list[int]]]:
+    """Each training sequence of an episode's calls with the indices of the calls it holds
+    (module doc)."""
+    chains: list[tuple[Conversation, list[int]]] = []
+    for i, call in enumerate(calls):
         # the longest sequence so far that this call's prompt continues (choices of one
         # request, or concurrent calls, each grow a sequence of their own)
-        continued = [s for s in sequences if _continues(call.prompt, s)]
-        current = max(continued, key=lambda s: len(s.response), default=None)
-        if current is None:
-            current = Conversation(list(call.prompt))
-            sequences.append(current)
-        else:
-            between = call.prompt[len(current.prompt) + len(current.response) :]
-            current.response += between
-            current.sampled += [0] * len(between)
-            current.log_probs += [0.0] * len(between)
-            current.versions += [None] * len(between)
+        continued = [c for c in chains if _continues(call.prompt, c[0])]
+        chain = max(continued, key=lambda c: len(c[0].response), default=None)
+        if chain is None:
+            chain = (Conversation(list(call.prompt)), [])
+            chains.append(chain)
+        current, members = chain
+        between = call.prompt[len(current.prompt) + len(current.response) :]
+        current.response += between
+        current.sampled += [0] * len(between)
+        current.log_probs += [0.0] * len(between)
+        current.versions += [None] * len(between)
         current.response += call.tokens
         current.sampled += [1] * len(call.tokens)
         current.log_probs += call.log_probs
         current.versions += call.versions or [None] * len(call.tokens)
-    return sequences
+        members.append(i)
+    return chains
 
 
 def _continues(prompt: Sequence[int], sequence: Conversation) -> bool:

@@ -222,7 +222,9 @@ class Cluster:
                 attention_impl=spec.attention_impl,
             ),
             layouts["rollout"],
-            max_prompt_length=cfg.data.max_prompt_length,
+            # an external agent's later calls are whole conversations (their first prompt is
+            # held to it by the server's recorder)
+            max_prompt_length=None if rollout_cfg.agent.external else cfg.data.max_prompt_length,
             max_num_seqs=rollout_slots(cfg, int(layouts["rollout"].mesh.shape.get("dp", 1))),
             max_model_len=max_model_len,
             tokenizer=tokenizer,

@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 from jaxrl.agent import load_tools
 from jaxrl.agent.tools.base import schema_dict
+from jaxrl.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
 from jaxrl.config import Config
 from jaxrl.data import DataError, PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.batch import PromptBatch
 from jaxrl.rewards import RewardInputs, make_reward_manager
-from jaxrl.trainer.checkpoint import CheckpointError, Checkpoints, abstract, step_numbers
 from jaxrl.trainer.cluster import Cluster
 from jaxrl.trainer.dynamic_sampling import DynamicSamplingError
 from jaxrl.trainer.experience import RewardFn

@@ -37,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -60,8 +62,10 @@ from jaxrl.agent import (
 )
 from jaxrl.config import Config
 from jaxrl.data.batch import PromptBatch, object_array
+from jaxrl.rewards.inputs import place_scores
 from jaxrl.rollout import BatchOutput, SamplingParams, Scheduler
 from jaxrl.rollout.streaming import GroupRollout, Share, StreamResult, stream_groups
+from jaxrl.serve.external import ExternalAgents, external_metrics
 from jaxrl.sharding.processes import allgather_objects, owners, row_span, to_host
 from jaxrl.trainer.cluster import Cluster
 
@@ -144,6 +148,7 @@ class StepRollout:
         rollout = cfg.actor_rollout_ref.rollout
         self.multi_turn = rollout.multi_turn
         self.runner: ToolRunner | None = None
+        self.external: ExternalAgents | None = None  # `agent.external`: the user's episodes
         self._ahead: ThreadPoolExecutor | None = None  # `dispatch_agent`'s thread
         self._warned = False
         self._depth = 0  # `holding` blocks open
@@ -165,12 +170,22 @@ class StepRollout:
         end_ids = SamplingParams.from_config(rollout).end_ids(eos)
         self.chat = ChatTokens(tokenizer, end_ids, cfg.data.apply_chat_template_kwargs)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        agent = rollout.agent
+        if agent.external:
+            self.external = ExternalAgents(
+                agent.external, tokenizer, self.chat, end_ids,
+                model=Path(cfg.actor_rollout_ref.model.path).name or "policy",
+                timeout=agent.external_timeout, port=agent.external_port,
+                chunk=self.multi_turn.decode_chunk, error_score=cfg.reward_model.error_score,
+            )  # fmt: skip
 
     def close(self) -> None:
         if self._ahead is not None:  # an agent loop dispatched ahead ends first (its tools)
             self._ahead.shutdown(wait=True, cancel_futures=True)
         if self.runner is not None:
             self.runner.close()
+        if self.external is not None:
+            self.external.close()
 
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:
         """The rows of `prompts` (this process's) repeated `sampling.n` times (see the module
@@ -274,12 +289,47 @@ class StepRollout:
         p = prompts.input_ids.shape[1]
         first = row_span(len(requests))[0]
         holders = sorted(owners(self.cluster.rollout.layout.mesh.devices.flat))
+        if self.external is not None:
+            if len(holders) != jax.process_count():
+                raise ValueError(
+                    "actor_rollout_ref.rollout.agent.external: each process serves its own "
+                    "rows, so each needs rollout devices; set mesh.placement.spread=true"
+                )
+            return self._external(prompts, sampling, rng, first)
         if len(holders) == jax.process_count():
             indices = range(first, first + len(requests))
             trajectories, stats = self._run_agent(requests, indices, sampling, rng, p)
         else:
             trajectories, stats = self._routed(requests, first, holders, sampling, rng, p)
         return self.agent_generated(trajectories, stats, p, sampling.max_tokens)
+
+    def _external(
+        self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array, first: int
+    ) -> Generated:
+        """The user's episodes over this process's rows (`jaxrl.serve.external`): their
+        rows, the agent metrics with `agent/external/*`, and their rewards as the scores."""
+        repeated = prompts.repeat(sampling.n)
+        episodes = [
+            {"messages": messages, "ground_truth": truth, "data_source": source,
+             "extra_info": extra, "prompt_ids": ids[mask > 0]}
+            for messages, truth, source, extra, ids, mask in zip(
+                repeated.raw_prompt, repeated.ground_truth, repeated.data_source,
+                repeated.extra_info, repeated.input_ids, repeated.attention_mask, strict=True)
+        ]  # fmt: skip
+        p, r = prompts.input_ids.shape[1], sampling.max_tokens
+        start = time.perf_counter()
+        results = self.external.run(
+            self.cluster.rollout.local(), episodes, sampling, rng,
+            indices=range(first, first + len(episodes)), prompt_length=p, response_length=r,
+        )  # fmt: skip
+        stats = LoopStats(seconds=time.perf_counter() - start)
+        generated = self.agent_generated([x.trajectory for x in results], stats, p, r)
+        generated.metrics.update(external_metrics(results))
+        rewards = np.asarray([x.reward for x in results], np.float32)
+        names = sorted({k for x in results for k in x.extra})
+        extra = {k: [x.extra.get(k) for x in results] for k in names}
+        generated.scores = (place_scores(rewards, generated.rows["response_mask"]), {}, extra)
+        return generated
 
     def agent_generated(
         self,

@@ -83,9 +83,12 @@ def validate(trainer, loader: PromptIterator, step: int, dump_dir: str | None = 
         generated = trainer.generate(prompts, sampling, jax.random.fold_in(rng, before))
         batch, conversations = generated.rows, generated.conversations
         repeated = generated.scored(prompts.repeat(sampling.n))
-        scores, _, extra = trainer.val_reward_fn(
-            repeated, batch["responses"], batch["response_mask"]
-        )
+        if generated.scores is not None:  # scored as they ran (an external agent's rewards)
+            scores, _, extra = generated.scores
+        else:
+            scores, _, extra = trainer.val_reward_fn(
+                repeated, batch["responses"], batch["response_mask"]
+            )
         keep_rows = np.repeat(keep, sampling.n)
         reward = scores.sum(-1)
         infos = {"reward": reward[keep_rows].tolist()}

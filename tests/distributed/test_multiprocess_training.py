@@ -19,9 +19,9 @@ from _env import xla_flags
 from _multiproc import ROOT, clean_env, free_port
 
 from jaxrl.assets import write_quickstart_model
+from jaxrl.checkpoint import Checkpoints, verify
 from jaxrl.compare import main as compare
 from jaxrl.testing.numerics import STABLE_ADAM_OVERRIDES
-from jaxrl.trainer.checkpoint import Checkpoints, verify
 
 pytestmark = pytest.mark.multiprocess
 

@@ -290,8 +290,8 @@ def _one_process_arrays() -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jaxrl.checkpoint import Checkpoints, abstract, verify
     from jaxrl.sharding.processes import allgather_objects, received_bytes, to_host
-    from jaxrl.trainer.checkpoint import Checkpoints, abstract, verify
 
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)

@@ -20,8 +20,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxrl import train
-from jaxrl.trainer import checkpoint, learner, ppo_trainer
+from jaxrl import checkpoint, train
+from jaxrl.trainer import learner, ppo_trainer
 
 current_step = [0]
 

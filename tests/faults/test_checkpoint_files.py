@@ -20,7 +20,7 @@ import pytest
 from _damage import flip_bytes
 from _env import subprocess_env
 
-from jaxrl.trainer.checkpoint import (
+from jaxrl.checkpoint import (
     KILLED,
     MANIFEST,
     CheckpointError,
@@ -219,7 +219,7 @@ def test_resuming_an_earlier_step_sets_later_ones_aside(tmp_path):
 DISK_FULL = textwrap.dedent(
     """
     import sys, jax, jax.numpy as jnp
-    from jaxrl.trainer.checkpoint import Checkpoints, CheckpointError
+    from jaxrl.checkpoint import Checkpoints, CheckpointError
     c = Checkpoints(sys.argv[1])
     c.save(1, {"actor": {"w": jnp.ones((64, 64))}}, {"global_step": 1})
     c.wait()
@@ -281,9 +281,9 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous(tmp_path):
 
 
 def test_seal_and_verify_by_hand(tmp_path, capsys):
-    """`python -m jaxrl.trainer.checkpoint`: a step without a manifest (written before jaxrl
+    """`python -m jaxrl.checkpoint`: a step without a manifest (written before jaxrl
     kept checksums) is sealed once, then verifies; a damaged step fails verification."""
-    from jaxrl.trainer.checkpoint import main
+    from jaxrl.checkpoint import main
 
     ckpts = saved(tmp_path / "ckpt", steps=(1, 2))
     ckpts.close()

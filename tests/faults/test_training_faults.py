@@ -27,11 +27,11 @@ from _damage import flip_bytes
 from _env import subprocess_env
 
 from jaxrl.assets import prepare
+from jaxrl.checkpoint import KILLED, MANIFEST, Checkpoints, verify
 from jaxrl.compare import main as compare
 from jaxrl.config import load_config
 from jaxrl.models import abstract_params
 from jaxrl.models import load_config as load_model_config
-from jaxrl.trainer.checkpoint import KILLED, MANIFEST, Checkpoints, verify
 from jaxrl.trainer.loggers import read_metrics
 
 pytestmark = [pytest.mark.faults, pytest.mark.entry]

@@ -17,17 +17,15 @@ import urllib.request
 import jax
 import numpy as np
 import pytest
-import uvicorn
+from _serving import make_engine
 
 from jaxrl.agent import AgentLoop, AgentRequest, ChatTokens, Limits, ToolRunner
 from jaxrl.agent.tools.calculator import Calculator
-from jaxrl.data import load_tokenizer, synthetic
-from jaxrl.rollout.engine import RolloutEngine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.scheduler import Scheduler
 from jaxrl.serve import EngineLoop, Served, make_app
+from jaxrl.serve.background import BackgroundServer
 from jaxrl.serve.recorder import Call, Recorder, episode_sequences
-from jaxrl.testing.scripted import calculator_chain, scripted_policy
 
 openai = pytest.importorskip("openai")
 
@@ -40,47 +38,19 @@ ASK = [{"role": "user", "content": "add: 1 + 2"}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7"}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve_tokenizer")
-    synthetic.write_tokenizer(folder, tools=True)
-    tokenizer = load_tokenizer(str(folder))
-    # a weight that leaves other tokens some mass: sampled answers differ by key
-    config, params = scripted_policy(tokenizer, calculator_chain("7"), weight=6.0)
-    return tokenizer, config, params
+_engine = make_engine
 
 
-def _engine(policy, slots=4):
-    tokenizer, config, params = policy
-    engine = RolloutEngine(config, None, max_num_seqs=slots, max_model_len=96,
-                           tokenizer=tokenizer)  # fmt: skip
-    engine.load_weights(params)
-    return engine
-
-
-class _Server:
-    """A `Served` behind uvicorn on a free port, on a thread of its own."""
+class _Server(BackgroundServer):
+    """A `Served` behind uvicorn on a free port, with a client."""
 
     def __init__(self, served: Served):
+        super().__init__(make_app(served))
         self.served = served
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config = uvicorn.Config(make_app(served), host="127.0.0.1", port=self.port,
-                                log_level="warning")  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        began = time.monotonic()
-        while not self.server.started:
-            assert time.monotonic() - began < 30, "uvicorn did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
         self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0)
 
     def close(self):
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().close()
         self.served.engine.close()
 
 

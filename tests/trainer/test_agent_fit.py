@@ -8,6 +8,7 @@ weights. That only the policy's tokens are trained on is tests/agent/test_trajec
 and tests/trainer/test_batch.py's."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,9 +16,9 @@ import pytest
 from _quickstart import assert_close_metrics, assert_same_metrics, lagged_weights
 
 from jaxrl.assets import prepare, write_quickstart_model
+from jaxrl.checkpoint import Checkpoints
 from jaxrl.config import load_config
 from jaxrl.trainer import rollouter as rollouter_module
-from jaxrl.trainer.checkpoint import Checkpoints
 from jaxrl.trainer.fit import build_run, fit, train_run
 from jaxrl.trainer.loggers import read_metrics
 
@@ -157,3 +158,30 @@ def test_fully_async_runs_agent_trajectories_as_groups(tool_assets, tmp_path, st
     drawn = run.train_loader.order(0)[: meta["data"]["position"] * per_step].tolist()
     assert len(drawn) - len(meta["async_feed"]["pending"]) == steps * per_step
     assert not set(meta["async_feed"]["pending"]) - set(drawn)
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "calculator_agent.py"
+
+
+def test_an_external_agent_trains_and_resumes(tool_assets, tmp_path):
+    """examples/calculator_agent.py (the real `openai` client) as the external agent: an
+    episode's calls chain into one row (the tool answer's tokens attended to, not trained
+    on), its reward is the row's score and validation reports its `acc`; a run resumed after
+    step 1 serves the resumed policy: its step 2 samples the straight run's tokens."""
+    agent = [f"actor_rollout_ref.rollout.agent.external={EXAMPLE}:run",
+             "actor_rollout_ref.rollout.multi_turn.tool_config_path=null"]  # fmt: skip
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    fit(tools_config(tool_assets, straight, *agent, "trainer.total_training_steps=2"))
+    fit(tools_config(tool_assets, stopped, *agent, "trainer.total_training_steps=1"))
+    fit(tools_config(tool_assets, stopped, *agent, "trainer.total_training_steps=2"))
+    a, b = read_metrics(straight), read_metrics(stopped)
+    # the token ids exact (`fingerprint/inputs`); the losses within float32 noise: the server
+    # prefills each call with whichever others arrived with it (other program shapes)
+    assert_close_metrics(a, b, [1, 2], rtol=1e-4, atol=1e-6)
+    for step in a:
+        assert step["agent/external/calls/mean"] >= 1 and step["agent/external/errors"] == 0
+        # most chain; this weak policy's malformed turns do not (text after its call, which
+        # OpenAI's message puts before it; digits that re-tokenize as another token)
+        assert step["agent/external/chained_fraction"] >= 0.75
+        assert 0 < step["agent/tool_token_fraction"] < 1  # tool answers in the rows, masked
+    assert "val-core/jaxrl/synthetic_add/acc/mean@1" in a[1]

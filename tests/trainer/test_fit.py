@@ -185,7 +185,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, jax.numpy as jnp
-        from jaxrl.trainer.checkpoint import Checkpoints
+        from jaxrl.checkpoint import Checkpoints
         c = Checkpoints({str(tmp_path)!r})
         c.save(1, {{"item": {{"x": jnp.arange(4.0)}}}}, {{"global_step": 1}})
         c.wait()
@@ -195,7 +195,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     )
     env = subprocess_env()
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
-    from jaxrl.trainer.checkpoint import Checkpoints, abstract
+    from jaxrl.checkpoint import Checkpoints, abstract
 
     c = Checkpoints(tmp_path)
     assert c.latest_step() == 1

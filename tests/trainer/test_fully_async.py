@@ -16,8 +16,8 @@ import pytest
 from _quickstart import quickstart_config
 from test_distill_fit import routed_data, teacher_rows, torch_log_probs, two_teachers, write_teacher
 
+from jaxrl.checkpoint import Checkpoints, step_numbers
 from jaxrl.trainer import rollouter as rollouter_module
-from jaxrl.trainer.checkpoint import Checkpoints, step_numbers
 from jaxrl.trainer.fit import build_run, fit, train_run
 from jaxrl.trainer.loggers import read_metrics
 from jaxrl.trainer.ppo_trainer import PPOTrainer

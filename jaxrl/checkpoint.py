@@ -388,7 +388,7 @@ class Checkpoints:
         unsealed = [step for step, why in problems if why == INCOMPLETE]
         legacy = (
             " A checkpoint written before jaxrl kept checksums has no manifest either: if you "
-            "trust it, seal it with python -m jaxrl.trainer.checkpoint seal "
+            "trust it, seal it with python -m jaxrl.checkpoint seal "
             f"{self.step_dir(unsealed[0])}."
             if unsealed
             else ""
@@ -484,8 +484,8 @@ def seal(step_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m jaxrl.trainer.checkpoint seal|verify STEP_DIR...`."""
-    parser = argparse.ArgumentParser(prog="python -m jaxrl.trainer.checkpoint")
+    """`python -m jaxrl.checkpoint seal|verify STEP_DIR...`."""
+    parser = argparse.ArgumentParser(prog="python -m jaxrl.checkpoint")
     parser.add_argument("command", choices=("seal", "verify"))
     parser.add_argument("steps", nargs="+", type=Path, help="step folders: RUN/checkpoints/N")
     args = parser.parse_args(argv)
