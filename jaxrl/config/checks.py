@@ -804,6 +804,19 @@ def _check_external(cfg: Config, p: _Problems) -> None:
         p.append(f"{key} with async_training.mode=fully_async: the rollouter streams the "
                  "internal agent loop's groups (an external agent's not built yet); use "
                  "async_training.mode=sync or one_step_off")  # fmt: skip
+    # the episodes' rewards are what the agent returns: what would score them otherwise
+    bypassed = {
+        "reward_model.enable=true": cfg.reward_model.enable,
+        "reward_model.overlong_buffer.enable=true": cfg.reward_model.overlong_buffer.enable,
+        "custom_reward_function.path": bool(cfg.custom_reward_function.path),
+        "algorithm.adv_estimator=remax (its greedy baselines are scored by the reward "
+        "function)": cfg.algorithm.adv_estimator == "remax",
+    }
+    for name, on in bypassed.items():
+        if on:
+            p.append(f"{key} with {name}: the agent's function returns each episode's reward, "
+                     "so nothing else scores it; fold that score into what the function "
+                     "returns, or unset it")  # fmt: skip
 
 
 ASYNC_MODES = ("sync", "one_step_off", "fully_async")

@@ -389,11 +389,14 @@ class AgentConfig:
             the policy over the OpenAI API during each rollout, records the episode's calls
             and trains on them in place of the agent loop (`jaxrl.serve.external`; needs
             `multi_turn.enable=true`). It returns a number, or a dict with `score` (and more
-            values, validated as a reward function's). null: jaxrl's own agent loop.
+            values, validated as a reward function's). null: jaxrl's own agent loop. Its
+            conversations' cache is `bucket(prompt_length + response_length) +
+            response_length` cells (`rollout.max_model_len` unset): a later call is the
+            whole conversation so far, prefilled again.
         external_timeout: Seconds an episode may take; one that takes longer is cancelled
             (its recorded calls kept, reward 0, `agent/external/timeouts`).
-        external_port: The port of the trainer's server on 127.0.0.1 (0: a free one; each
-            process of a run serves its own rows on its own port).
+        external_port: The port of the trainer's server on 127.0.0.1 (0: a free one); each
+            process of a run serves its own rows, process i on this port + i.
     """
 
     default_agent_loop: str = "single_turn_agent"

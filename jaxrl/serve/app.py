@@ -152,17 +152,17 @@ async def _complete(served: Served, http: HttpRequest, *, chat: bool) -> Respons
             chat_request(body, served.model) if chat else completion_request(body, served.model)
         )
         ids = _prompt_ids(served, request)
-        request = with_max_tokens(request, len(ids), served.max_model_len)
     except ApiError as error:
         return _error(error)
     episode, recorder = _api_key(http), served.recorder
-    if served.engine is None:
+    loop = served.engine  # this request's for its whole life (a trainer ends its phase)
+    if loop is None:
         return _error(ApiError(503, "the policy is not being served now (between rollout "
                                "phases)", code="unavailable"))  # fmt: skip
     if recorder is not None and recorder.exclusive and not recorder.records(episode):
         return _error(ApiError(401, "this server serves a trainer's episodes: use the api_key "
                                "the trainer gave the episode", code="invalid_api_key"))  # fmt: skip
-    engine = served.engine.scheduler.engine
+    engine = loop.scheduler.engine
     vocab = engine.config.vocab_size
     if max(ids) >= vocab:  # refused here, not inside a stream that has begun
         return _error(ApiError(400, f"prompt token id {max(ids)} is past the model's vocabulary "
@@ -172,10 +172,13 @@ async def _complete(served: Served, http: HttpRequest, *, chat: bool) -> Respons
         return _error(ApiError(400, f"n={request.n}: more choices than the server's {slots} "
                                "slots (--max-num-seqs) hold at once", param="n"))  # fmt: skip
     try:
-        turn = (recorder.turn(episode, ids, request.sampling, request.n) if recorder is not None
-                else Turn(request.sampling))  # fmt: skip
-        request = dataclasses.replace(request, sampling=turn.sampling)
-        run = _Run(served, request, ids, chat=chat, episode=episode, turn=turn)
+        # an episode's budget first: a call past it ends for length, whatever its context
+        turn = recorder.turn(episode, ids, request.n) if recorder is not None else Turn()
+        if not turn.exhausted:
+            room = engine.room_after_prompt(len(ids))
+            request = with_max_tokens(request, len(ids), room, engine.max_model_len)
+            request = dataclasses.replace(request, sampling=turn.sampling(request.sampling))
+        run = _Run(served, loop, request, ids, chat=chat, episode=episode, turn=turn)
         run.start()
     except ApiError as error:
         return _error(error)
@@ -210,10 +213,10 @@ def _prompt_ids(served: Served, request: Request) -> list[int]:
 class _Run:
     """One request on the engine: its updates arrive on this event loop."""
 
-    def __init__(self, served: Served, request: Request, ids: list[int], *, chat: bool,
-                 episode: str | None = None, turn: Turn | None = None):  # fmt: skip
-        self.served, self.request, self.ids, self.chat = served, request, ids, chat
-        self.episode, self.turn = episode, turn or Turn(request.sampling)
+    def __init__(self, served: Served, loop: EngineLoop, request: Request, ids: list[int], *,
+                 chat: bool, episode: str | None = None, turn: Turn | None = None):  # fmt: skip
+        self.served, self.loop, self.request, self.ids = served, loop, request, ids
+        self.chat, self.episode, self.turn = chat, episode, turn or Turn()
         self.choices = [_Choice() for _ in range(request.n)]
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -229,7 +232,7 @@ class _Run:
             return
         loop = asyncio.get_running_loop()
         try:
-            self.job = self.served.engine.submit(
+            self.job = self.loop.submit(
                 self.ids, self.request.sampling, copies=self.request.n,
                 notify=lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item),
                 timeout=self.served.request_timeout, key=self.turn.key,
@@ -237,6 +240,10 @@ class _Run:
             )  # fmt: skip
         except QueueFull as error:
             raise ApiError(429, f"the server is busy ({error}): retry later") from error
+        except RuntimeError as error:  # its engine thread closed (a trainer's phase ended)
+            raise ApiError(
+                503, f"the policy is not being served now: {error}", code="unavailable"
+            ) from error
         except (ValueError, OverflowError) as error:  # ids the engine cannot hold
             raise ApiError(400, f"the prompt's token ids: {error}") from error
 
@@ -269,7 +276,7 @@ class _Run:
                 yield item
         finally:
             if any(c.finish is None for c in self.choices):
-                self.served.engine.abort(self.job)
+                self.loop.abort(self.job)
 
     def _record(self) -> None:
         """Each choice under the request's episode, when its key is one being recorded."""
@@ -385,7 +392,7 @@ class _Run:
         finally:  # a client gone closes this at a `yield`: abort the job now, not at GC
             await stream.aclose()
             if any(c.finish is None for c in self.choices):
-                self.served.engine.abort(self.job)
+                self.loop.abort(self.job)
         if self.request.include_usage:
             yield _event({**self._chunk(0, None), "choices": [], "usage": self._usage()})
         yield "data: [DONE]\n\n"

@@ -40,7 +40,8 @@ The reward is what the function returns, placed on the row's last token; a dict'
 extra info as a reward function's are (validation reports `acc` as val-core; a number's
 `acc` is the number). A function that raises, times out or returns no finite number gets
 `reward_model.error_score` and is counted (`agent/external/errors`, `timeouts`; the first
-traceback logged); a phase where every episode failed fails the step with that error.
+traceback logged); a phase where every episode failed fails the step with that error, and
+so does one whose cancelled episodes do not end (a function blocking its event loop).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import logging
 import secrets
+import sys
 import threading
 import time
 import traceback
@@ -75,7 +78,7 @@ from jaxrl.sharding.processes import allgather_objects
 log = logging.getLogger("jaxrl.serve")
 
 KEY = "actor_rollout_ref.rollout.agent.external"
-CANCEL_GRACE_S = 10.0  # a cancelled episode's time to unwind before the phase gives up on it
+CANCEL_GRACE_S = 20.0  # a cancelled episode's time to unwind before the phase gives up on it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +113,7 @@ class Result:
 
     Attributes:
         trajectory: Its row's sequence (module doc).
-        reward: The function's reward (0.0 when it raised or timed out).
+        reward: The function's reward (`error_score` when it failed or timed out).
         extra: Its extra info (module doc).
         calls: The calls it made, in the order they were answered.
         untrained: Calls not in the trained sequence.
@@ -149,8 +152,11 @@ def load_agent(spec: str | AgentFn) -> AgentFn:
         file = Path(where).expanduser()
         if not file.is_file():
             raise ValueError(f"{KEY}={spec!r}: no such file ({file.resolve()})")
-        module_spec = importlib.util.spec_from_file_location(f"jaxrl_agent_{file.stem}", file)
+        digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+        name_in_modules = f"jaxrl_agent_{file.stem}_{digest}"  # one module per file
+        module_spec = importlib.util.spec_from_file_location(name_in_modules, file)
         module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name_in_modules] = module  # as an import does (dataclasses look it up)
         module_spec.loader.exec_module(module)
     else:
         try:
@@ -248,8 +254,17 @@ class ExternalAgents:
                     dict(row.get("extra_info") or {}), int(index))), self._loop)
                 for key, row, index in zip(keys, episodes, indices, strict=True)
             ]  # fmt: skip
-            concurrent.futures.wait(jobs, timeout=self.timeout + 2 * CANCEL_GRACE_S)
-            outcomes = [job.result() if job.done() else _stuck(self.timeout) for job in jobs]
+            _, stuck = concurrent.futures.wait(jobs, timeout=self.timeout + CANCEL_GRACE_S)
+            for job in stuck:
+                job.cancel()
+            if stuck:  # cancelled at the timeout and still running: the loop is not theirs
+                raise RuntimeError(
+                    f"{len(stuck)} episodes of the external agent {self.spec} did not end "
+                    f"within agent.external_timeout={self.timeout:g} s + {CANCEL_GRACE_S:g} s: "
+                    "the function blocks its event loop (a synchronous client, time.sleep or "
+                    "long CPU work inside `async def`?); use openai.AsyncOpenAI and await"
+                )
+            outcomes = [job.result() for job in jobs]
         finally:
             engine_loop, self.served.engine = self.served.engine, None
             calls = [self.recorder.close(key) for key in keys if self.recorder.records(key)]
@@ -258,23 +273,29 @@ class ExternalAgents:
             _result(c, o, row, prompt_length, response_length, self.error_score)
             for c, o, row in zip(calls, outcomes, episodes, strict=True)
         ]
-        failed = [(i, r) for i, r in enumerate(results) if r.error]
-        if failed and len(failed) == len(results):
-            raise RuntimeError(f"every episode of the external agent {self.spec} failed; "
-                               f"row {indices[0]}'s error:\n{failed[0][1].error}")  # fmt: skip
+        failed = [(i, r) for i, r in enumerate(results) if r.error or r.timed_out]
         if failed:
             i, r = failed[0]
-            log.warning("%d of %d external episodes failed (reward 0); row %d's error:\n%s",
-                        len(failed), len(results), indices[i], r.error)  # fmt: skip
+            why = r.error or f"timed out (agent.external_timeout={self.timeout:g} s)"
+            if len(failed) == len(results):
+                raise RuntimeError(f"every episode of the external agent {self.spec} failed; "
+                                   f"row {indices[i]}'s:\n{why}")  # fmt: skip
+            log.warning("%d of %d external episodes failed (reward_model.error_score=%g); row "
+                        "%d's:\n%s", len(failed), len(results), self.error_score, indices[i],
+                        why)  # fmt: skip
         return results
 
     async def _episode(self, episode: Episode) -> tuple[Any, str | None, bool, float]:
         """(the function's return, its formatted error, timed out, seconds)."""
         start = time.perf_counter()
+        limit = asyncio.timeout(self.timeout)
         try:
-            out = await asyncio.wait_for(self.fn(episode), self.timeout)
+            async with limit:
+                out = await self.fn(episode)
         except TimeoutError:
-            return None, None, True, time.perf_counter() - start
+            if limit.expired():  # else the function's own TimeoutError: an error of its
+                return None, None, True, time.perf_counter() - start
+            return None, traceback.format_exc(), False, time.perf_counter() - start
         except Exception:
             return None, traceback.format_exc(), False, time.perf_counter() - start
         return out, None, False, time.perf_counter() - start
@@ -291,11 +312,6 @@ def renders_tool_calls(tokenizer: Any) -> bool:
     except Exception:  # a template that refuses the message renders nothing of it
         return False
     return "jaxrl_probe_tool" in text
-
-
-def _stuck(timeout: float) -> tuple[Any, str | None, bool, float]:
-    """An episode that did not end when cancelled: a timeout (its task left to unwind)."""
-    return None, None, True, timeout
 
 
 def _result(calls: list[Call], outcome: tuple, row: dict[str, Any], prompt_length: int,

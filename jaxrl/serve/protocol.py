@@ -152,15 +152,16 @@ def completion_request(body: Any, model: str) -> Request:
     )  # fmt: skip
 
 
-def with_max_tokens(request: Request, prompt_tokens: int, max_model_len: int) -> Request:
-    """`request` with its response bound set: the client's, or the context left after the
-    prompt (413 when the prompt leaves no room, or the client asks for more than it leaves)."""
-    room = max_model_len - prompt_tokens
+def with_max_tokens(request: Request, prompt_tokens: int, room: int, max_model_len: int) -> Request:
+    """`request` with its response bound set: the client's, or the `room` the context leaves
+    after the prompt (the engine's: after the prompt padded to its length bucket); 413 when
+    the prompt leaves no room, or the client asks for more than it leaves."""
     if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
         asked = "" if request.max_tokens is None else f" + max_tokens {request.max_tokens}"
         raise ApiError(
             413, f"the prompt's {prompt_tokens} tokens{asked} exceed the model's context of "
-            f"{max_model_len} tokens: shorten the prompt or lower max_tokens",
+            f"{max_model_len} tokens ({room} left after the prompt, padded to its bucket): "
+            "shorten the prompt or lower max_tokens",
             param="messages" if request.messages is not None else "prompt",
             code="context_length_exceeded",
         )  # fmt: skip

@@ -8,21 +8,24 @@
 
 The trainer opens each episode with its sampling settings, key and token budgets
 (`open(key, sampling=, rng=, response_length=, max_prompt_length=)`); the server then asks
-`turn(key, ids, sampling, copies)` how to run each of the episode's requests:
+`turn(key, ids, copies)` how to run each of the episode's requests (`Turn.sampling`):
 
     sampling   the trainer's temperature, top_k, top_p, do_sample and end tokens (the
                distribution the trainer's log-probs assume), whatever the request asked;
                its `stop` strings added to the trainer's; `max_tokens` at most the
-               response tokens the episode has left (`response_length` less the tokens
-               after the episode's first prompt, when the request continues it)
+               response tokens the episode has left: `response_length` less the tokens
+               after the root its prompt continues (a root: the prompt of a request that
+               continued no earlier one, e.g. the first; the longest such prefix)
     keys       its copy j samples with `fold_in(rng, c + j)`, c the copies the episode's
                earlier requests took: an agent calling once per turn samples turn t with
-               `fold_in(rng, t)`, as the internal agent loop samples row i's turn t
+               `fold_in(rng, t)`, as the internal agent loop samples row i's turn t (a
+               request that fails after its turn was given, e.g. retried after a 429 or a
+               timeout, has used its number)
     exhausted  no response tokens left: the server answers an empty choice, finish reason
                "length", without the engine (the internal loop ends such a trajectory)
 
-A first request whose prompt is longer than `max_prompt_length` is refused (400), as the
-internal loop refuses such a row.
+A root longer than `max_prompt_length` is refused (400): a root is a training row's prompt,
+and the internal loop refuses such a row too.
 
 An external agent (any OpenAI client) sends each request with its whole message history, so
 call k+1's prompt is the chat template over call k's messages, its reply and what came after
@@ -73,19 +76,36 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    """How the server runs one request of an episode (`Recorder.turn`).
+    """How the server runs one request of an episode (`Recorder.turn`; the default: as the
+    client asked).
 
     Attributes:
-        sampling: The request's settings with the episode's (module doc).
+        own: The episode's sampling settings (None: the client's).
         key: Its copies' key (None: the server's own keys).
         first_copy: Copy j samples with `fold_in(key, first_copy + j)`.
-        exhausted: No response tokens left: answer an empty "length" choice.
+        left: Response tokens the episode has left (None: no bound).
+        exhausted: None left: answer an empty "length" choice.
     """
 
-    sampling: SamplingParams
+    own: SamplingParams | None = None
     key: jax.Array | None = None
     first_copy: int = 0
+    left: int | None = None
     exhausted: bool = False
+
+    def sampling(self, asked: SamplingParams) -> SamplingParams:
+        """The client's settings as the episode runs them (module doc)."""
+        own = self.own
+        if own is not None:
+            asked = dataclasses.replace(
+                asked, temperature=own.temperature, top_k=own.top_k, top_p=own.top_p,
+                do_sample=own.do_sample, ignore_eos=own.ignore_eos,
+                eos_token_ids=own.eos_token_ids, stop_token_ids=own.stop_token_ids,
+                stop=tuple(dict.fromkeys(own.stop + asked.stop)), seed=None,
+            )  # fmt: skip
+        if self.left is not None and asked.max_tokens > self.left:
+            asked = dataclasses.replace(asked, max_tokens=self.left)
+        return asked
 
 
 @dataclasses.dataclass
@@ -96,7 +116,7 @@ class _Episode:
     response_length: int | None
     max_prompt_length: int | None
     copies: int = 0  # sampling keys its requests took
-    first_prompt: list[int] | None = None
+    roots: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 class Recorder:
@@ -133,43 +153,36 @@ class Recorder:
         with self._lock:
             return key in self._episodes
 
-    def turn(self, key: str | None, ids: Sequence[int], sampling: SamplingParams,
-             copies: int) -> Turn:  # fmt: skip
-        """How to run a request of `copies` copies with prompt `ids` and the client's
-        `sampling` under `key` (module doc; not an open episode's: as it asked). Raises
-        `ApiError` for a first prompt past the episode's `max_prompt_length`."""
+    def turn(self, key: str | None, ids: Sequence[int], copies: int) -> Turn:
+        """How to run a request of `copies` copies with prompt `ids` under `key` (module
+        doc; not an open episode's: as the client asked). Raises `ApiError` for a root past
+        the episode's `max_prompt_length`."""
         with self._lock:
             episode = self._episodes.get(key) if key is not None else None
             if episode is None:
-                return Turn(sampling)
+                return Turn()
             ids = list(ids)
-            if episode.first_prompt is None:
+            continued = [r for r in episode.roots if ids[: len(r)] == r]
+            root = max(continued, key=len, default=None)
+            if root is None:
                 limit = episode.max_prompt_length
                 if limit is not None and len(ids) > limit:
                     raise ApiError(
                         400,
-                        f"the episode's first prompt is {len(ids)} tokens, more than the "
-                        f"trainer's data.max_prompt_length={limit}: shorten the messages or "
-                        "the tools, or raise it",
+                        f"the episode's prompt is {len(ids)} tokens, more than the trainer's "
+                        f"data.max_prompt_length={limit} (a request that continues no "
+                        "earlier one starts a training row): shorten the messages or the "
+                        "tools, or raise it",
                         param="messages",
                     )
-                episode.first_prompt = ids
-            first = episode.first_prompt
-            used = len(ids) - len(first) if ids[: len(first)] == first else 0
-            if episode.sampling is not None:
-                own = episode.sampling
-                sampling = dataclasses.replace(
-                    sampling, temperature=own.temperature, top_k=own.top_k, top_p=own.top_p,
-                    do_sample=own.do_sample, ignore_eos=own.ignore_eos,
-                    eos_token_ids=own.eos_token_ids, stop_token_ids=own.stop_token_ids,
-                    stop=tuple(dict.fromkeys(own.stop + sampling.stop)), seed=None,
-                )  # fmt: skip
-            left = None if episode.response_length is None else episode.response_length - used
-            if left is not None and left <= 0:
-                return Turn(sampling, exhausted=True)
-            if left is not None and sampling.max_tokens > left:
-                sampling = dataclasses.replace(sampling, max_tokens=left)
-            turn = Turn(sampling, episode.rng, episode.copies)
+                root = ids
+                episode.roots.append(ids)
+            left = None
+            if episode.response_length is not None:
+                left = episode.response_length - (len(ids) - len(root))
+                if left <= 0:
+                    return Turn(episode.sampling, exhausted=True)
+            turn = Turn(episode.sampling, episode.rng, episode.copies, left)
             episode.copies += copies
             return turn
 

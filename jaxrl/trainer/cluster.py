@@ -211,8 +211,11 @@ class Cluster:
         rollout_cfg = cfg.actor_rollout_ref.rollout
         # A conversation's prompt is padded to its bucket: room for the whole response after it.
         context = learners["actor"].config.rope.max_position_embeddings
+        first = rollout_cfg.prompt_length
+        if rollout_cfg.agent.external:  # a later call's prompt: the conversation so far
+            first += rollout_cfg.response_length
         max_model_len = rollout_cfg.max_model_len or min(
-            bucket(rollout_cfg.prompt_length) + rollout_cfg.response_length, context
+            bucket(first) + rollout_cfg.response_length, context
         )
         rollout = RolloutEngine(
             learners["actor"].config.replace(

@@ -175,7 +175,9 @@ class StepRollout:
             self.external = ExternalAgents(
                 agent.external, tokenizer, self.chat, end_ids,
                 model=Path(cfg.actor_rollout_ref.model.path).name or "policy",
-                timeout=agent.external_timeout, port=agent.external_port,
+                timeout=agent.external_timeout,
+                # each process its own port: the key's, or one past the previous process's
+                port=agent.external_port and agent.external_port + jax.process_index(),
                 chunk=self.multi_turn.decode_chunk, error_score=cfg.reward_model.error_score,
             )  # fmt: skip
 

@@ -326,3 +326,21 @@ def test_streamed_dynamic_sampling_keys():
     assert "ReMax" in problem(*fg, "algorithm.adv_estimator=remax")
     text = problem(*fg, "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.max_num_seqs=4")
     assert "max_num_seqs (4) to at least 8" in text
+
+
+def test_an_external_agent_needs_multi_turn_and_its_own_rewards():
+    key = "actor_rollout_ref.rollout.agent.external"
+    ok(f"{key}=agent.py:run", "actor_rollout_ref.rollout.multi_turn.enable=true")
+    assert "multi_turn.enable=true" in problem(f"{key}=agent.py:run")
+    assert "module:function" in problem(
+        f"{key}=agent.py", "actor_rollout_ref.rollout.multi_turn.enable=true"
+    )
+    on = [f"{key}=agent.py:run", "actor_rollout_ref.rollout.multi_turn.enable=true"]
+    for setting, named in (("reward_model.overlong_buffer.enable=true", "overlong_buffer"),
+                           ("custom_reward_function.path=score.py", "custom_reward_function"),
+                           ("algorithm.adv_estimator=remax", "remax")):  # fmt: skip
+        message = problem(*on, setting)
+        assert named in message and "returns each episode's reward" in message, setting
+    assert "tool_config_path=null" in problem(
+        *on, "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"
+    )

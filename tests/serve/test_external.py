@@ -9,6 +9,7 @@ step fails naming the error), and a request between phases (503)."""
 
 import asyncio
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -18,7 +19,10 @@ from _serving import make_engine
 from jaxrl.agent import AgentLoop, AgentRequest, ChatTokens, Limits
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.scheduler import Scheduler
+from jaxrl.serve import external
 from jaxrl.serve.external import ExternalAgents, external_metrics, load_agent
+from jaxrl.serve.protocol import ApiError
+from jaxrl.serve.recorder import Recorder
 
 openai = pytest.importorskip("openai")
 
@@ -138,14 +142,16 @@ def test_the_server_refuses_what_no_episode_may_do(policy):
                 raise RuntimeError("the agent's own bug")
             if i == 4:
                 return "not a number"
-            await asyncio.sleep(60)  # i == 5: never ends within the timeout
+            if i == 5:
+                raise TimeoutError("the agent's own timeout")  # an error, not the episode's
+            await asyncio.sleep(60)  # i == 6: never ends within the timeout
 
     tokenizer = policy[0]
     agents, chat = _agents(policy, attack, timeout=4.0, error_score=-1.0)
     engine = make_engine(policy, slots=4)
-    rows = _rows(tokenizer, chat, 6)
+    rows = _rows(tokenizer, chat, 7)
     try:
-        results = agents.run(engine, rows, SAMPLING, jax.random.key(0), indices=range(6),
+        results = agents.run(engine, rows, SAMPLING, jax.random.key(0), indices=range(7),
                              prompt_length=P, response_length=R)  # fmt: skip
         between = openai.OpenAI(base_url=agents.base_url, api_key="any", max_retries=0)
         with pytest.raises(openai.APIStatusError) as error:  # between phases
@@ -155,34 +161,68 @@ def test_the_server_refuses_what_no_episode_may_do(policy):
         agents.close()
     assert seen[0] == 401
     assert seen[2][0] in ("stop", "length") and seen[2][1:] == ("length", "", "length")
-    assert [len(r.calls) for r in results] == [1, 0, 1, 0, 0, 0]
-    assert [r.reward for r in results] == [0.5, 0.0, 1.0, -1.0, -1.0, -1.0]
+    assert [len(r.calls) for r in results] == [1, 0, 1, 0, 0, 0, 0]
+    assert [r.reward for r in results] == [0.5, 0.0, 1.0, -1.0, -1.0, -1.0, -1.0]
     assert results[0].extra == {"score": 0.5, "acc": 1.0}
     assert "the agent's own bug" in results[3].error and "not a number" in results[4].error
-    assert results[5].timed_out and results[5].error is None
+    assert "the agent's own timeout" in results[5].error and not results[5].timed_out
+    assert results[6].timed_out and results[6].error is None
     empty = results[1].trajectory  # no call: the row's prompt, no response
     assert empty.prompt == list(rows[1]["prompt_ids"]) and empty.response == []
     metrics = external_metrics(results)
-    assert metrics["agent/external/errors"] == 2 and metrics["agent/external/timeouts"] == 1
-    assert metrics["agent/external/no_calls"] == 4
+    assert metrics["agent/external/errors"] == 3 and metrics["agent/external/timeouts"] == 1
+    assert metrics["agent/external/no_calls"] == 5
 
 
-def test_a_phase_where_every_episode_fails_fails_the_step(policy):
+def test_a_phase_fails_when_every_episode_fails_or_one_blocks_its_loop(policy, monkeypatch):
+    """Every episode raising fails the step with the error; an episode that blocks the
+    event loop (a synchronous sleep: its cancellation cannot run) fails it naming that."""
+
     async def broken(episode):
         raise KeyError("ground_truth_typo")
 
+    async def blocking(episode):
+        time.sleep(3)  # not awaited: the loop stalls
+        return 1.0
+
     tokenizer = policy[0]
-    agents, chat = _agents(policy, broken)
-    try:
-        with pytest.raises(RuntimeError, match=r"every episode(.|\n)*ground_truth_typo"):
-            agents.run(make_engine(policy), _rows(tokenizer, chat, 2), SAMPLING,
-                       jax.random.key(0), indices=[0, 1], prompt_length=P,
-                       response_length=R)  # fmt: skip
-    finally:
-        agents.close()
+    engine = make_engine(policy)
+    monkeypatch.setattr(external, "CANCEL_GRACE_S", 0.5)
+    for fn, match in ((broken, r"every episode(.|\n)*ground_truth_typo"),
+                      (blocking, "blocks its event loop")):  # fmt: skip
+        agents, chat = _agents(policy, fn, timeout=1.0)
+        try:
+            with pytest.raises(RuntimeError, match=match):
+                agents.run(engine, _rows(tokenizer, chat, 2), SAMPLING, jax.random.key(0),
+                           indices=[0, 1], prompt_length=P, response_length=R)  # fmt: skip
+        finally:
+            agents.close()
     with pytest.raises(ValueError, match="async function"):
         load_agent(lambda episode: 1.0)
     with pytest.raises(ValueError, match="no such file"):
         load_agent("missing/agent.py:run")
     with pytest.raises(ValueError, match="has no 'nothing'"):
         load_agent("json:nothing")
+
+
+def test_an_episodes_budget_runs_from_the_root_its_call_continues():
+    """`Recorder.turn`: response tokens left count from the root a prompt continues (a side
+    call with another prompt is a root with a budget of its own); past the budget: exhausted,
+    no key number used; a root past `max_prompt_length` is refused; keys number the copies."""
+    recorder = Recorder(exclusive=True)
+    recorder.open("e", sampling=SAMPLING, rng=jax.random.key(0), response_length=10,
+                  max_prompt_length=4)  # fmt: skip
+    first = recorder.turn("e", [1, 2, 3], copies=2)
+    assert (first.left, first.first_copy, first.exhausted) == (10, 0, False)
+    later = recorder.turn("e", [1, 2, 3, 4, 5, 6], copies=1)
+    assert (later.left, later.first_copy) == (7, 2)
+    side = recorder.turn("e", [9, 8], copies=1)  # another root: its own budget
+    assert (side.left, side.first_copy) == (10, 3)
+    assert recorder.turn("e", [1, 2, 3, *range(10)], copies=1).exhausted
+    assert recorder.turn("e", [9, 8, 7], copies=1).first_copy == 4  # exhausted took none
+    with pytest.raises(ApiError, match="max_prompt_length=4"):
+        recorder.turn("e", [5, 5, 5, 5, 5], copies=1)
+    asked = dataclasses.replace(SAMPLING, temperature=0.3, max_tokens=50, stop=("x",))
+    run = later.sampling(asked)  # the trainer's distribution, the episode's budget
+    assert (run.temperature, run.max_tokens, run.stop) == (1.0, 7, ("x",))
+    assert recorder.turn("other", [1], copies=1).sampling(asked) == asked

@@ -201,6 +201,11 @@ def test_errors_are_openais(server):
         client.completions.create(model=MODEL, prompt=[5, 2**31])
     with pytest.raises(openai.BadRequestError, match="past the model's vocabulary"):
         client.completions.create(model=MODEL, prompt=[5, 2**20], stream=True)
+    # 70 tokens fit the context of 96, not once padded to their length bucket (96): refused
+    # here, not failing every request in flight inside the engine's thread
+    with pytest.raises(openai.APIStatusError, match="padded to its bucket") as error:
+        client.completions.create(model=MODEL, prompt=[5] * 70)
+    assert error.value.status_code == 413
     out = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0)
     assert out.choices[0].message.content == CALL  # still serving
 
