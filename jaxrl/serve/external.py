@@ -357,11 +357,13 @@ def _trajectory(calls: list[Call], row: dict[str, Any], prompt_length: int,
     sequence, members = max(chains, key=lambda c: sum(c[0].sampled))  # the first of the most
     n = response_length
     cut = len(sequence.response) > n
+    # the calls whose tokens begin before the cut (a call's begin where its prompt ends)
+    kept = [i for i in members if len(calls[i].prompt) - len(sequence.prompt) < n]
     record = Trajectory(
         prompt=sequence.prompt, response=sequence.response[:n], sampled=sequence.sampled[:n],
         log_probs=sequence.log_probs[:n], versions=sequence.versions[:n], messages=messages,
-        assistant_turns=len(members), user_turns=_runs(sequence.sampled[:n], 0),
-        tool_calls=sum(calls[i].tool_calls for i in members),
+        assistant_turns=len(kept), user_turns=_runs(sequence.sampled[:n], 0),
+        tool_calls=sum(calls[i].tool_calls for i in kept),
         finish="length" if cut or calls[members[-1]].finish == "length" else "stop",
     )  # fmt: skip
     return record, members

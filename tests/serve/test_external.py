@@ -22,7 +22,7 @@ from jaxrl.rollout.scheduler import Scheduler
 from jaxrl.serve import external
 from jaxrl.serve.external import ExternalAgents, external_metrics, load_agent
 from jaxrl.serve.protocol import ApiError
-from jaxrl.serve.recorder import Recorder
+from jaxrl.serve.recorder import Call, Recorder
 
 openai = pytest.importorskip("openai")
 
@@ -226,3 +226,25 @@ def test_an_episodes_budget_runs_from_the_root_its_call_continues():
     run = later.sampling(asked)  # the trainer's distribution, the episode's budget
     assert (run.temperature, run.max_tokens, run.stop) == (1.0, 7, ("x",))
     assert recorder.turn("other", [1], copies=1).sampling(asked) == asked
+
+
+def test_a_row_is_the_chain_with_most_policy_tokens_cut_at_the_response_length():
+    """Of an episode's chains the row is the one with the most sampled tokens whose prompt
+    fits the prompt length, cut at the response length (calls beginning past the cut are not
+    its turns); an episode without a call is the row's own prompt, empty."""
+    a = Call([1, 2], [3, 4], [-0.1, -0.2], "stop", tool_calls=1)
+    side = Call([8], [6], [-0.6], "stop")
+    b = Call([1, 2, 3, 4, 9], [5, 6, 7], [-0.3, -0.4, -0.5], "stop")
+    row = {"messages": [{"role": "user", "content": "q"}], "prompt_ids": [1, 2]}
+    whole, members = external._trajectory([a, side, b], row, prompt_length=4, response_length=8)
+    assert members == [0, 2] and (whole.prompt, whole.response) == ([1, 2], [3, 4, 9, 5, 6, 7])
+    assert whole.sampled == [1, 1, 0, 1, 1, 1] and whole.log_probs[2] == 0.0
+    assert (whole.assistant_turns, whole.user_turns, whole.tool_calls) == (2, 1, 1)
+    assert whole.finish == "stop"
+    cut, _ = external._trajectory([a, side, b], row, prompt_length=4, response_length=3)
+    assert (cut.response, cut.sampled, cut.finish) == ([3, 4, 9], [1, 1, 0], "length")
+    assert (cut.assistant_turns, cut.user_turns) == (1, 1)  # b begins past the cut
+    short, members = external._trajectory([a, side, b], row, prompt_length=1, response_length=8)
+    assert members == [1] and (short.prompt, short.response) == ([8], [6])
+    empty, members = external._trajectory([], row, prompt_length=4, response_length=8)
+    assert members == [] and (empty.prompt, empty.response, empty.finish) == ([1, 2], [], "empty")
