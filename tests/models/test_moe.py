@@ -1,0 +1,122 @@
+"""`jaxrl.models.moe` against transformers' own MoE blocks (float32): Qwen3-MoE's and
+Mixtral's routers and experts token for token, with and without renormalisation; the sorted
+(ragged_dot) path equal to the dense oracle in values and gradients; HF's load-balancing loss
+with and without a mask and Switch Transformers' z-loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.models.moe import (
+    MoeSpec,
+    experts_dense,
+    experts_sorted,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+D, F, E, K, T = 16, 12, 8, 2, 24
+
+
+def _hf_block(family, norm_topk_prob=False):
+    torch.manual_seed(0)
+    if family == "qwen":
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+        config = transformers.Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F,
+                                             num_experts=E, num_experts_per_tok=K,
+                                             norm_topk_prob=norm_topk_prob)  # fmt: skip
+        block = m.Qwen3MoeSparseMoeBlock(config)
+    else:
+        from transformers.models.mixtral import modeling_mixtral as m
+
+        config = transformers.MixtralConfig(hidden_size=D, intermediate_size=F,
+                                            num_local_experts=E, num_experts_per_tok=K)  # fmt: skip
+        block = m.MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    return block.eval()
+
+
+def _jax_params(block):
+    """HF's fused [E, 2F, D] gate_up and [E, D, F] down as jaxrl's [E, D, F] and [E, F, D]."""
+    gate_up = block.experts.gate_up_proj.detach().numpy()
+    down = block.experts.down_proj.detach().numpy()
+    moe = {"w_gate_edf": gate_up[:, :F].transpose(0, 2, 1),
+           "w_up_edf": gate_up[:, F:].transpose(0, 2, 1),
+           "w_down_efd": down.transpose(0, 2, 1)}  # fmt: skip
+    return {k: jnp.asarray(v) for k, v in moe.items()}, jnp.asarray(
+        block.gate.weight.detach().numpy().T
+    )
+
+
+@pytest.mark.parametrize(("family", "norm"), [("qwen", False), ("qwen", True), ("mixtral", True)])
+def test_the_block_equals_transformers(family, norm):
+    block = _hf_block(family, norm)
+    x = np.random.default_rng(1).normal(size=(2, T // 2, D)).astype(np.float32)
+    with torch.no_grad():
+        want = block(torch.from_numpy(x)).numpy().reshape(T, D)
+        hf_logits, hf_weights, hf_experts = block.gate(torch.from_numpy(x).reshape(T, D))
+    moe, router_de = _jax_params(block)
+    spec = MoeSpec(E, K, router=family, norm_topk_prob=norm)
+    x_td = jnp.asarray(x.reshape(T, D))
+    weights, experts, logits = route(x_td, router_de, spec)
+    np.testing.assert_array_equal(np.asarray(experts), hf_experts.numpy())
+    # float32 matmuls in two libraries: equal to rounding
+    np.testing.assert_allclose(np.asarray(logits), hf_logits.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(weights), hf_weights.numpy(), rtol=1e-5, atol=1e-6)
+    for path in (experts_sorted, experts_dense):
+        got = path(x_td, moe, weights, experts)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sorted_equals_dense_in_values_and_gradients():
+    block = _hf_block("qwen", True)
+    moe, router_de = _jax_params(block)
+    spec = MoeSpec(E, K, router="qwen", norm_topk_prob=True)
+    x_td = jax.random.normal(jax.random.key(0), (T, D))
+
+    def loss(path, moe, router_de, x_td):
+        weights, experts, _ = route(x_td, router_de, spec)
+        return jnp.sum(jnp.sin(path(x_td, moe, weights, experts)))
+
+    sorted_out = jax.value_and_grad(lambda *a: loss(experts_sorted, *a), argnums=(0, 1, 2))(
+        moe, router_de, x_td
+    )
+    dense_out = jax.value_and_grad(lambda *a: loss(experts_dense, *a), argnums=(0, 1, 2))(
+        moe, router_de, x_td
+    )
+    # the same sums in another order (float32)
+    for a, b in zip(jax.tree.leaves(sorted_out), jax.tree.leaves(dense_out), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+def test_losses_equal_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from transformers.models.switch_transformers.modeling_switch_transformers import (
+        router_z_loss_func,
+    )
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(3, T, E)).astype(np.float32) * 2
+    mask = (rng.random(T) > 0.3).astype(np.float32)
+    layers = tuple(torch.from_numpy(layer) for layer in logits)
+    for m in (None, mask):
+        want = load_balancing_loss_func(layers, E, K, None if m is None else
+                                        torch.from_numpy(m).reshape(2, T // 2)).item()  # fmt: skip
+        got = load_balancing_loss(jnp.asarray(logits), jnp.ones(T) if m is None else m, K)
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    want_z = router_z_loss_func(torch.from_numpy(logits)).item()
+    np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits), jnp.ones(T))), want_z,
+                               rtol=1e-6)  # fmt: skip
+    masked = router_z_loss(jnp.asarray(logits), mask)
+    keep = mask > 0
+    np.testing.assert_allclose(float(masked),
+                               router_z_loss_func(torch.from_numpy(logits[:, keep])).item(),
+                               rtol=1e-6)  # fmt: skip
