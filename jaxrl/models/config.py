@@ -14,8 +14,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxrl.kernels import NO_WINDOW
+from jaxrl.models.moe import MoeSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "save_dots")
 HEADS = ("causal_lm", "token_classification", "sequence_classification")
@@ -117,6 +118,9 @@ class DecoderConfig:
         attention_impl: Passed to `jaxrl.kernels.attention`.
         lora: LoRA adapters the parameter tree carries (`jaxrl.models.lora`); None: none.
             A tree without them (the frozen base) runs as the plain model.
+        moe: Every layer's MLP is a mixture of experts (`jaxrl.models.moe`; the tree's
+            `layers/moe` in place of `layers/mlp`); None: dense.
+        moe_intermediate_size: Each expert's SwiGLU width.
     """
 
     model_type: str
@@ -145,6 +149,8 @@ class DecoderConfig:
     remat: str = "none"
     attention_impl: str = "auto"
     lora: LoraSpec | None = None
+    moe: MoeSpec | None = None
+    moe_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -219,8 +225,10 @@ def _rope_from_hf(hf: Any) -> RopeConfig:
 def _sliding_windows(hf: Any) -> tuple[int | None, ...]:
     n = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
-    if hf.model_type == "mistral":
+    if hf.model_type in ("mistral", "mixtral"):
         return (window,) * n
+    if hf.model_type == "qwen3_moe":  # one window on every layer, when it is used
+        return (window if getattr(hf, "use_sliding_window", False) else None,) * n
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is None or window is None:
         return (None,) * n
@@ -274,15 +282,39 @@ def from_hf_config(
         rope=_rope_from_hf(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        o_bias=hf.model_type in ("llama", "qwen3") and bool(getattr(hf, "attention_bias", False)),
+        o_bias=hf.model_type in ("llama", "qwen3", "qwen3_moe")
+        and bool(getattr(hf, "attention_bias", False)),
         mlp_bias=hf.model_type == "llama" and bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=hf.model_type == "qwen3",
+        qk_norm=hf.model_type in ("qwen3", "qwen3_moe"),
         sliding_windows=_sliding_windows(hf),
         head=head,
         num_labels=getattr(hf, "num_labels", 1) if head != "causal_lm" else 1,
         score_bias=score_bias,
         pad_token_id=getattr(hf, "pad_token_id", None),
         eos_token_id=eos,
+        **_moe_from_hf(hf),
     )
     fields.update(options)
     return DecoderConfig(**fields)
+
+
+def _moe_from_hf(hf: Any) -> dict[str, Any]:
+    """`moe` and `moe_intermediate_size` of an MoE family (every layer sparse)."""
+    if hf.model_type == "qwen3_moe":
+        if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
+            raise ValueError(
+                "qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step != 1) is "
+                "not supported by jaxrl yet: every layer must be sparse"
+            )
+        spec = MoeSpec(hf.num_experts, hf.num_experts_per_tok, "qwen",
+                       bool(hf.norm_topk_prob))  # fmt: skip
+        return {"moe": spec, "moe_intermediate_size": hf.moe_intermediate_size}
+    if hf.model_type == "mixtral":
+        if getattr(hf, "router_jitter_noise", 0.0):
+            raise ValueError(
+                f"mixtral router_jitter_noise={hf.router_jitter_noise}: jaxrl routes without "
+                "noise; set it to 0"
+            )
+        spec = MoeSpec(hf.num_local_experts, hf.num_experts_per_tok, "mixtral", True)
+        return {"moe": spec, "moe_intermediate_size": hf.intermediate_size}
+    return {}

@@ -64,14 +64,24 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
         mlp["b_gate_f"] = ((L, F), ("layers", "mlp"))
         mlp["b_up_f"] = ((L, F), ("layers", "mlp"))
         mlp["b_down_d"] = ((L, D), ("layers", "embed"))
+    layers: dict[str, Any] = {
+        "ln_attn_d": ((L, D), ("layers", "embed")),
+        "ln_mlp_d": ((L, D), ("layers", "embed")),
+        "attn": attn,
+    }
+    if c.moe is None:
+        layers["mlp"] = mlp
+    else:  # experts replicated for now (an `ep` axis: issue 44, step 4)
+        E, Fe = c.moe.num_experts, c.moe_intermediate_size
+        layers["moe"] = {
+            "router_de": ((L, D, E), ("layers", "embed", None)),
+            "w_gate_edf": ((L, E, D, Fe), ("layers", None, "embed", "mlp")),
+            "w_up_edf": ((L, E, D, Fe), ("layers", None, "embed", "mlp")),
+            "w_down_efd": ((L, E, Fe, D), ("layers", None, "mlp", "embed")),
+        }
     tree: dict[str, Any] = {
         "embed": {"tokens_vd": ((V, D), ("vocab", "embed"))},
-        "layers": {
-            "ln_attn_d": ((L, D), ("layers", "embed")),
-            "ln_mlp_d": ((L, D), ("layers", "embed")),
-            "attn": attn,
-            "mlp": mlp,
-        },
+        "layers": layers,
         "final_norm_d": ((D,), ("embed",)),
     }
     if c.head == "causal_lm" and not c.tie_word_embeddings:

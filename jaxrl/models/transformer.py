@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl.kernels import attention
 from jaxrl.kernels.ring import unzigzag, zigzag
-from jaxrl.models import lora
+from jaxrl.models import lora, moe
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
 from jaxrl.models.rope import apply_rope, rope_cos_sin
@@ -91,7 +91,7 @@ def _block(
     window: Array,
 ) -> Array:
     """One pre-norm layer; `attend(q, k, v, window)` does the attention (plain or cached)."""
-    a, m, eps = p["attn"], p["mlp"], config.rms_norm_eps
+    a, eps = p["attn"], config.rms_norm_eps
     h = rms_norm(x_btd, p["ln_attn_d"], eps)
     q = _project(config, h, a, "w_q_dnh", "b_q_nh", "btd,dnh->btnh")
     k = _project(config, h, a, "w_k_dkh", "b_k_kh", "btd,dkh->btkh")
@@ -102,10 +102,22 @@ def _block(
     o = attend(q, k, v, window)
     x_btd = x_btd + _project(config, o, a, "w_o_nhd", "b_o_d", "btnh,nhd->btd")
     h = rms_norm(x_btd, p["ln_mlp_d"], eps)
+    if config.moe is not None:
+        return x_btd + _moe_mlp(config, h, p["moe"])
+    m = p["mlp"]
     gate = _project(config, h, m, "w_gate_df", "b_gate_f", "btd,df->btf")
     up = _project(config, h, m, "w_up_df", "b_up_f", "btd,df->btf")
     down = _project(config, jax.nn.silu(gate) * up, m, "w_down_fd", "b_down_d", "btf,fd->btd")
     return x_btd + down
+
+
+def _moe_mlp(config: DecoderConfig, h_btd: Array, p: Params) -> Array:
+    """The mixture of experts over the [B*T] tokens (`jaxrl.models.moe`: routed, the pairs
+    sorted by expert)."""
+    b, t, d = h_btd.shape
+    x_td = h_btd.reshape(b * t, d)
+    weights_tk, experts_tk, _ = moe.route(x_td, p["router_de"], config.moe)
+    return moe.experts_sorted(x_td, p, weights_tk, experts_tk).reshape(b, t, d)
 
 
 def hidden_states(
