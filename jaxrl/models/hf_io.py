@@ -23,7 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxrl.models import lora
 from jaxrl.models.config import DecoderConfig, from_hf_config
-from jaxrl.models.hf_names import IGNORABLE_SUFFIXES, Entry, entries, hf_names
+from jaxrl.models.hf_names import IGNORABLE_SUFFIXES, Entry, entries, hf_names, num_experts
 from jaxrl.models.params import Params, param_shapes
 from jaxrl.sharding.layouts import Layout
 from jaxrl.sharding.logical import Rules, sharding_for
@@ -108,7 +108,8 @@ def _base_prefix(names: set[str]) -> str:
 
 
 def _check_names(config: DecoderConfig, table: list[Entry], available: set[str], folder: Path):
-    expected = {n for e in table for n in hf_names(e, config.num_layers)}
+    experts = num_experts(config)
+    expected = {n for e in table for n in hf_names(e, config.num_layers, experts)}
     missing = sorted(expected - available)
     unexpected = sorted(
         n
@@ -183,7 +184,19 @@ def from_pretrained(
 def _make_array(handles, entry: Entry, shape, config: DecoderConfig, sharding) -> jax.Array:
     np_dtype = np.dtype(jnp.dtype(config.param_dtype))
 
+    def _read_expert(i: int, j: int) -> np.ndarray:
+        return _read(handles, entry.hf_name.format(i=i, j=j), entry, shape[2:])
+
     def shard(index: tuple[slice, ...]) -> np.ndarray:
+        if entry.per_expert:  # [L, E, ...]: one tensor per layer and expert
+            layers = range(config.num_layers)[index[0]]
+            experts = range(shape[1])[index[1]]
+            tail = _read_expert(layers[0], experts[0])[index[2:]].shape
+            out = np.empty((len(layers), len(experts), *tail), np_dtype)
+            for a, i in enumerate(layers):
+                for b, j in enumerate(experts):
+                    out[a, b] = _read_expert(i, j)[index[2:]]
+            return out
         if not entry.stacked:
             return _read(handles, entry.hf_name, entry, shape)[index].astype(np_dtype, copy=False)
         layers = range(config.num_layers)[index[0]]
@@ -312,8 +325,13 @@ def save_pretrained(
         for key in entry.path:
             leaf = leaf[key]
         host = np.asarray(jax.device_get(leaf))
-        layers = [host[i] for i in range(config.num_layers)] if entry.stacked else [host]
-        for name, x in zip(hf_names(entry, config.num_layers), layers, strict=True):
+        if entry.per_expert:
+            layers = [host[i, j] for i in range(config.num_layers)
+                      for j in range(host.shape[1])]  # fmt: skip
+        else:
+            layers = [host[i] for i in range(config.num_layers)] if entry.stacked else [host]
+        names = hf_names(entry, config.num_layers, num_experts(config))
+        for name, x in zip(names, layers, strict=True):
             tensors[name] = np.ascontiguousarray(entry.to_hf(x).astype(np_dtype))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

@@ -22,7 +22,8 @@ class Entry:
 
     Attributes:
         path: Keys into the jaxrl parameter tree.
-        hf_name: HF tensor name; `{i}` stands for the layer index of stacked parameters.
+        hf_name: HF tensor name; `{i}` stands for the layer index of stacked parameters,
+            `{j}` for the expert index of an MoE layer's experts (stacked [L, E, ...]).
         to_jax: HF tensor -> jaxrl layout (one layer for stacked parameters).
         to_hf: The inverse.
     """
@@ -35,6 +36,10 @@ class Entry:
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf_name
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf_name
 
 
 def _same(x: np.ndarray) -> np.ndarray:
@@ -92,13 +97,10 @@ def entries(config: DecoderConfig, prefix: str = "model.") -> Iterator[Entry]:
         yield Entry(("layers", "attn", "q_norm_h"), attn + "q_norm.weight", _same, _same)
         yield Entry(("layers", "attn", "k_norm_h"), attn + "k_norm.weight", _same, _same)
     transpose = (lambda w: w.T), (lambda w: w.T)
-    yield Entry(("layers", "mlp", "w_gate_df"), mlp + "gate_proj.weight", *transpose)
-    yield Entry(("layers", "mlp", "w_up_df"), mlp + "up_proj.weight", *transpose)
-    yield Entry(("layers", "mlp", "w_down_fd"), mlp + "down_proj.weight", *transpose)
-    if c.mlp_bias:
-        yield Entry(("layers", "mlp", "b_gate_f"), mlp + "gate_proj.bias", _same, _same)
-        yield Entry(("layers", "mlp", "b_up_f"), mlp + "up_proj.bias", _same, _same)
-        yield Entry(("layers", "mlp", "b_down_d"), mlp + "down_proj.bias", _same, _same)
+    if c.moe is not None:
+        yield from _moe_entries(c, layer, transpose)
+    else:
+        yield from _mlp_entries(c, mlp, transpose)
     yield Entry(("final_norm_d",), prefix + "norm.weight", _same, _same)
     if c.head == "causal_lm" and not c.tie_word_embeddings:
         yield Entry(("lm_head_dv",), "lm_head.weight", *transpose)
@@ -108,11 +110,46 @@ def entries(config: DecoderConfig, prefix: str = "model.") -> Iterator[Entry]:
             yield Entry(("score", "b_c"), "score.bias", _same, _same)
 
 
-def hf_names(entry: Entry, num_layers: int) -> list[str]:
-    """The HF tensor names of an entry (one per layer when stacked)."""
+# HF's per-expert tensor names (as checkpoints store them): (router, gate, up, down)
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight",
+                  "mlp.experts.{j}.up_proj.weight", "mlp.experts.{j}.down_proj.weight"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
+                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
+}  # fmt: skip
+
+
+def _moe_entries(c: DecoderConfig, layer: str, transpose) -> Iterator[Entry]:
+    router, gate, up, down = (layer + n for n in _MOE_NAMES[c.model_type])
+    yield Entry(("layers", "moe", "router_de"), router, *transpose)
+    yield Entry(("layers", "moe", "w_gate_edf"), gate, *transpose)
+    yield Entry(("layers", "moe", "w_up_edf"), up, *transpose)
+    yield Entry(("layers", "moe", "w_down_efd"), down, *transpose)
+
+
+def _mlp_entries(c: DecoderConfig, mlp: str, transpose) -> Iterator[Entry]:
+    yield Entry(("layers", "mlp", "w_gate_df"), mlp + "gate_proj.weight", *transpose)
+    yield Entry(("layers", "mlp", "w_up_df"), mlp + "up_proj.weight", *transpose)
+    yield Entry(("layers", "mlp", "w_down_fd"), mlp + "down_proj.weight", *transpose)
+    if c.mlp_bias:
+        yield Entry(("layers", "mlp", "b_gate_f"), mlp + "gate_proj.bias", _same, _same)
+        yield Entry(("layers", "mlp", "b_up_f"), mlp + "up_proj.bias", _same, _same)
+        yield Entry(("layers", "mlp", "b_down_d"), mlp + "down_proj.bias", _same, _same)
+
+
+def hf_names(entry: Entry, num_layers: int, num_experts: int = 0) -> list[str]:
+    """The HF tensor names of an entry (one per layer when stacked; per layer and expert,
+    layer-major, for experts)."""
+    if entry.per_expert:
+        return [entry.hf_name.format(i=i, j=j) for i in range(num_layers)
+                for j in range(num_experts)]  # fmt: skip
     if entry.stacked:
         return [entry.hf_name.format(i=i) for i in range(num_layers)]
     return [entry.hf_name]
+
+
+def num_experts(config: DecoderConfig) -> int:
+    return config.moe.num_experts if config.moe is not None else 0
 
 
 # Tensors some checkpoints carry that jaxrl recomputes or does not use.

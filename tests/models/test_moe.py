@@ -132,41 +132,12 @@ def _tiny(family):
     return transformers.MixtralConfig(**common, intermediate_size=F, num_local_experts=E)
 
 
-def _params_of(model, config):
-    """jaxrl's tree from the HF model's state dict: the dense families' names for all but the
-    experts, HF's fused [E, 2F, D] / [E, D, F] experts and [E, D] router per layer (the
-    checkpoint reader for them is issue 44's next step)."""
-    from jaxrl.models import hf_names
-
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    tree: dict = {}
-    for entry in hf_names.entries(config):
-        if "mlp" in entry.path:
-            continue
-        names = hf_names.hf_names(entry, config.num_layers)
-        value = np.stack([entry.to_jax(state[n]) for n in names]) if entry.stacked else (
-            entry.to_jax(state[names[0]]))  # fmt: skip
-        node = tree
-        for key in entry.path[:-1]:
-            node = node.setdefault(key, {})
-        node[entry.path[-1]] = jnp.asarray(value)
-    layers = [f"model.layers.{i}.mlp." for i in range(config.num_layers)]
-    gate_up = np.stack([state[p + "experts.gate_up_proj"] for p in layers])
-    tree["layers"]["moe"] = {
-        "router_de": jnp.asarray(np.stack([state[p + "gate.weight"].T for p in layers])),
-        "w_gate_edf": jnp.asarray(gate_up[:, :, :F].transpose(0, 1, 3, 2)),
-        "w_up_edf": jnp.asarray(gate_up[:, :, F:].transpose(0, 1, 3, 2)),
-        "w_down_efd": jnp.asarray(
-            np.stack([state[p + "experts.down_proj"] for p in layers]).transpose(0, 1, 3, 2)
-        ),
-    }
-    return tree
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_the_decoder_equals_transformers(family):
-    """The whole MoE decoder's logits equal transformers' (float32, left-padded rows)."""
-    from jaxrl.models import from_hf_config
+def test_the_decoder_read_from_an_hf_folder_equals_transformers(family, tmp_path):
+    """An MoE checkpoint as transformers saves it (one tensor per layer and expert) read by
+    `from_pretrained`: the whole decoder's logits equal transformers' (float32, a
+    left-padded row)."""
+    from jaxrl.models import from_pretrained
     from jaxrl.models.transformer import hidden_states, lm_logits
 
     torch.manual_seed(0)
@@ -175,7 +146,8 @@ def test_the_decoder_equals_transformers(family):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    config = from_hf_config(hf)
+    model.save_pretrained(tmp_path)
+    config, params = from_pretrained(tmp_path)
     assert config.moe is not None and config.moe.router == ("qwen" if "qwen" in family else
                                                             "mixtral")  # fmt: skip
     ids = np.random.default_rng(3).integers(1, 64, size=(2, 10))
@@ -185,7 +157,6 @@ def test_the_decoder_equals_transformers(family):
         want = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                      position_ids=torch.from_numpy(np.clip(mask.cumsum(-1) - 1, 0, None))
                      ).logits.numpy()  # fmt: skip
-    params = _params_of(model, config)
     h = hidden_states(config, params, jnp.asarray(ids), jnp.asarray(mask))
     got = np.asarray(lm_logits(config, params, h))
     keep = mask.astype(bool)
