@@ -227,7 +227,8 @@ def _rope_parameters(config: DecoderConfig) -> dict[str, Any]:
     return out
 
 
-_ARCH = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_ARCH = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+         "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}  # fmt: skip
 _HEAD_ARCH = {
     "causal_lm": "ForCausalLM",
     "token_classification": "ForTokenClassification",
@@ -262,16 +263,26 @@ def to_hf_config(config: DecoderConfig, base: Mapping[str, Any] | None = None) -
         architectures=[_ARCH[c.model_type] + _HEAD_ARCH[c.head]],
         dtype=c.param_dtype,
     )
-    if c.model_type in ("llama", "qwen3"):
+    if c.model_type in ("llama", "qwen3", "qwen3_moe"):
         fields["attention_bias"] = c.qkv_bias
+    if c.model_type == "qwen3_moe":
+        fields.update(num_experts=c.moe.num_experts, num_experts_per_tok=c.moe.top_k,
+                      norm_topk_prob=c.moe.norm_topk_prob,
+                      moe_intermediate_size=c.moe_intermediate_size,
+                      mlp_only_layers=[], decoder_sparse_step=1)  # fmt: skip
+    if c.model_type == "mixtral":
+        fields.update(num_local_experts=c.moe.num_experts, num_experts_per_tok=c.moe.top_k,
+                      intermediate_size=c.moe_intermediate_size)  # fmt: skip
     if c.model_type == "llama":
         fields["mlp_bias"] = c.mlp_bias
     windows = {w for w in c.sliding_windows if w is not None}
     if len(windows) > 1:
         raise ValueError(f"HF configs hold one sliding window; this model has {sorted(windows)}")
     window = windows.pop() if windows else None
-    if c.model_type == "mistral":
+    if c.model_type in ("mistral", "mixtral"):
         fields["sliding_window"] = window
+    elif c.model_type == "qwen3_moe":
+        fields.update(use_sliding_window=window is not None, sliding_window=window)
     elif c.model_type in ("qwen2", "qwen3"):
         fields.update(
             use_sliding_window=window is not None,

@@ -137,7 +137,7 @@ def test_the_decoder_read_from_an_hf_folder_equals_transformers(family, tmp_path
     """An MoE checkpoint as transformers saves it (one tensor per layer and expert) read by
     `from_pretrained`: the whole decoder's logits equal transformers' (float32, a
     left-padded row)."""
-    from jaxrl.models import from_pretrained
+    from jaxrl.models import from_pretrained, save_pretrained
     from jaxrl.models.transformer import hidden_states, lm_logits
 
     torch.manual_seed(0)
@@ -162,3 +162,11 @@ def test_the_decoder_read_from_an_hf_folder_equals_transformers(family, tmp_path
     keep = mask.astype(bool)
     # float32 in two libraries over two layers: 1e-4 (the issue's bound)
     np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+    # written back as an HF folder, transformers reads the same model
+    save_pretrained(config, params, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        back = again(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                     position_ids=torch.from_numpy(np.clip(mask.cumsum(-1) - 1, 0, None))
+                     ).logits.numpy()  # fmt: skip
+    np.testing.assert_allclose(back[keep], want[keep], rtol=1e-5, atol=1e-5)
