@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxrl.kernels import NO_WINDOW
 from jaxrl.models.moe import MoeSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "save_dots")
 HEADS = ("causal_lm", "token_classification", "sequence_classification")
@@ -121,6 +121,8 @@ class DecoderConfig:
         moe: Every layer's MLP is a mixture of experts (`jaxrl.models.moe`; the tree's
             `layers/moe` in place of `layers/mlp`); None: dense.
         moe_intermediate_size: Each expert's SwiGLU width.
+        shared_expert_intermediate_size: Qwen2-MoE's shared expert's SwiGLU width, added to
+            the routed experts' sum through a sigmoid gate (0: none).
     """
 
     model_type: str
@@ -151,6 +153,7 @@ class DecoderConfig:
     lora: LoraSpec | None = None
     moe: MoeSpec | None = None
     moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -281,7 +284,9 @@ def from_hf_config(
         rms_norm_eps=hf.rms_norm_eps,
         rope=_rope_from_hf(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        qkv_bias=hf.model_type == "qwen2"
+        or (hf.model_type == "qwen2_moe" and bool(getattr(hf, "qkv_bias", True)))
+        or bool(getattr(hf, "attention_bias", False)),
         o_bias=hf.model_type in ("llama", "qwen3", "qwen3_moe")
         and bool(getattr(hf, "attention_bias", False)),
         mlp_bias=hf.model_type == "llama" and bool(getattr(hf, "mlp_bias", False)),
@@ -300,15 +305,17 @@ def from_hf_config(
 
 def _moe_from_hf(hf: Any) -> dict[str, Any]:
     """`moe` and `moe_intermediate_size` of an MoE family (every layer sparse)."""
-    if hf.model_type == "qwen3_moe":
+    if hf.model_type in ("qwen2_moe", "qwen3_moe"):
         if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
             raise ValueError(
-                "qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step != 1) is "
-                "not supported by jaxrl yet: every layer must be sparse"
+                f"{hf.model_type} with dense layers (mlp_only_layers, decoder_sparse_step != 1) "
+                "is not supported by jaxrl yet: every layer must be sparse"
             )
         spec = MoeSpec(hf.num_experts, hf.num_experts_per_tok, "qwen",
                        bool(hf.norm_topk_prob))  # fmt: skip
-        return {"moe": spec, "moe_intermediate_size": hf.moe_intermediate_size}
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
+        return {"moe": spec, "moe_intermediate_size": hf.moe_intermediate_size,
+                "shared_expert_intermediate_size": shared}  # fmt: skip
     if hf.model_type == "mixtral":
         if getattr(hf, "router_jitter_noise", 0.0):
             raise ValueError(

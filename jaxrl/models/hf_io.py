@@ -228,7 +228,7 @@ def _rope_parameters(config: DecoderConfig) -> dict[str, Any]:
 
 
 _ARCH = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-         "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}  # fmt: skip
+         "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}  # fmt: skip
 _HEAD_ARCH = {
     "causal_lm": "ForCausalLM",
     "token_classification": "ForTokenClassification",
@@ -265,11 +265,14 @@ def to_hf_config(config: DecoderConfig, base: Mapping[str, Any] | None = None) -
     )
     if c.model_type in ("llama", "qwen3", "qwen3_moe"):
         fields["attention_bias"] = c.qkv_bias
-    if c.model_type == "qwen3_moe":
+    if c.model_type in ("qwen2_moe", "qwen3_moe"):
         fields.update(num_experts=c.moe.num_experts, num_experts_per_tok=c.moe.top_k,
                       norm_topk_prob=c.moe.norm_topk_prob,
                       moe_intermediate_size=c.moe_intermediate_size,
                       mlp_only_layers=[], decoder_sparse_step=1)  # fmt: skip
+    if c.model_type == "qwen2_moe":
+        shared = c.shared_expert_intermediate_size
+        fields.update(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=shared)
     if c.model_type == "mixtral":
         fields.update(num_local_experts=c.moe.num_experts, num_experts_per_tok=c.moe.top_k,
                       intermediate_size=c.moe_intermediate_size)  # fmt: skip
@@ -283,7 +286,7 @@ def to_hf_config(config: DecoderConfig, base: Mapping[str, Any] | None = None) -
         fields["sliding_window"] = window
     elif c.model_type == "qwen3_moe":
         fields.update(use_sliding_window=window is not None, sliding_window=window)
-    elif c.model_type in ("qwen2", "qwen3"):
+    elif c.model_type == "qwen2_moe" or c.model_type in ("qwen2", "qwen3"):
         fields.update(
             use_sliding_window=window is not None,
             sliding_window=window,

@@ -112,6 +112,8 @@ def entries(config: DecoderConfig, prefix: str = "model.") -> Iterator[Entry]:
 
 # HF's per-expert tensor names (as checkpoints store them): (router, gate, up, down)
 _MOE_NAMES = {
+    "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight",
+                  "mlp.experts.{j}.up_proj.weight", "mlp.experts.{j}.down_proj.weight"),
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight",
                   "mlp.experts.{j}.up_proj.weight", "mlp.experts.{j}.down_proj.weight"),
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
@@ -125,6 +127,14 @@ def _moe_entries(c: DecoderConfig, layer: str, transpose) -> Iterator[Entry]:
     yield Entry(("layers", "moe", "w_gate_edf"), gate, *transpose)
     yield Entry(("layers", "moe", "w_up_edf"), up, *transpose)
     yield Entry(("layers", "moe", "w_down_efd"), down, *transpose)
+    if c.shared_expert_intermediate_size:
+        shared = layer + "mlp.shared_expert."
+        for jax_name, hf_name in (("w_gate_df", "gate_proj"), ("w_up_df", "up_proj"),
+                                  ("w_down_fd", "down_proj")):  # fmt: skip
+            yield Entry(("layers", "moe", "shared", jax_name), f"{shared}{hf_name}.weight",
+                        *transpose)  # fmt: skip
+        yield Entry(("layers", "moe", "shared_gate_d"), layer + "mlp.shared_expert_gate.weight",
+                    lambda w: w.reshape(-1), lambda w: w.reshape(1, -1))  # fmt: skip
 
 
 def _mlp_entries(c: DecoderConfig, mlp: str, transpose) -> Iterator[Entry]:

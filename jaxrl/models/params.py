@@ -79,6 +79,13 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
             "w_up_edf": ((L, E, D, Fe), ("layers", None, "embed", "mlp")),
             "w_down_efd": ((L, E, Fe, D), ("layers", None, "mlp", "embed")),
         }
+        if Fs := c.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+            layers["moe"]["shared"] = {
+                "w_gate_df": ((L, D, Fs), ("layers", "embed", "mlp")),
+                "w_up_df": ((L, D, Fs), ("layers", "embed", "mlp")),
+                "w_down_fd": ((L, Fs, D), ("layers", "mlp", "embed")),
+            }
+            layers["moe"]["shared_gate_d"] = ((L, D), ("layers", "embed"))
     tree: dict[str, Any] = {
         "embed": {"tokens_vd": ((V, D), ("vocab", "embed"))},
         "layers": layers,

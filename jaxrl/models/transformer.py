@@ -117,7 +117,15 @@ def _moe_mlp(config: DecoderConfig, h_btd: Array, p: Params) -> Array:
     b, t, d = h_btd.shape
     x_td = h_btd.reshape(b * t, d)
     weights_tk, experts_tk, _ = moe.route(x_td, p["router_de"], config.moe)
-    return moe.experts_sorted(x_td, p, weights_tk, experts_tk).reshape(b, t, d)
+    y_td = moe.experts_sorted(x_td, p, weights_tk, experts_tk)
+    if "shared" in p:  # Qwen2-MoE: + sigmoid(x w_g) * SwiGLU_shared(x)
+        s = p["shared"]
+        gate = _project(config, x_td, s, "w_gate_df", "", "td,df->tf")
+        up = _project(config, x_td, s, "w_up_df", "", "td,df->tf")
+        shared = _project(config, jax.nn.silu(gate) * up, s, "w_down_fd", "", "tf,fd->td")
+        g_t1 = jax.nn.sigmoid(x_td @ p["shared_gate_d"].astype(x_td.dtype))[:, None]
+        y_td = y_td + g_t1 * shared
+    return y_td.reshape(b, t, d)
 
 
 def hidden_states(

@@ -129,10 +129,14 @@ def _tiny(family):
         return transformers.Qwen3MoeConfig(**common, intermediate_size=32,
                                            moe_intermediate_size=F, num_experts=E,
                                            norm_topk_prob=True)  # fmt: skip
+    if family == "qwen2_moe":  # a shared expert with its gate, q/k/v biases
+        return transformers.Qwen2MoeConfig(**common, intermediate_size=32,
+                                           moe_intermediate_size=F, num_experts=E,
+                                           shared_expert_intermediate_size=20)  # fmt: skip
     return transformers.MixtralConfig(**common, intermediate_size=F, num_local_experts=E)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_the_decoder_read_from_an_hf_folder_equals_transformers(family, tmp_path):
     """An MoE checkpoint as transformers saves it (one tensor per layer and expert) read by
     `from_pretrained`: the whole decoder's logits equal transformers' (float32, a
@@ -150,6 +154,7 @@ def test_the_decoder_read_from_an_hf_folder_equals_transformers(family, tmp_path
     config, params = from_pretrained(tmp_path)
     assert config.moe is not None and config.moe.router == ("qwen" if "qwen" in family else
                                                             "mixtral")  # fmt: skip
+    assert bool(config.shared_expert_intermediate_size) == (family == "qwen2_moe")
     ids = np.random.default_rng(3).integers(1, 64, size=(2, 10))
     mask = np.ones_like(ids)
     mask[1, :3] = 0  # left padding
