@@ -199,6 +199,8 @@ def choose_backend(name: str, config: DecoderConfig, layout: Layout | None) -> D
 
 def _kernels_unavailable(config: DecoderConfig, layout: Layout | None) -> str | None:
     """Why the CPU kernels cannot decode this model on this layout, or None."""
+    if config.moe is not None:
+        return "the model is a mixture of experts (the kernels run dense SwiGLU layers)"
     if not cpu_decode.supports(config.head_dim):
         return f"head_dim={config.head_dim} is not a multiple of 16 up to 1024"
     if not cpu_decode.enabled(config.compute_dtype, layout):

@@ -175,3 +175,30 @@ def test_the_decoder_read_from_an_hf_folder_equals_transformers(family, tmp_path
                      position_ids=torch.from_numpy(np.clip(mask.cumsum(-1) - 1, 0, None))
                      ).logits.numpy()  # fmt: skip
     np.testing.assert_allclose(back[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_generates_an_moe_model_greedily_as_its_forward(tmp_path):
+    """The rollout engine (cache, decode; the CPU kernels refuse MoE, XLA decodes) samples
+    greedily what the full forward's argmax gives, token by token."""
+    from jaxrl.models import from_pretrained
+    from jaxrl.models.transformer import hidden_states, lm_logits
+    from jaxrl.rollout.engine import RolloutEngine
+    from jaxrl.rollout.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_tiny("qwen3_moe"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    config, params = from_pretrained(tmp_path)
+    engine = RolloutEngine(config, None, max_num_seqs=2, max_model_len=32)
+    engine.load_weights(params)
+    prompt = np.asarray([[5, 9, 3, 7]], np.int32)
+    greedy = SamplingParams(temperature=0.0, do_sample=False, max_tokens=6, ignore_eos=True)
+    out = engine.generate(prompt, np.ones_like(prompt), greedy, jax.random.key(0))
+    tokens = np.asarray(out.responses)[0]
+    ids = jnp.asarray(np.concatenate([prompt[0], tokens])[None])
+    logits = lm_logits(config, params, hidden_states(config, params, ids))
+    # each sampled token is the forward's argmax after the ones before it
+    np.testing.assert_array_equal(np.asarray(jnp.argmax(logits[0, 3:-1], -1)), tokens)
