@@ -104,11 +104,15 @@ def _block(
     h = rms_norm(x_btd, p["ln_mlp_d"], eps)
     if config.moe is not None:
         return x_btd + _moe_mlp(config, h, p["moe"])
-    m = p["mlp"]
-    gate = _project(config, h, m, "w_gate_df", "b_gate_f", "btd,df->btf")
-    up = _project(config, h, m, "w_up_df", "b_up_f", "btd,df->btf")
-    down = _project(config, jax.nn.silu(gate) * up, m, "w_down_fd", "b_down_d", "btf,fd->btd")
-    return x_btd + down
+    return x_btd + _swiglu(config, h, p["mlp"])
+
+
+def _swiglu(config: DecoderConfig, h: Array, m: Params) -> Array:
+    """W_down (silu(W_gate h) * W_up h) over h's last axis (biases and LoRA where `m` has
+    them): the dense MLP, and Qwen2-MoE's shared expert."""
+    gate = _project(config, h, m, "w_gate_df", "b_gate_f", "...d,df->...f")
+    up = _project(config, h, m, "w_up_df", "b_up_f", "...d,df->...f")
+    return _project(config, jax.nn.silu(gate) * up, m, "w_down_fd", "b_down_d", "...f,fd->...d")
 
 
 def _moe_mlp(config: DecoderConfig, h_btd: Array, p: Params) -> Array:
@@ -119,12 +123,8 @@ def _moe_mlp(config: DecoderConfig, h_btd: Array, p: Params) -> Array:
     weights_tk, experts_tk, _ = moe.route(x_td, p["router_de"], config.moe)
     y_td = moe.experts_sorted(x_td, p, weights_tk, experts_tk)
     if "shared" in p:  # Qwen2-MoE: + sigmoid(x w_g) * SwiGLU_shared(x)
-        s = p["shared"]
-        gate = _project(config, x_td, s, "w_gate_df", "", "td,df->tf")
-        up = _project(config, x_td, s, "w_up_df", "", "td,df->tf")
-        shared = _project(config, jax.nn.silu(gate) * up, s, "w_down_fd", "", "tf,fd->td")
         g_t1 = jax.nn.sigmoid(x_td @ p["shared_gate_d"].astype(x_td.dtype))[:, None]
-        y_td = y_td + g_t1 * shared
+        y_td = y_td + g_t1 * _swiglu(config, x_td, p["shared"])
     return y_td.reshape(b, t, d)
 
 
