@@ -101,26 +101,51 @@ MODEL_SIZES = {
 }
 
 
+# A mixture of experts of S's other sizes (issue 44): HF Qwen3-MoE (so q/k norm and no q/k/v
+# biases, unlike S), 16 experts of intermediate 192, 4 per token (the active MLP is S's 768),
+# renormalised top-k; 18.4M parameters, 11.4M of them active per token (S: 11.3M).
+MOE_SIZES = {
+    "MoE-S": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  moe_intermediate_size=192, intermediate_size=768, num_experts=16,
+                  num_experts_per_tok=4, norm_topk_prob=True),
+}  # fmt: skip
+
+
 def workload_checkpoint(size: str):
     """The HF checkpoint folder of workload model `size`, created once (seeded) in the cache."""
     from pathlib import Path
 
     folder = Path(os.environ.get("JAXRL_CACHE", "~/.cache/jaxrl")).expanduser()
-    folder = folder / "workloads" / f"qwen2-{size}"
+    family = "qwen3_moe" if size in MOE_SIZES else "qwen2"
+    folder = folder / "workloads" / f"{family}-{size}"
     if (folder / "model.safetensors").is_file():
         return folder
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    Qwen2ForCausalLM(workload_hf_config(size)).save_pretrained(str(folder))
+    AutoModelForCausalLM.from_config(workload_hf_config(size)).save_pretrained(str(folder))
     return folder
 
 
 def workload_hf_config(size: str):
-    """The HF `Qwen2Config` of workload model `size` (WORKLOADS.md)."""
-    from transformers import Qwen2Config
+    """The HF config of workload model `size` (WORKLOADS.md): `Qwen2Config`, or
+    `Qwen3MoeConfig` for the `MOE_SIZES`."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
+    if size in MOE_SIZES:
+        return Qwen3MoeConfig(
+            vocab_size=32000,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+            eos_token_id=1,
+            max_position_embeddings=4096,
+            **MOE_SIZES[size],
+        )
     return Qwen2Config(
         vocab_size=32000,
         num_key_value_heads=2,

@@ -1,6 +1,6 @@
 """Workload W3: one end-to-end GRPO step of jaxrl's trainer beside the same work in PyTorch.
 
-    python benchmarks/grpo_step.py [--sizes S,M] [--no-torch]
+    python benchmarks/grpo_step.py [--sizes S,M,MoE-S] [--no-torch]
     python benchmarks/grpo_step.py --lora 16 [--sizes S,M] [--memory-sizes M,L]
 
 32 prompts x 64 random tokens, rollout.n = 4 (128 responses of exactly 128 tokens, EOS
@@ -8,8 +8,8 @@ ignored), reward = count of response tokens whose id % 10 == 7, GRPO advantages,
 forward + backward over all 128 sequences and one AdamW step (lr 1e-6, weight decay 0.01); no
 reference, no KL, no old-log-prob pass (one mini-batch, one epoch: on-policy). Median of 3 steps
 after 1 warm-up, split into generation, scoring and update. The update's FLOPs are
-6 * N * 128 * 192 (N all parameters, tied embedding once); its MFU is against the matmul peak
-measured in the same run.
+6 * N * 128 * 192 (N all parameters, tied embedding once; for a mixture of experts, `MoE-S`,
+the parameters one token uses); its MFU is against the matmul peak measured in the same run.
 
 The PyTorch peer (torch, same thread count) does the same work with the usual tools: HF
 `generate` (sampling, min = max new tokens = 128) and a forward/backward of the same GRPO loss
@@ -233,15 +233,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.lora:
         return lora_main(args)
+    from jaxrl.models import load_config as model_config
+    from jaxrl.models.params import parameter_counts
+
     peak = matmul_peak_flops()
     results = {}
     for size in args.sizes.split(","):
         folder = workload_checkpoint(size)
         entry = {"jaxrl": bench_jaxrl(folder, args.micro)}
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(str(folder))
-        n_params = _param_count(hf)
+        n_params = parameter_counts(model_config(folder))[1]
         flops = 6 * n_params * N * PROMPTS * (PROMPT_LEN + NEW)
         entry["update_flops"] = flops
         entry["jaxrl"]["update_mfu"] = flops / entry["jaxrl"]["update_s"] / peak
@@ -285,14 +285,6 @@ def lora_main(args) -> None:
     emit({"workload": "W3-lora", "lora_rank": args.lora, "prompts": PROMPTS, "n": N,
           "prompt_len": PROMPT_LEN, "new_tokens": NEW, "results": results,
           "machine": machine()})  # fmt: skip
-
-
-def _param_count(hf) -> int:
-    d, f, v, layers = hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_hidden_layers
-    kv = hf.num_key_value_heads * (d // hf.num_attention_heads)
-    attn = d * d * 2 + d * kv * 2 + d + 2 * kv  # q, o; k, v; biases
-    mlp = 3 * d * f
-    return v * d + layers * (attn + mlp + 2 * d) + d
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Workload W2: one training step (forward + backward + AdamW) of a policy-gradient loss.
 
-    python benchmarks/train_step.py [--sizes S,M,L]
+    python benchmarks/train_step.py [--sizes S,M,L,MoE-S]
 
 Batch 8 sequences x 512 tokens. The actor's own update (`Learner.update` with its loss, verl's
 default actor config): positions 64..511 predict the next token, the policy-gradient loss of a
 per-sequence advantage (on-policy, so PPO's ratio is 1), token-mean over the response; AdamW
 (lr 1e-6, weight decay 0.01), the gradient clipped to norm 1. Median of 3 steps after 1
 warm-up. Figures: step seconds, tokens/s = 8 * 512 / step, and MFU = 6 * N * 4096 / step / peak
-(N all parameters, a tied embedding once; the float32 matmul peak measured in the same run).
+(N all parameters, a tied embedding once; for a mixture of experts, `MoE-S`, the parameters
+one token uses; the float32 matmul peak measured in the same run).
 `gpu_suite.py` runs the same step for the 1.5B shape in bf16 compute.
 """
 
@@ -33,6 +34,7 @@ def bench_train_step(config, *, rows: int, length: int, prompt: int, params=None
 
     from jaxrl.config import Config
     from jaxrl.models import init_params
+    from jaxrl.models.params import parameter_counts
     from jaxrl.trainer import losses
     from jaxrl.trainer.batch import RLBatch
     from jaxrl.trainer.learner import Learner
@@ -67,7 +69,7 @@ def bench_train_step(config, *, rows: int, length: int, prompt: int, params=None
     run()
     first = time.perf_counter() - start
     seconds = median_seconds(run, warmup=0)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_params = parameter_counts(config)[1]  # a token's: all of a dense model's
     return {
         "step_s": seconds,
         "tokens_per_s": rows * length / seconds,

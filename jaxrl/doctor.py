@@ -44,10 +44,12 @@ import numpy as np
 from jaxrl.assets import prepare
 from jaxrl.checkpoint import KILLED, step_numbers, survey, verify
 from jaxrl.config import Config, ConfigError, load_config
-from jaxrl.config.checks import critic_enabled
+from jaxrl.config.checks import critic_enabled, resolved_mesh
 from jaxrl.data import PromptIterator, RLDataset, load_tokenizer
 from jaxrl.data.dataset import selection
 from jaxrl.data.rows import DataError, read_rows
+from jaxrl.models import load_config as read_model_config
+from jaxrl.models.params import parameter_counts
 from jaxrl.rewards.scorers import ground_truth_problem
 from jaxrl.train import device_summary, folder_problems, preflight_problems, run_summary
 from jaxrl.trainer.fit import build_run, fresh_start_problem, resume_path_problem, total_steps
@@ -368,6 +370,21 @@ def _models(cfg: Config, report: Report, state: dict[str, Any]) -> None:
         report.problem(problem)
     if not folders:
         report.info(f"actor {cfg.actor_rollout_ref.model.path}: readable")
+        report.info(model_line(cfg))
+
+
+def model_line(cfg: Config) -> str:
+    """The actor's size, and for a mixture of experts what a token uses of it and the experts
+    each device holds (`mesh.ep`)."""
+    config = read_model_config(cfg.actor_rollout_ref.model.path)
+    total, active = parameter_counts(config)
+    line = f"actor: {config.model_type}, {total / 1e6:.1f}M parameters"
+    if config.moe is None:
+        return line
+    e, k = config.moe.num_experts, config.moe.top_k
+    ep = resolved_mesh(cfg, jax.device_count())["ep"]
+    return (f"{line}, {active / 1e6:.1f}M of them active per token ({k} of {e} experts); "
+            f"{e // ep} experts per device (mesh.ep={ep})")  # fmt: skip
 
 
 def _data(cfg: Config, report: Report, state: dict[str, Any]) -> None:

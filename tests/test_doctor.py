@@ -45,6 +45,7 @@ def test_quickstart_is_healthy_and_its_memory_estimated(tmp_path, capsys):
     for section in ("config", "models", "data", "checkpoints", "plan", "memory"):
         assert f"== {section}" in out
     assert "train: 1024 rows in 1 file(s)" in out
+    assert "M parameters" in out and "active per token" not in out  # a dense actor
     assert "no checkpoints; the run starts at step 1" in out
     assert "steps: 200 (64 batches per epoch of 1024 rows" in out
     assert "per step: 16 prompts x n=16 = 256 responses" in out
@@ -271,3 +272,18 @@ def test_resume_path_and_a_fresh_start_over_checkpoints_are_checked(tmp_path, ca
         capsys, quickstart(tmp_path, f"trainer.resume_from_path={verl_style}", *resume)
     )
     assert status == 1 and "expected a step folder of a run's checkpoints" in out
+
+
+def test_an_moe_actor_is_described_by_its_active_parameters_and_experts_per_device(tmp_path):
+    import transformers
+
+    folder = tmp_path / "moe"
+    transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, moe_intermediate_size=12, num_experts=8,
+        num_experts_per_tok=2,
+    ).save_pretrained(folder)  # fmt: skip
+    args = quickstart(tmp_path, f"actor_rollout_ref.model.path={folder}", "mesh.ep=2")
+    line = doctor.model_line(load_config(CONFIG, args[2:], num_devices=8))
+    assert line.startswith("actor: qwen3_moe, ")
+    assert "active per token (2 of 8 experts); 4 experts per device (mesh.ep=2)" in line

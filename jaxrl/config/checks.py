@@ -26,7 +26,7 @@ from jaxrl.config.mesh import (
     resolve_axis_sizes,
     rule_problems,
 )
-from jaxrl.config.schema import Config
+from jaxrl.config.schema import ROUTER_REPLAY_MODES, Config
 
 # `jaxrl.kernels.attention` implementations a model may be configured with; `cudnn` is left
 # out: it has no segment ids, and every training batch carries padding or packing segments.
@@ -459,9 +459,10 @@ def resolved_mesh(cfg: Config, num_devices: int, role: str = "train") -> dict[st
 
 
 def data_parallel_size(cfg: Config, num_devices: int, role: str = "train") -> int:
-    """Batch shards of a training-style mesh: dp x fsdp (the batch is split over both)."""
+    """Batch shards of a training-style mesh: dp x fsdp x ep (the batch is split over all
+    three)."""
     sizes = resolved_mesh(cfg, num_devices, role)
-    return sizes["dp"] * sizes["fsdp"]
+    return sizes["dp"] * sizes["fsdp"] * sizes["ep"]
 
 
 def _check_mini_batch(cfg: Config, p: _Problems, role: str, mini: int, shards: int | None) -> bool:
@@ -477,7 +478,7 @@ def _check_mini_batch(cfg: Config, p: _Problems, role: str, mini: int, shards: i
     if shards is not None and (mini * n) % shards:
         p.append(
             f"{role}.ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} sequences "
-            f"cannot be split evenly over the {shards} data-parallel shards (dp x fsdp of "
+            f"cannot be split evenly over the {shards} data-parallel shards (dp x fsdp x ep of "
             f"its mesh); make it a multiple of {shards} or change the mesh"
         )
         return False
@@ -561,7 +562,7 @@ def _check_placement(cfg: Config, p: _Problems, num_devices: int) -> dict[str, i
                 key = "reward_model.enable_resource_pool=true"
             p.append(f"{key}, but this run has no {role} role (reward_model.enable etc.); unset it")
     rollout = cfg.mesh.placement.rollout
-    if (rollout.dp, rollout.fsdp, rollout.tp, rollout.sp) != (1, -1, 1, 1):
+    if (rollout.dp, rollout.fsdp, rollout.ep, rollout.tp, rollout.sp) != (1, -1, 1, 1, 1):
         p.append(
             "mesh.placement.rollout takes only `devices`: the rollout mesh is dp (the rest) x "
             "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -575,7 +576,7 @@ def _check_placement(cfg: Config, p: _Problems, num_devices: int) -> dict[str, i
     for role in ("train", "ref", "critic", "reward", "teacher"):
         if role not in groups:
             continue
-        key = "mesh.dp, mesh.fsdp, mesh.tp, mesh.sp" if role == "train" else ""
+        key = "mesh.dp, mesh.fsdp, mesh.ep, mesh.tp, mesh.sp" if role == "train" else ""
         key = key or f"mesh.placement.{role}"
         try:
             shards[role] = data_parallel_size(cfg, num_devices, role)
@@ -778,6 +779,7 @@ def _check_multi_turn(cfg: Config, p: _Problems) -> None:
     if path and not os.path.isfile(os.path.expanduser(path)):
         p.append(f"{key}.tool_config_path={path}: no such file (a tool YAML: `tools: [...]`)")
     _check_external(cfg, p)
+    _check_router_replay(cfg, p)
 
 
 def _check_external(cfg: Config, p: _Problems) -> None:
@@ -817,6 +819,43 @@ def _check_external(cfg: Config, p: _Problems) -> None:
             p.append(f"{key} with {name}: the agent's function returns each episode's reward, "
                      "so nothing else scores it; fold that score into what the function "
                      "returns, or unset it")  # fmt: skip
+
+
+def _check_router_replay(cfg: Config, p: _Problems) -> None:
+    """Routing replay (verl's `router_replay` and `enable_rollout_routing_replay`); that the
+    model is a mixture of experts is checked when it loads."""
+    arr = cfg.actor_rollout_ref
+    record = arr.rollout.enable_rollout_routing_replay
+    modes = {"actor": arr.actor.router_replay.mode, "ref": arr.ref.router_replay.mode}
+    for role, mode in modes.items():
+        key = f"actor_rollout_ref.{role}.router_replay"
+        allowed = ROUTER_REPLAY_MODES if role == "actor" else ("disabled", "R3")
+        if mode not in allowed:
+            p.append(f"{key}.mode={mode!r}: one of {', '.join(allowed)}")
+        replay = getattr(arr, role).router_replay
+        for name in ("record_file", "replay_file"):
+            if getattr(replay, name) is not None:
+                p.append(f"{key}.{name}: routes to or from files are not supported in jaxrl "
+                         "(the routes ride in the batch); set it to null")  # fmt: skip
+        if mode == "R3" and not record:
+            p.append(f"{key}.mode=R3 replays the rollout's routes: set actor_rollout_ref.rollout."
+                     "enable_rollout_routing_replay=true")  # fmt: skip
+    if modes["actor"] == "R2" and record:
+        p.append("actor_rollout_ref.actor.router_replay.mode=R2 records the routes in the "
+                 "old-log-prob pass; actor_rollout_ref.rollout.enable_rollout_routing_replay "
+                 "serves R3 only: set it to false (as verl requires)")  # fmt: skip
+    if not record:
+        return
+    key = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    if arr.rollout.multi_turn.enable:
+        p.append(f"{key}: routes are recorded on single-turn rollouts only; set "
+                 "actor_rollout_ref.rollout.multi_turn.enable=false")  # fmt: skip
+    if cfg.async_training.mode == "fully_async":
+        p.append(f"{key} with async_training.mode=fully_async: the rollouter's streamed groups "
+                 "carry no routes yet; use async_training.mode=sync or one_step_off")  # fmt: skip
+    if cfg.algorithm.filter_groups.enable:
+        p.append(f"{key} with algorithm.filter_groups.enable=true: the dynamic-sampling pool "
+                 "carries no routes yet; disable one of them")  # fmt: skip
 
 
 ASYNC_MODES = ("sync", "one_step_off", "fully_async")

@@ -2,8 +2,9 @@
 layouts (logical name -> mesh axes), with the checks of sizes and rules. `jaxrl.sharding`
 builds meshes and shardings from them.
 
-    train   (mesh dp, fsdp, tp, sp): weights ZeRO-3 over `fsdp` and tensor-parallel over `tp`,
-            replicated over `dp`; batch over (dp, fsdp); sequence over `sp`.
+    train   (mesh dp, fsdp, ep, tp, sp): weights ZeRO-3 over `fsdp` and tensor-parallel over
+            `tp`, replicated over `dp`; a mixture of experts' experts over `ep`; batch over
+            (dp, fsdp, ep); sequence over `sp`.
     rollout (mesh dp, tp): weights tensor-parallel over `tp` only, replicated over `dp`; every
             `dp` slice is a generation replica; KV cache over batch (dp) and kv heads (tp).
 
@@ -30,9 +31,10 @@ LOGICAL_AXES = (
     "seq",
     "cache_seq",
     "lora_rank",
+    "experts",
 )
 
-TRAIN_MESH_AXES = ("dp", "fsdp", "tp", "sp")
+TRAIN_MESH_AXES = ("dp", "fsdp", "ep", "tp", "sp")
 ROLLOUT_MESH_AXES = ("dp", "tp")
 
 TRAIN_RULES: dict[str, str | list[str] | None] = {
@@ -41,7 +43,8 @@ TRAIN_RULES: dict[str, str | list[str] | None] = {
     "mlp": "tp",
     "heads": "tp",
     "kv_heads": "tp",
-    "batch": ["dp", "fsdp"],
+    "experts": "ep",
+    "batch": ["dp", "fsdp", "ep"],
     "seq": "sp",
 }
 

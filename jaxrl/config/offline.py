@@ -99,6 +99,7 @@ class OfflineMeshConfig:
     Attributes:
         dp: Pure data parallelism.
         fsdp: Fully-sharded data parallelism; -1: the rest of the devices.
+        ep: Expert parallelism (a mixture of experts' experts split; the batch too).
         tp: Tensor parallelism.
         sp: Sequence parallelism (ring attention); verl's `ulysses_sequence_parallel_size`
             sets it.
@@ -107,6 +108,7 @@ class OfflineMeshConfig:
 
     dp: int = 1
     fsdp: int = -1
+    ep: int = 1
     tp: int = 1
     sp: int = 1
     train_rules: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_RULES))
@@ -478,12 +480,12 @@ def _check_common(cfg: Any, p: _Problems, num_devices: int | None, rows_per_item
     except ValueError as e:
         p.append(f"mesh: {e}")
         return
-    shards = sizes["dp"] * sizes["fsdp"]
+    shards = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     batch = cfg.data.train_batch_size
     if batch % shards:
         p.append(
             f"data.train_batch_size ({batch}) must be a multiple of the data-parallel shards "
-            f"(mesh dp x fsdp = {shards}) so every device gets whole "
+            f"(mesh dp x fsdp x ep = {shards}) so every device gets whole "
             f"{'pairs' if rows_per_item == 2 else 'rows'}"
         )
 

@@ -108,13 +108,29 @@ class ModelConfig:
         attention_impl: *jaxrl*. `jaxrl.kernels.attention`'s implementation: `auto` (ring over
             `mesh.sp` > 1; Pallas on a GPU; blockwise for long sequences on a CPU; else
             dense), `reference`, `blockwise`, `pallas_gpu` or `ring` (needs `mesh.sp` > 1).
+        moe_capacity_factor: *jaxrl*. A mixture of experts under expert parallelism
+            (`mesh.ep` > 1): each expert takes at most ceil(c x tokens x top_k / experts) of a
+            device's (token, choice) pairs, the rest are dropped
+            (`actor/moe_dropped_token_fraction`); null: dropless (Megatron's
+            `moe_expert_capacity_factor`). Generation is always dropless.
         lora_rank: LoRA adapters' rank r; 0 trains the whole model. With LoRA the base stays
             frozen in `model_dtype`, only the adapters (float32) are trained and moved to the
             rollout after the first step, and the reference policy is the base without them.
         lora_alpha: The adapters' scale numerator: the update is (lora_alpha / r) · x A B.
         target_modules: The projections LoRA adapts: `all-linear` (q, k, v, o, gate, up,
             down), a list of module names (`q_proj`, ..., `down_proj`; PEFT's matching), or a
-            regex over full module names (`model.layers.{i}.self_attn.q_proj`).
+            regex over full module names (`model.layers.{i}.self_attn.q_proj`). A mixture of
+            experts' modules are the attention's and Qwen2-MoE's shared expert's
+            (`mlp.shared_expert.gate_proj`, ...); its routed experts are parameters
+            (`target_parameters`). PEFT's all-linear also adapts Qwen2-MoE's
+            `shared_expert_gate`, and on Qwen3-MoE and Mixtral the experts (gate_up_proj at
+            rank 2r) and the router: jaxrl does not (it warns).
+        target_parameters: A mixture of experts' expert parameters LoRA adapts (PEFT's
+            `target_parameters`): a list of names matched against the full names
+            `model.layers.{i}.mlp.experts.{gate_up_proj,down_proj}` (equal, or their end after
+            a `.`: `mlp.experts.gate_up_proj`, `experts.down_proj`, `down_proj`), each expert
+            with its own rank-r A and B; the fused gate_up_proj's adapter serves gate and up
+            (one A, B of width 2F). null: none (a dense model takes none).
         exclude_modules: Modules left without adapters (a list of names or a regex, as
             `target_modules`).
         lora_adapter_path: A PEFT adapter folder to start from (its `adapter_config.json`
@@ -130,10 +146,12 @@ class ModelConfig:
     remat_policy: str = "full"
     use_remove_padding: bool = True
     attention_impl: str = "auto"
+    moe_capacity_factor: float | None = None
     lora_rank: int = 0
     lora_alpha: float = 16
     target_modules: Any = "all-linear"
     exclude_modules: Any = None
+    target_parameters: Any = None
     lora_adapter_path: str | None = None
 
 
@@ -209,6 +227,31 @@ class PolicyLossConfig:
     dro_beta: float | None = None
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclass(frozen=True)
+class RouterReplayConfig:
+    """`actor_rollout_ref.{actor,ref}.router_replay.*`: routing replay for a mixture of
+    experts (verl's Megatron/VeOmni engine key, `*.megatron.router_replay`): which experts
+    the training forwards use.
+
+    Attributes:
+        mode: `disabled` (each forward routes natively), `R2` (the actor's old-log-prob pass
+            records its routes and the update replays them), `R3` (the rollout records the
+            routes it sampled with, `rollout.enable_rollout_routing_replay`, and the
+            old-log-prob pass, the update and a reference set to R3 replay them). Replay
+            fixes the experts; their weights come from the current router (which keeps its
+            gradient). The ref takes `disabled` or `R3`.
+        record_file: verl's dump of the routes to a file: not supported (null).
+        replay_file: verl's replay of routes from a file: not supported (null).
+    """
+
+    mode: str = "disabled"
+    record_file: str | None = None
+    replay_file: str | None = None
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     """`actor_rollout_ref.actor.*`: the policy's PPO update.
@@ -245,6 +288,12 @@ class ActorConfig:
         kl_loss_type: KL estimator of that term (`kl`, `abs`, `mse`, `low_var_kl`, ... and `+`
             variants).
         grad_clip: Clip the global gradient norm to this value.
+        moe_aux_loss_coeff: Weight of the mixture-of-experts load-balancing loss (HF's
+            `load_balancing_loss_func` over the micro-batch's real tokens; Megatron's name). 0,
+            as verl runs RL: the loss is still logged (`actor/load_balancing_loss`).
+        moe_z_loss_coeff: Weight of the router z-loss (mean logsumexp(router logits)^2;
+            Megatron's name), logged as `actor/z_loss`.
+        router_replay: A mixture of experts' routing replay (`RouterReplayConfig`).
         entropy_from_logits_with_chunking: Compute log-probs and entropy in sequence chunks so
             the full [B, T, V] float32 logits never exist at once.
         entropy_from_logits_chunk_size: Tokens per chunk for the above.
@@ -283,6 +332,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     entropy_from_logits_with_chunking: bool = False
     entropy_from_logits_chunk_size: int = 2048
     model_dtype: str = "fp32"
@@ -306,6 +358,8 @@ class RefConfig:
         dtype: Compute dtype of the reference forward pass.
         param_offload: Keep the reference parameters in host memory (pinned) except during
             its log-prob pass (verl's `fsdp_config.param_offload`).
+        router_replay: A mixture of experts' routing replay in the reference pass:
+            `disabled` or `R3` (the rollout's routes; `RouterReplayConfig`).
     """
 
     log_prob_micro_batch_size_per_gpu: int | None = None
@@ -314,6 +368,7 @@ class RefConfig:
     model_dtype: str = "fp32"
     dtype: str = "bfloat16"
     param_offload: bool = False
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 # --------------------------------------------------------------------------------------- rollout
@@ -423,6 +478,9 @@ class RolloutConfig:
             scored (as an empty response) and counts in its group's statistics, as in the
             SGLang rollout that had this key (verl 0.9.1 reads it nowhere); with fewer
             `max_num_seqs` slots than rows, rows still queued are aborted in queue order.
+        enable_rollout_routing_replay: A mixture of experts: record the experts every prompt
+            and response token used in every layer as the rollout generated, for routing
+            replay (`actor.router_replay.mode=R3`). Single-turn rollouts of one process.
             A mini-batch whose rows were all aborted has no loss tokens (NaN loss).
         ignore_eos: Keep generating past EOS, with EOS tokens left unmasked.
         prompt_length: Prompt length the engine is compiled for.
@@ -458,6 +516,7 @@ class RolloutConfig:
     do_sample: bool = True
     n: int = 1
     over_sample_rate: float = 0.0
+    enable_rollout_routing_replay: bool = False
     ignore_eos: bool = False
     prompt_length: int = II("data.max_prompt_length")
     response_length: int = II("data.max_response_length")
@@ -884,6 +943,7 @@ class RolePlacementConfig:
             mesh with the axes of `mesh.*`; the rollout's mesh is always dp = the rest x
             `rollout.tensor_model_parallel_size`, so only `devices` applies to it).
         fsdp: Fully-sharded size; -1: the rest of the group.
+        ep: Expert-parallel size (a mixture of experts' experts split, batch split).
         tp: Tensor-parallel size.
         sp: Sequence-parallel size.
     """
@@ -891,6 +951,7 @@ class RolePlacementConfig:
     devices: int = 0
     dp: int = 1
     fsdp: int = -1
+    ep: int = 1
     tp: int = 1
     sp: int = 1
 
@@ -935,7 +996,7 @@ class PlacementConfig:
 class MeshConfig:
     """`mesh.*`: *jaxrl*. The global device mesh of training (DESIGN §3).
 
-    The product of the four sizes is the trainer's device count (all devices, less those of
+    The product of the five sizes is the trainer's device count (all devices, less those of
     roles placed on their own, `placement`); one of them may be -1 ("the rest"). Generation
     re-factors the same devices as `(dp=rest, tp=rollout.tensor_model_parallel_size)`.
 
@@ -943,17 +1004,21 @@ class MeshConfig:
         dp: Pure data parallelism (parameters replicated).
         fsdp: Fully-sharded data parallelism (ZeRO-3: parameters and optimizer state sharded,
             batch split).
+        ep: Expert parallelism: a mixture of experts' experts split over it, each token sent
+            to its experts' devices and back; the batch is split over it too (as over `fsdp`).
+            With a dense model it acts as more data parallelism.
         tp: Tensor parallelism (heads and MLP columns split).
         sp: Sequence parallelism (ring attention over the sequence).
         train_rules: Training layout: logical axis name -> mesh axis, list of mesh axes, or
             null (replicated). Names: vocab, embed, mlp, heads, kv_heads, head_dim, layers,
-            labels, batch, seq, cache_seq.
+            labels, batch, seq, cache_seq, lora_rank, experts.
         rollout_rules: Generation layout over the rollout mesh (axes dp, tp).
         placement: Roles on device groups of their own.
     """
 
     dp: int = 1
     fsdp: int = -1
+    ep: int = 1
     tp: int = 1
     sp: int = 1
     train_rules: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_RULES))

@@ -45,6 +45,25 @@ RENAMED: dict[str, str] = {
     "critic.optim.clip_grad": "critic.grad_clip",
     "actor_rollout_ref.actor.optim.warmup_style": "actor_rollout_ref.actor.optim.lr_scheduler_type",
     "critic.optim.warmup_style": "critic.optim.lr_scheduler_type",
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": "mesh.ep",
+    **{
+        f"actor_rollout_ref.{role}.{engine}.router_replay.{key}": (
+            f"actor_rollout_ref.{role}.router_replay.{key}"
+        )
+        for role in ("actor", "ref")
+        for engine in ("megatron", "veomni")
+        for key in ("mode", "record_file", "replay_file")
+    },
+    # Megatron's MoE settings (verl passes them through override_transformer_config)
+    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_expert_capacity_factor": (
+        "actor_rollout_ref.model.moe_capacity_factor"
+    ),
+    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff": (
+        "actor_rollout_ref.actor.moe_aux_loss_coeff"
+    ),
+    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff": (
+        "actor_rollout_ref.actor.moe_z_loss_coeff"
+    ),
     # verl 0.9.1's new `reward` group, mapped onto the classic groups jaxrl keeps.
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.custom_reward_function.path": "custom_reward_function.path",
@@ -116,7 +135,6 @@ IGNORED: dict[str, Ignored] = {
             "prometheus.*",
             "qat",
             "mtp*",
-            "enable_rollout_routing_replay",
             "moe_load_balance_metrics_interval",
             "router_config_path",
             "disaggregation.*",
@@ -151,7 +169,11 @@ IGNORED: dict[str, Ignored] = {
     "actor_rollout_ref.rollout.disaggregation.enabled": Ignored(
         "prefill/decode disaggregation is a vLLM feature", (False,)
     ),
-    "actor_rollout_ref.rollout.expert_parallel_size": Ignored("no MoE models in jaxrl yet", (1,)),
+    "actor_rollout_ref.rollout.expert_parallel_size": Ignored(
+        "jaxrl's rollout keeps every expert on each tensor-parallel group (mesh.ep splits the "
+        "experts for training only)",
+        (1,),
+    ),
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": Ignored(
         "pipeline parallelism is not used in jaxrl", (1,)
     ),
@@ -207,16 +229,13 @@ IGNORED: dict[str, Ignored] = {
     # model
     "*.model.hf_config_path": Ignored("put config.json in model.path", (None,)),
     "*.model.external_lib": Ignored(
-        "jaxrl implements its model families itself (llama, qwen2, qwen3, mistral)", (None,)
+        "jaxrl implements its model families itself (llama, qwen2, qwen3, mistral, qwen2_moe, "
+        "qwen3_moe, mixtral, gemma2, gemma3_text)",
+        (None,),
     ),
     "*.model.lora.rank": Ignored(_MEGATRON_LORA, (0,)),
     "*.model.lora.adapter_path": Ignored(_MEGATRON_LORA, (None,)),
     "*.model.lora.*": Ignored(_MEGATRON_LORA),
-    "*.model.target_parameters": Ignored(
-        "LoRA on bare parameters (MoE experts) is not implemented in jaxrl; the dense "
-        "families' projections are modules (target_modules)",
-        (None,),
-    ),
     "*.model.mtp.enable": Ignored("multi-token prediction is not implemented in jaxrl", (False,)),
     "*.model.mtp.*": Ignored("multi-token prediction is not implemented in jaxrl"),
     # data

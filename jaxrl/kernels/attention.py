@@ -15,6 +15,11 @@ of these hold:
 
 A row with no admissible key (none occurs for real tokens) gets zeros in every implementation.
 
+Scores are s = scale · q·k (scale `softmax_scale`, default 1/sqrt(H)); with `logit_softcap` c
+(Gemma 2) they are capped to c · tanh(s / c) before the mask, and the backward goes through the
+cap (∂/∂s = 1 - (s_capped / c)²). Then p = softmax(s over the admissible keys), in float32, and
+out = p · v.
+
 Implementations (`implementation=`):
 
 - `reference`: dense [B, K, G, T, S] scores; the oracle.
@@ -22,8 +27,8 @@ Implementations (`implementation=`):
   (`jaxrl.kernels.blockwise`). A row with no admissible key gets zeros.
 - `pallas_gpu`: a Pallas/Triton flash-attention kernel (`jaxrl.kernels.pallas_gpu`); off a
   GPU it is refused unless `JAXRL_PALLAS_INTERPRET=1` (Pallas' interpret mode; tests only).
-- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; no segment ids, offsets or
-  traced windows (refused rather than attending across segments).
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`; no segment ids, offsets,
+  traced windows or logit soft-cap (refused rather than attending across segments).
 - `ring`: sequence parallelism over the `layout` argument's `sp` axis (`jaxrl.kernels.ring`); the
   tokens must be in zigzag order (`jaxrl.kernels.ring.zigzag`), as `hidden_states` lays them.
 - `auto`: `ring` when `layout` has `sp > 1`; on a GPU `pallas_gpu` (head dim up to
@@ -42,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxrl.kernels.blockwise import NO_WINDOW, blockwise_attention
+from jaxrl.kernels.blockwise import NO_WINDOW, blockwise_attention, check_softcap, softcap
 
 IMPLEMENTATIONS = ("reference", "blockwise", "pallas_gpu", "cudnn", "ring")
 # On the CPU, the dense scores of shorter sequences are cheap and faster than blocks.
@@ -67,6 +72,7 @@ def attention(
     kv_offset: int | Int[Array, ""] = 0,
     implementation: str = "auto",
     layout: Any = None,
+    logit_softcap: float | None = None,
 ) -> Float[Array, "b t n h"]:
     """Softmax attention with grouped-query heads, causal, segment and sliding-window masks.
 
@@ -86,6 +92,8 @@ def attention(
         layout: The sharding layout the arrays are laid out in (a `jaxrl.sharding.Layout`,
             passed by the model: this module imports no sharding): `ring` runs over its `sp`
             axis, and `auto` picks `ring` when that axis is > 1. None: one sequence shard.
+        logit_softcap: Gemma 2's score cap c, a python float > 0: scores s = scale · q·k become
+            c · tanh(s / c) before the mask (None: uncapped). `cudnn` refuses it.
 
     Returns:
         [B, T, N, H] in the dtype of `q`.
@@ -102,6 +110,7 @@ def attention(
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != h:
         raise ValueError(f"k {k.shape} and v {v.shape} do not match q {q.shape}")
     scale = h**-0.5 if softmax_scale is None else float(softmax_scale)
+    cap = check_softcap(logit_softcap)
     if implementation == "auto":
         implementation = _choose(k.shape[1], h, layout)
     if segment_ids is not None and not isinstance(segment_ids, tuple):
@@ -114,14 +123,14 @@ def attention(
     seg_q, seg_kv = segment_ids if segment_ids is not None else (None, None)
     if implementation == "reference":
         return _reference(
-            q, k, v, causal, (seg_q, seg_kv), sliding_window, scale, q_offset, kv_offset
+            q, k, v, causal, (seg_q, seg_kv), sliding_window, scale, q_offset, kv_offset, cap
         )
     if implementation == "ring":
         return _ring(
-            q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset, layout
+            q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset, layout, cap
         )
     if implementation == "cudnn":
-        return _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset)
+        return _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset, cap)
     kw = dict(
         causal=causal,
         segment_ids_q=seg_q,
@@ -130,6 +139,7 @@ def attention(
         sliding_window=sliding_window,
         q_offset=q_offset,
         kv_offset=kv_offset,
+        logit_softcap=cap,
     )
     if implementation == "pallas_gpu":
         from jaxrl.kernels.pallas_gpu import pallas_attention
@@ -178,8 +188,13 @@ def _static_zero(x) -> bool:
     return isinstance(x, int | np.integer) and x == 0
 
 
-def _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset):
+def _cudnn(q, k, v, causal, seg_q, sliding_window, scale, q_offset, kv_offset, cap=None):
     """cuDNN's fused attention; refuses what it cannot express."""
+    if cap is not None:
+        raise ValueError(
+            f"implementation='cudnn' has no logit_softcap (got {cap}; Gemma 2's score cap); "
+            "use 'pallas_gpu' or 'blockwise'"
+        )
     if seg_q is not None:
         raise ValueError(
             "implementation='cudnn' has no segment ids (packed or padded rows would attend "
@@ -205,7 +220,9 @@ def cudnn_window(sliding_window, causal: bool, s: int) -> tuple[int, int] | None
     return int(sliding_window) - 1, 0 if causal else s
 
 
-def _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset, layout):
+def _ring(
+    q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_offset, layout, cap=None
+):
     """Ring attention over `layout`'s `sp` axis (tokens in zigzag order)."""
     from jaxrl.kernels.ring import ring_attention
 
@@ -232,6 +249,7 @@ def _ring(q, k, v, causal, seg_q, seg_kv, sliding_window, scale, q_offset, kv_of
         scale=scale,
         batch_axes=heads[0],
         head_axes=heads[2] if heads[2] == kv_heads[2] else None,
+        logit_softcap=cap,
     )
 
 
@@ -250,14 +268,18 @@ def _mask_bts(b, t, s, causal, segment_ids, sliding_window, q_offset, kv_offset)
     return mask
 
 
-def _reference(q, k, v, causal, segment_ids, sliding_window, scale, q_offset, kv_offset):
-    """Dense attention: the [B, K, G, T, S] score tensor, softmax in float32."""
+def _reference(q, k, v, causal, segment_ids, sliding_window, scale, q_offset, kv_offset, cap=None):
+    """Dense attention: the [B, K, G, T, S] score tensor (capped to cap · tanh(s / cap) with a
+    `cap`), softmax in float32."""
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     q_btkgh = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k, preferred_element_type=jnp.float32)
     mask = _mask_bts(b, t, s, causal, segment_ids, sliding_window, q_offset, kv_offset)
-    scores = jnp.where(mask[:, None, None], scores * scale, _MASKED)
+    scores = scores * scale
+    if cap is not None:
+        scores = softcap(scores, cap)
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask.any(-1)[:, None, None, :, None], probs, 0.0).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)

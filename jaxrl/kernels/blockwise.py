@@ -3,7 +3,7 @@
 Queries are processed in blocks of `block_q` rows; for each, keys stream by in blocks of
 `block_k` with an online softmax. With row maximum m, normaliser l and accumulator a:
 
-    s_j   = scale · q k_jᵀ  (masked entries -> -inf)
+    s_j   = scale · q k_jᵀ  (capped: c · tanh(s_j / c); then masked entries -> -inf)
     m'    = max(m, rowmax s_j)
     l'    = l · e^(m - m') + rowsum e^(s_j - m')
     a'    = a · e^(m - m') + e^(s_j - m') v_j
@@ -18,6 +18,10 @@ D = rowsum(dout ⊙ out):
     dv = pᵀ dout,   dp = dout vᵀ,   ds = p ⊙ (dp - D + dlse),
     dq = scale · ds k,   dk = scale · dsᵀ q
 
+With Gemma 2's logit soft-cap c (`logit_softcap`), the scores are s = c · tanh(scale · q kᵀ / c)
+and ds above is the gradient in the capped scores; through the tanh it becomes
+ds ⊙ (1 - (s / c)²) before the products with k and q.
+
 The `+ dlse` term is the cotangent of the returned log-sum-exp (∂lse/∂s = p); ring attention
 calls the backward with the global (out, lse) of the whole ring. Grouped-query heads are
 computed as [K, G] without repeating k and v. A row with no admissible key yields out = 0 and
@@ -31,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 # The log-sum-exp of a row with no admissible key (finite, so merging never makes NaN).
@@ -47,6 +52,34 @@ class MaskSpec:
     scale: float
     block_q: int
     block_k: int
+    softcap: float | None = None
+
+
+def check_softcap(logit_softcap) -> float | None:
+    """`logit_softcap` as a python float (None: no cap); refuses a traced or non-positive one."""
+    if logit_softcap is None:
+        return None
+    if isinstance(logit_softcap, bool) or not isinstance(
+        logit_softcap, int | float | np.integer | np.floating
+    ):
+        raise ValueError(
+            f"logit_softcap must be a python float (static) or None, got {logit_softcap!r}"
+        )
+    if not logit_softcap > 0:
+        raise ValueError(f"logit_softcap={logit_softcap} must be > 0 (None: no cap)")
+    return float(logit_softcap)
+
+
+def softcap(s: Array, cap: float) -> Array:
+    """Gemma 2's logit soft-cap, cap · tanh(s / cap): scores squashed into (-cap, cap)."""
+    return cap * jnp.tanh(s / cap)
+
+
+def softcap_grad(s_capped: Array, cap: float) -> Array:
+    """∂softcap/∂s from the capped score: tanh' = 1 - (s_capped / cap)², clamped at 0 (masked
+    NEG_INF scores give 0 rather than -inf, so p = 0 there keeps ds = 0)."""
+    t = s_capped / cap
+    return jnp.maximum(1.0 - t * t, 0.0)
 
 
 def _masks(spec: MaskSpec, aux: dict, qi, kj) -> Array:
@@ -87,9 +120,12 @@ def _block(x, i, size):
 
 
 def _scores(spec, q_blk, k_blk, mask):
-    """Masked scores [B, K, G, bq, bk] in float32."""
+    """Masked (and capped, with `spec.softcap`) scores [B, K, G, bq, bk] in float32."""
     s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
-    return jnp.where(mask[:, None, None], s * spec.scale, NEG_INF)
+    s = s * spec.scale
+    if spec.softcap is not None:
+        s = softcap(s, spec.softcap)
+    return jnp.where(mask[:, None, None], s, NEG_INF)
 
 
 def _forward(spec: MaskSpec, q, k, v, aux):
@@ -156,7 +192,10 @@ def _backward(spec: MaskSpec, q, k, v, out, lse, dout, dlse, aux):
             )
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
             d_blk = _block(delta, qi, spec.block_q).transpose(0, 2, 3, 1)
-            ds = (p * (dp - d_blk[..., None]) * spec.scale).astype(q.dtype)
+            ds = p * (dp - d_blk[..., None])
+            if spec.softcap is not None:
+                ds = ds * softcap_grad(s, spec.softcap)  # through the cap's tanh
+            ds = (ds * spec.scale).astype(q.dtype)
             dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_blk, preferred_element_type=jnp.float32)
             dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_blk, preferred_element_type=jnp.float32)
             dq = jax.lax.dynamic_update_slice_in_dim(
@@ -242,16 +281,18 @@ def blockwise_forward(
     kv_offset: int | Int[Array, ""] = 0,
     block_q: int = 512,
     block_k: int = 512,
+    logit_softcap: float | None = None,
 ) -> tuple[Float[Array, "b t n h"], Float[Array, "b t n"]]:
     """(out [B, T, N, H] in q's dtype, lse [B, T, N] float32), no gradient rule.
 
     Query row t sits at position `t + q_offset`, key row s at `s + kv_offset`; key s is
     admissible for query t when (not causal or pos_k <= pos_q), pos_q - pos_k <
-    sliding_window, and the segment ids are equal.
+    sliding_window, and the segment ids are equal. With `logit_softcap` c (a python float > 0)
+    the scores scale · q·k are capped to c · tanh(scale · q·k / c) before the mask.
     """
     _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k, q_offset, kv_offset)
     bq, bk = min(block_q, q.shape[1]), min(block_k, k.shape[1])
-    spec = MaskSpec(causal, float(scale), bq, bk)
+    spec = MaskSpec(causal, float(scale), bq, bk, check_softcap(logit_softcap))
     q5, kp, vp, aux = _prepare(
         q, k, v, segment_ids_q, segment_ids_kv, sliding_window, q_offset, kv_offset, bq, bk
     )
@@ -276,13 +317,14 @@ def blockwise_backward(
     kv_offset=0,
     block_q: int = 512,
     block_k: int = 512,
+    logit_softcap: float | None = None,
 ):
     """(dq, dk, dv) in the inputs' dtypes, given the attention's (out, lse) [B, T, N(, H)], the
     cotangent `dout` and optionally `dlse`; arguments as `blockwise_forward`."""
     _check(q, k, v, segment_ids_q, segment_ids_kv, block_q, block_k, q_offset, kv_offset)
     b, t, n, h = q.shape
     bq, bk = min(block_q, t), min(block_k, k.shape[1])
-    spec = MaskSpec(causal, float(scale), bq, bk)
+    spec = MaskSpec(causal, float(scale), bq, bk, check_softcap(logit_softcap))
     q5, kp, vp, aux = _prepare(
         q, k, v, segment_ids_q, segment_ids_kv, sliding_window, q_offset, kv_offset, bq, bk
     )
@@ -310,7 +352,8 @@ def _attention(q, k, v, aux, static):
 
 
 def _static_kwargs(static: tuple) -> dict:
-    return dict(zip(("causal", "scale", "block_q", "block_k"), static, strict=True))
+    names = ("causal", "scale", "block_q", "block_k", "logit_softcap")
+    return dict(zip(names, static, strict=True))
 
 
 def _attention_fwd(q, k, v, aux, static):
@@ -342,6 +385,7 @@ def blockwise_attention(
     kv_offset: int | Int[Array, ""] = 0,
     block_q: int = 512,
     block_k: int = 512,
+    logit_softcap: float | None = None,
 ) -> tuple[Float[Array, "b t n h"], Float[Array, "b t n"]]:
     """`blockwise_forward` with a recomputing backward (a `custom_vjp`): (out, lse).
 
@@ -354,4 +398,5 @@ def blockwise_attention(
         "q_offset": jnp.asarray(q_offset, jnp.int32),
         "kv_offset": jnp.asarray(kv_offset, jnp.int32),
     }
-    return _attention(q, k, v, aux, (causal, float(scale), block_q, block_k))
+    static = (causal, float(scale), block_q, block_k, check_softcap(logit_softcap))
+    return _attention(q, k, v, aux, static)

@@ -233,6 +233,7 @@ def layer(
     eps: float,
     window: int,
     qk_norm: bool,
+    logit_softcap: float | None = None,
 ) -> tuple[Float[Array, "d b"], Float[Array, "l b k h c"], Float[Array, "l b k c h"]]:
     """Decoder layer `index` for one token per row (`jaxrl.models.transformer._block`'s
     math) in one kernel call.
@@ -253,10 +254,16 @@ def layer(
         eps: RMSNorm epsilon.
         window: Sliding window (0: none).
         qk_norm: Whether q and k are RMS-normed per head (`q_norm_h`, `k_norm_h`).
+        logit_softcap: Must be None: the kernel has no score cap (refused otherwise).
 
     Returns:
         (x [D, B] after the layer, the updated caches).
     """
+    if logit_softcap is not None:
+        raise ValueError(
+            f"cpu_decode.layer has no logit_softcap (got {logit_softcap}): the C++ kernel "
+            "attends with uncapped scores; decode with rollout.decode_backend='xla'"
+        )
     if k_cache.shape[-1] % _LANES:
         raise ValueError(
             f"cpu_decode.layer: the cache length {k_cache.shape[-1]} is not a multiple of "

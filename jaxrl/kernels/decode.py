@@ -15,7 +15,9 @@ are. With `block` equal to the cache length C the whole cache is read in one pas
 copy: the cheapest on a CPU for short caches); otherwise keys are read in blocks of `block`
 entries and only the blocks below `live` (a traced bound on every row's `query_index + 1`) are
 read at all, so a step early in generation costs attention over the prompt, not over the whole
-preallocated cache. Blocks are combined with the online softmax of flash attention: a block's
+preallocated cache. The queries are scaled before the dot, so a block's scores are
+x = (scale · q)·k; with a logit soft-cap c (Gemma 2) they are capped to c · tanh(x / c) after the
+dot, before the mask. Blocks are combined with the online softmax of flash attention: a block's
 scores x give its max m_j, normaliser l_j = sum_s e^{x_s - m_j} and output
 o_j = sum_s e^{x_s - m_j} v_s, and with m = max(m_1, m_2)
 
@@ -28,16 +30,25 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrl.kernels.blockwise import check_softcap, softcap
+
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 _Partial = tuple[Float[Array, "b k g"], Float[Array, "b k g"], Float[Array, "b k g h"]]
 
 
 def _attend_block(
-    q_bkgh: Array, k_bkhs: Array, v_bksh: Array, ok_bs: Bool[Array, "b s"]
+    q_bkgh: Array,
+    k_bkhs: Array,
+    v_bksh: Array,
+    ok_bs: Bool[Array, "b s"],
+    cap: float | None = None,
 ) -> _Partial:
-    """(m, l, o) of one block of keys (see the module doc), in float32."""
+    """(m, l, o) of one block of keys (see the module doc), in float32; `q_bkgh` is scaled
+    already, `cap` the logit soft-cap (None: off)."""
     x = jnp.einsum("bkgh,bkhs->bkgs", q_bkgh, k_bkhs, preferred_element_type=jnp.float32)
+    if cap is not None:
+        x = softcap(x, cap)
     ok = ok_bs[:, None, None]
     x = jnp.where(ok, x, _MASKED)
     m = x.max(axis=-1)
@@ -67,6 +78,7 @@ def decode_attention(
     softmax_scale: float | None = None,
     block: int = 128,
     layer: Int[Array, ""] | int | None = None,
+    logit_softcap: float | None = None,
 ) -> Float[Array, "b 1 n h"]:
     """Attention of one query per row over the cache's live blocks (see the module doc).
 
@@ -82,6 +94,8 @@ def decode_attention(
         softmax_scale: Score scale; default 1/sqrt(H).
         block: Keys per block; C: the whole cache in one pass.
         layer: Which layer of stacked caches to read (only its live blocks are sliced out).
+        logit_softcap: Cap c of the scaled scores x, c · tanh(x / c) (a python float > 0; None:
+            off).
 
     Returns:
         [B, 1, N, H] in the dtype of `q`.
@@ -95,6 +109,7 @@ def decode_attention(
     if c % block:
         raise ValueError(f"cache length {c} must be a multiple of block={block}")
     scale = h**-0.5 if softmax_scale is None else softmax_scale
+    cap = check_softcap(logit_softcap)
     q_bkgh = (q.reshape(b, kv_heads, n // kv_heads, h) * scale).astype(k_cache.dtype)
 
     def allowed(start: Array | int, size: int) -> Bool[Array, "b s"]:
@@ -112,12 +127,13 @@ def decode_attention(
         return k[0], v[0]
 
     if block == c:
-        _, l, o = _attend_block(q_bkgh, *keys(0, c), allowed(0, c))
+        _, l, o = _attend_block(q_bkgh, *keys(0, c), allowed(0, c), cap)
     else:
 
         def body(i, carry):
             start = i * block
-            return _merge(carry, _attend_block(q_bkgh, *keys(start, block), allowed(start, block)))
+            block_mlo = _attend_block(q_bkgh, *keys(start, block), allowed(start, block), cap)
+            return _merge(carry, block_mlo)
 
         g = n // kv_heads
         init = (
@@ -140,11 +156,13 @@ def extend_attention(
     *,
     sliding_window: Int[Array, ""] | int | None = None,
     softmax_scale: float | None = None,
+    logit_softcap: float | None = None,
 ) -> Float[Array, "b t n h"]:
     """Attention of T new queries per row over the whole cache (the tokens appended to a
     conversation: their keys are in the cache already). Query t of row b, at cache index
     `query_index[b, t]`, attends to the entries s with `kv_valid[b, s]`, `s <= query_index[b, t]`
-    and (with a window W) `query_index[b, t] - s < W`; scores and softmax in float32.
+    and (with a window W) `query_index[b, t] - s < W`; scores (capped to c · tanh(x / c) with
+    `logit_softcap` c, as `decode_attention`) and softmax in float32.
 
     Returns:
         [B, T, N, H] in the dtype of `q`.
@@ -152,8 +170,11 @@ def extend_attention(
     b, t, n, h = q.shape
     kv_heads, c = k_cache.shape[1], k_cache.shape[3]
     scale = h**-0.5 if softmax_scale is None else softmax_scale
+    cap = check_softcap(logit_softcap)
     q_btkgh = (q.reshape(b, t, kv_heads, n // kv_heads, h) * scale).astype(k_cache.dtype)
     x = jnp.einsum("btkgh,bkhs->btkgs", q_btkgh, k_cache, preferred_element_type=jnp.float32)
+    if cap is not None:
+        x = softcap(x, cap)
     s = jnp.arange(c)
     ok = kv_valid[:, None, :] & (s[None, None] <= query_index[..., None])
     if sliding_window is not None:

@@ -10,7 +10,8 @@ is admissible for query t iff
 - sliding window: `(t + q_offset) - (s + kv_offset) < sliding_window`;
 - segments: `segment_ids_q[t] == segment_ids_kv[s]`.
 
-Over the admissible keys, with s_ts = scale · q_t·k_s in float32:
+Over the admissible keys, with s_ts = scale · q_t·k_s in float32 (with a logit soft-cap c,
+Gemma 2's: s_ts = c · tanh(scale · q_t·k_s / c)):
 
     lse_t = log Σ_s exp(s_ts),   out_t = Σ_s exp(s_ts - lse_t) v_s
 
@@ -23,7 +24,8 @@ lse; with D = rowsum(dout ⊙ out),
 
     dv = pᵀ dout,   dp = dout vᵀ,   ds = p ⊙ (dp - D + dlse),   dq = scale·ds k,   dk = scale·dsᵀ q
 
-The `+ dlse` term: ∂lse_t/∂s_ts = p_ts, so the lse cotangent adds p ⊙ dlse to ds.
+The `+ dlse` term: ∂lse_t/∂s_ts = p_ts, so the lse cotangent adds p ⊙ dlse to ds. With the
+cap, ds is then taken through the tanh: ds ⊙ (1 - (s / c)²) before the products with k and q.
 
 Grouped-query heads index the kv head in the BlockSpec (k and v are never repeated); blocks
 that the causal mask or the window rule out entirely are never visited (loop bounds computed
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxrl.kernels.blockwise import check_softcap
 from jaxrl.kernels.pallas_gpu_bwd import flash_bwd
 from jaxrl.kernels.pallas_gpu_fwd import NEG_INF, KernelConfig, flash_fwd
 
@@ -68,6 +71,7 @@ def pallas_attention(
     block_q: int = 64,
     block_k: int = 64,
     interpret: bool = False,
+    logit_softcap: float | None = None,
 ) -> tuple[Float[Array, "b t n h"], Float[Array, "b t n"]]:
     """Flash attention; differentiable in q, k, v (the lse output too).
 
@@ -86,6 +90,7 @@ def pallas_attention(
         block_q: Query rows per program (power of two >= 16; shrunk for short T).
         block_k: Key rows per inner step (power of two >= 16; shrunk for short S).
         interpret: Run the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
+        logit_softcap: Cap c of the scores, c · tanh(s / c) (a python float > 0; None: off).
 
     Returns:
         out [B, T, N, H] in q's dtype and lse [B, T, N] float32 (NEG_INF for empty rows).
@@ -104,6 +109,7 @@ def pallas_attention(
         block_q,
         block_k,
         interpret,
+        logit_softcap,
     )
     t, h = q.shape[1], q.shape[3]
     out, lse = _flash(cfg, params, *_pad_inputs(cfg, q, k, v, segment_ids_q, segment_ids_kv))
@@ -121,8 +127,9 @@ def pallas_attention_bwd(
     **kwargs,
 ) -> tuple[Float[Array, "b t n h"], Float[Array, "b s k h"], Float[Array, "b s k h"]]:
     """The backward kernels on an externally supplied (out, lse), e.g. ring attention's global
-    ones: p = exp(scale·q kᵀ - lse) over this call's admissible keys. Same keyword arguments
-    as `pallas_attention`; returns (dq, dk, dv) typed like (q, k, v)."""
+    ones: p = exp(s - lse) over this call's admissible keys (s the module doc's scores, capped
+    with `logit_softcap`). Same keyword arguments as `pallas_attention`; returns (dq, dk, dv)
+    typed like (q, k, v)."""
     unknown = set(kwargs) - set(_KWARGS)
     if unknown:
         raise ValueError(
@@ -170,6 +177,7 @@ _KWARGS = {
     "block_q": 64,
     "block_k": 64,
     "interpret": False,
+    "logit_softcap": None,
 }
 
 
@@ -239,7 +247,20 @@ def _check_block(name: str, value) -> None:
 
 
 def _prepare(
-    q, k, v, causal, seg_q, seg_k, window, scale, q_offset, kv_offset, block_q, block_k, interpret
+    q,
+    k,
+    v,
+    causal,
+    seg_q,
+    seg_k,
+    window,
+    scale,
+    q_offset,
+    kv_offset,
+    block_q,
+    block_k,
+    interpret,
+    logit_softcap=None,
 ):
     """Validate the call and build its static config and int32 params [q_off, kv_off, W, 0]."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -318,6 +339,7 @@ def _prepare(
         num_warps=8 if hp > 64 or block_q * block_k >= 128 * 128 else 4,
         num_stages_fwd=3 if hp <= 128 else 2,
         num_stages_bwd=2,
+        softcap=check_softcap(logit_softcap),
     )
     w = 0 if window is None else jnp.minimum(jnp.asarray(window, jnp.int32), _WINDOW_CAP)
     if isinstance(window, int | np.integer):

@@ -9,7 +9,8 @@ With p = exp(s - lse) recomputed from q, k and the saved lse, and D = rowsum(dou
     dq = scale · ds k,   dk = scale · dsᵀ q
 
 (the `+ dlse` term is the cotangent of the returned log-sum-exp: ∂lse/∂s = p). `D - dlse` is
-formed once outside the kernels, so they see a single per-row vector.
+formed once outside the kernels, so they see a single per-row vector. With a logit soft-cap c,
+s = c · tanh(scale · q kᵀ / c) and ds goes through the tanh: ds ⊙ (1 - (s / c)²).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl.kernels.blockwise import softcap_grad
 from jaxrl.kernels.pallas_gpu_fwd import (
     LOG2_E,
     KernelConfig,
@@ -31,6 +33,7 @@ from jaxrl.kernels.pallas_gpu_fwd import (
     fdiv0,
     key_block_ranges,
     q_block_index,
+    scores2,
 )
 
 
@@ -85,13 +88,13 @@ def _dq_kernel(
     dd = dd_ref[...]
     q_row = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     seg_q = segq_ref[...][:, None] if cfg.has_segments else None
-    c = cfg.scale * LOG2_E
 
     def body(j, dq, masked: bool):
         k_start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(k_start, bk), :]
         v = v_ref[pl.ds(k_start, bk), :]
-        p = jnp.exp2(dot_t(q, k) * c - lse2[:, None])  # [bq, bk]
+        s2, s = scores2(cfg, q, k)
+        p = jnp.exp2(s2 - lse2[:, None])  # [bq, bk]
         if masked:
             k_row = k_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             seg_k = segk_ref[pl.ds(k_start, bk)][None, :] if cfg.has_segments else None
@@ -99,6 +102,8 @@ def _dq_kernel(
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
         ds = p * (dot_t(do, v) - dd[:, None])
+        if s is not None:  # through the soft-cap's tanh
+            ds = ds * softcap_grad(s, cfg.softcap)
         return dq + dot(ds.astype(k.dtype), k)
 
     lo, a, b, hi = key_block_ranges(cfg, params_ref, q_start, nk)
@@ -131,7 +136,6 @@ def _dkdv_kernel(
     k, v = k_ref[...], v_ref[...]
     k_row = k_start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
     seg_k = segk_ref[...][:, None] if cfg.has_segments else None
-    c = cfg.scale * LOG2_E
     lo, a, b, hi = query_block_ranges(cfg, params_ref, k_start, nq)
 
     def head(g, carry):
@@ -140,7 +144,8 @@ def _dkdv_kernel(
             q_start = pl.multiple_of(i * bq, bq)
             rows = pl.ds(q_start, bq)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-            pt = jnp.exp2(dot_t(k, q) * c - (lse_ref[g, rows] * LOG2_E)[None, :])
+            st2, st = scores2(cfg, k, q)  # [bk, bq]
+            pt = jnp.exp2(st2 - (lse_ref[g, rows] * LOG2_E)[None, :])
             if masked:
                 q_row = q_start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
                 seg_q = segq_ref[rows][None, :] if cfg.has_segments else None
@@ -149,6 +154,8 @@ def _dkdv_kernel(
                     pt = jnp.where(mask, pt, 0.0)
             dv = dv + dot(pt.astype(do.dtype), do)
             dst = pt * (dot_t(v, do) - dd_ref[g, rows][None, :])
+            if st is not None:  # through the soft-cap's tanh
+                dst = dst * softcap_grad(st, cfg.softcap)
             dk = dk + dot(dst.astype(q.dtype), q)
             return dk, dv
 

@@ -7,7 +7,8 @@ of the block sizes, H to a power of two >= 16. Positions, the window and the tru
 data (`params`, int32 [4] = [q_offset, kv_offset, window, 0]) so they may be traced.
 
 Scores are kept in base 2 (`s2 = log2(e) · scale · q kᵀ`, `exp2` instead of `exp`): the
-log-sum-exp returned is converted back to the natural log.
+log-sum-exp returned is converted back to the natural log. With a logit soft-cap c (Gemma 2) the
+natural-unit score s = scale · q kᵀ is capped first: `s2 = log2(e) · c · tanh(s / c)`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl.kernels.blockwise import NEG_INF
+from jaxrl.kernels.blockwise import NEG_INF, softcap
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -32,7 +33,8 @@ LN_2 = math.log(2.0)
 class KernelConfig:
     """Everything static about one attention call (hashable: a `custom_vjp` nondiff arg).
 
-    `t` and `s` are the true (unpadded) lengths; `g` the query heads per kv head.
+    `t` and `s` are the true (unpadded) lengths; `g` the query heads per kv head; `softcap`
+    the logit soft-cap (None: uncapped).
     """
 
     causal: bool
@@ -48,6 +50,7 @@ class KernelConfig:
     num_warps: int
     num_stages_fwd: int
     num_stages_bwd: int
+    softcap: float | None = None
 
     def compiler_params(self, backward: bool = False):
         stages = self.num_stages_bwd if backward else self.num_stages_fwd
@@ -127,6 +130,16 @@ def dot(x, y):
     return lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def scores2(cfg: KernelConfig, x, y):
+    """Base-2 scores of a tile, log2(e) · s with s = scale · x yᵀ ([m, h] x [n, h] -> [m, n]),
+    capped to c · tanh(s / c) with `cfg.softcap`; and the capped s (None without a cap), from
+    which the backward's tanh' = 1 - (s / c)² follows."""
+    if cfg.softcap is None:
+        return dot_t(x, y) * (cfg.scale * LOG2_E), None
+    s = softcap(dot_t(x, y) * cfg.scale, cfg.softcap)
+    return s * LOG2_E, s
+
+
 def q_block_index(cfg: KernelConfig, i, num_q_blocks: int):
     """Causal grids run the longest query blocks (the last ones) first: better tail balance."""
     return num_q_blocks - 1 - i if cfg.causal else i
@@ -140,7 +153,6 @@ def _fwd_kernel(
     q = q_ref[...]
     q_row = q_start + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     seg_q = segq_ref[...][:, None] if cfg.has_segments else None
-    c = cfg.scale * LOG2_E
 
     def body(j, carry, masked: bool):
         acc, m, l = carry
@@ -148,7 +160,7 @@ def _fwd_kernel(
         k_start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(k_start, bk), :]
         v = v_ref[pl.ds(k_start, bk), :]
-        s2 = dot_t(q, k) * c  # [bq, bk]
+        s2, _ = scores2(cfg, q, k)  # [bq, bk]
         if masked:
             k_row = k_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             seg_k = segk_ref[pl.ds(k_start, bk)][None, :] if cfg.has_segments else None

@@ -26,7 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxrl.kernels.blockwise import NEG_INF, blockwise_backward, blockwise_forward
+from jaxrl.kernels.blockwise import (
+    NEG_INF,
+    blockwise_backward,
+    blockwise_forward,
+    check_softcap,
+)
 
 
 def zigzag_order(t: int, sp: int) -> np.ndarray:
@@ -90,7 +95,7 @@ def _pairs(i, src, n, c, seg_q, seg_kv, causal):
 
 
 def _blockwise_kwargs(opts, window):
-    kw = {key: opts[key] for key in ("causal", "scale", "block_q", "block_k")}
+    kw = {key: opts[key] for key in ("causal", "scale", "block_q", "block_k", "logit_softcap")}
     return {**kw, "sliding_window": window}
 
 
@@ -186,13 +191,16 @@ def ring_attention(
     head_axes: str | tuple[str, ...] | None = None,
     block_q: int = 512,
     block_k: int = 512,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
     """Attention of q [B, T, N, H] over k, v [B, T, K, H] with T in zigzag order over `axis`.
 
     The sequence axis is split over `axis` (P devices, T divisible by 2P); the batch over
     `batch_axes` and the heads over `head_axes` (both query and kv heads must divide). Masks
     as `jaxrl.kernels.attention` with positions 0..T-1 in natural order; `segment_ids` [B, T]
-    (zigzag order too) are shared by queries and keys. Returns [B, T, N, H] in zigzag order.
+    (zigzag order too) are shared by queries and keys; `logit_softcap` caps the scores as
+    there (every hop's blocks are capped alike, so the merged softmax is the capped one).
+    Returns [B, T, N, H] in zigzag order.
     """
     n = mesh.shape[axis]
     zigzag_order(q.shape[1], n)  # validates T
@@ -206,6 +214,7 @@ def ring_attention(
         ("scale", float(scale)),
         ("block_q", min(block_q, local_t)),
         ("block_k", min(block_k, local_t)),
+        ("logit_softcap", check_softcap(logit_softcap)),
     )
     qkv_spec = PartitionSpec(batch_axes, axis, head_axes, None)
     seg_spec = PartitionSpec(batch_axes, axis)

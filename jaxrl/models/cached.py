@@ -1,11 +1,15 @@
 """The decoder with a KV cache: prefill prompts, then extend every row a token at a time.
 
     cache = init_cache(config, batch=S, length=C)
-    h_btd, k_lbtkh, v_lbtkh = prefill(config, params, ids_bt, positions_bt, segments_bt)
+    h_btd, k_lbtkh, v_lbtkh, routes = prefill(config, params, ids_bt, positions_bt, segments_bt)
     cache = cache.write(slots_f, k_lbtkh, v_lbtkh, segments_bt)    # prompts into slots
-    h_bd, cache = decode_step(config, params, tokens_b, positions_b, cache, write_index_b,
-                              live, block)
-    h_btd, cache = extend(config, params, ids_bt, positions_bt, cache, write_index_bt)
+    h_bd, cache, routes = decode_step(config, params, tokens_b, positions_b, cache,
+                                      write_index_b, live, block)
+    h_btd, cache, routes = extend(config, params, ids_bt, positions_bt, cache, write_index_bt)
+
+Each also returns a mixture of experts' routes, the experts every token used in every layer
+([B, T, L, k] int32; decode_step [B, L, k]), which the rollout records for routing replay
+(None for a dense model).
 
 The cache is an explicit value (passed in, returned, donated by the caller's `jit`): keys and
 values of every layer, stacked as the parameters are ([L, ...]), plus [B, C] segment ids (1: a
@@ -44,8 +48,7 @@ from jaxrl.kernels import attention
 from jaxrl.kernels.decode import decode_attention, extend_attention
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.params import Params
-from jaxrl.models.rope import rope_cos_sin
-from jaxrl.models.transformer import _block, rms_norm
+from jaxrl.models.transformer import _block, embed_tokens, layer_rope, norm, rope_tables
 from jaxrl.sharding.layouts import active_layout, shard
 
 # Logical axes of the stacked key and value buffers (KV cache over batch and kv heads).
@@ -115,8 +118,9 @@ class KVCache:
 
 
 def embed(config: DecoderConfig, params: Params, ids: Array) -> Array:
-    """Token embeddings in the compute dtype."""
-    return params["embed"]["tokens_vd"][ids].astype(config.compute_dtype)
+    """Token embeddings in the compute dtype (`transformer.embed_tokens`: scaled by sqrt(D)
+    for Gemma)."""
+    return embed_tokens(config, params, ids)
 
 
 def init_cache(config: DecoderConfig, batch: int, length: int, dtype=None) -> KVCache:
@@ -134,14 +138,22 @@ def _windowed(config: DecoderConfig) -> bool:
     return any(w is not None for w in config.sliding_windows)
 
 
+def _rope_kind(config: DecoderConfig, i: int | Array) -> int | Array:
+    """Layer i's index into `config.ropes` (`over_layers`' i: an int in its loop, traced in
+    its scan)."""
+    kinds = config.rope_per_layer
+    return kinds[i] if isinstance(i, int) else jnp.asarray(kinds, jnp.int32)[i]
+
+
 def prefill(
     config: DecoderConfig,
     params: Params,
     input_ids: Int[Array, "b t"],
     positions: Int[Array, "b t"],
     segments: Int[Array, "b t"],
-) -> tuple[Float[Array, "b t d"], Float[Array, "l b t k h"], Float[Array, "l b t k h"]]:
-    """Final-normed hidden states of left-padded prompts, and every layer's keys and values.
+) -> tuple[Float[Array, "b t d"], Array, Array, Int[Array, "b t l k"] | None]:
+    """Final-normed hidden states of left-padded prompts, every layer's keys and values, and
+    a mixture of experts' routes.
 
     Args:
         config: The model.
@@ -151,15 +163,14 @@ def prefill(
         segments: [B, T] 1 for real tokens, 0 for padding (which no real token attends to).
 
     Returns:
-        (hidden states [B, T, D], keys [L, B, T, K, H], values [L, B, T, K, H]), keys after
-        RoPE, in the compute dtype.
+        (hidden states [B, T, D], keys [L, B, T, K, H], values [L, B, T, K, H], routes
+        [B, T, L, k] or None), keys after RoPE, in the compute dtype.
     """
-    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+    tables = rope_tables(config, positions)
     segments = segments.astype(jnp.int32)
     windowed = _windowed(config)
 
-    def body(x_btd, layer):
-        p, window = layer
+    def body(x_btd, p, window, i):
         kv = {}
 
         def attend(q, k, v, window):
@@ -173,14 +184,25 @@ def prefill(
                 sliding_window=window if windowed else None,
                 implementation=config.attention_impl,
                 layout=active_layout(),
+                softmax_scale=config.softmax_scale,
+                logit_softcap=config.attn_logit_softcap,
             )
 
-        x_btd = _block(config, cos, sin, attend, x_btd, p, window)
-        return x_btd, (kv["k"], kv["v"])
+        cos, sin = layer_rope(tables, _rope_kind(config, i))
+        x_btd, routing = _block(config, cos, sin, attend, x_btd, p, window)
+        return x_btd, (kv["k"], kv["v"], routing.get("experts_tk"))
 
     x = embed(config, params, input_ids)
-    x, (k, v) = over_layers(config, params, lambda x, p, window, i: body(x, (p, window)), x)
-    return rms_norm(x, params["final_norm_d"], config.rms_norm_eps), k, v
+    x, (k, v, routes) = over_layers(config, params, body, x)
+    h = norm(config, x, params["final_norm_d"])
+    return h, k, v, _routes_btlk(routes, input_ids.shape)
+
+
+def _routes_btlk(routes_ltk: Array | None, shape: tuple[int, int]) -> Array | None:
+    """The layers' chosen experts [L, B*T, k] as [B, T, L, k] (None stays None)."""
+    if routes_ltk is None:
+        return None
+    return jnp.moveaxis(routes_ltk.reshape(routes_ltk.shape[0], *shape, -1), 0, 2)
 
 
 def unstack_layers(params: Params) -> Params:
@@ -228,13 +250,14 @@ def _cached_layers(
     cache: KVCache,
     write_index: Int[Array, "b t"],
     attend: CacheAttention,
-) -> tuple[Float[Array, "b t d"], KVCache]:
+) -> tuple[Float[Array, "b t d"], KVCache, Int[Array, "b t l k"] | None]:
     """The layers over the cache (`decode_step`, `extend`), the stacked cache the carry
     (`over_layers`). Each layer writes its T new keys and values at
-    their `write_index` (>= C: dropped) and `attend`s over its cache slice."""
+    their `write_index` (>= C: dropped) and `attend`s over its cache slice. Also returns a
+    mixture of experts' routes."""
     b = x_btd.shape[0]
     rows = jnp.arange(b)[:, None]
-    cos, sin = rope_cos_sin(config.rope, config.head_dim, positions)
+    tables = rope_tables(config, positions)
     windowed = _windowed(config)
 
     def body(carry, p, window, i):
@@ -248,12 +271,14 @@ def _cached_layers(
             out["k"], out["v"] = k_all_new, v_all_new
             return attend(q, k_all_new, v_all_new, i, window if windowed else None)
 
-        x = _block(config, cos, sin, attend_cache, x, p, window)
-        return (x, out["k"], out["v"]), None
+        cos, sin = layer_rope(tables, _rope_kind(config, i))
+        x, routing = _block(config, cos, sin, attend_cache, x, p, window)
+        return (x, out["k"], out["v"]), routing.get("experts_tk")
 
-    (x, k, v), _ = over_layers(config, params, body, (x_btd, cache.k, cache.v))
-    h = rms_norm(x, params["final_norm_d"], config.rms_norm_eps)
-    return h, KVCache(k=k, v=v, segments=cache.segments).constrain()
+    (x, k, v), routes = over_layers(config, params, body, (x_btd, cache.k, cache.v))
+    h = norm(config, x, params["final_norm_d"])
+    cache = KVCache(k=k, v=v, segments=cache.segments).constrain()
+    return h, cache, _routes_btlk(routes, x_btd.shape[:2])
 
 
 def decode_step(
@@ -265,7 +290,7 @@ def decode_step(
     write_index: Int[Array, " b"],
     live: Int[Array, ""],
     block: int,
-) -> tuple[Float[Array, "b d"], KVCache]:
+) -> tuple[Float[Array, "b d"], KVCache, Int[Array, "b l k"] | None]:
     """One token per row, each written at its own cache index, attending to the live prefix.
 
     Args:
@@ -280,7 +305,8 @@ def decode_step(
             it: the whole cache is read at once).
 
     Returns:
-        (final-normed hidden states [B, D], the updated cache).
+        (final-normed hidden states [B, D], the updated cache, a mixture of experts' routes
+        [B, L, k] or None).
     """
     cache = cache.mark_written(write_index[:, None])
     kv_valid = cache.segments > 0
@@ -296,13 +322,15 @@ def decode_step(
             sliding_window=window,
             block=block,
             layer=layer,
+            softmax_scale=config.softmax_scale,
+            logit_softcap=config.attn_logit_softcap,
         )
 
     x = embed(config, params, tokens)[:, None]
-    h, cache = _cached_layers(
+    h, cache, routes = _cached_layers(
         config, params, x, positions[:, None], cache, write_index[:, None], attend
     )
-    return h[:, 0], cache
+    return h[:, 0], cache, None if routes is None else routes[:, 0]
 
 
 def extend(
@@ -312,7 +340,7 @@ def extend(
     positions: Int[Array, "b t"],
     cache: KVCache,
     write_index: Int[Array, "b t"],
-) -> tuple[Float[Array, "b t d"], KVCache]:
+) -> tuple[Float[Array, "b t d"], KVCache, Int[Array, "b t l k"] | None]:
     """Append T tokens per row to the cache: each token's keys and values go to its own cache
     index, and its query attends to the row's cache up to that index (the tokens before it,
     appended now or earlier). A conversation's appended tool output takes this path: a
@@ -328,15 +356,17 @@ def extend(
             cache length marks a padding token (not written, its output meaningless).
 
     Returns:
-        (final-normed hidden states [B, T, D], the updated cache).
+        (final-normed hidden states [B, T, D], the updated cache, a mixture of experts'
+        routes [B, T, L, k] or None).
     """
     cache = cache.mark_written(write_index)
     kv_valid: Bool[Array, "b c"] = cache.segments > 0
 
     def attend(q, k_all, v_all, layer, window):
         return extend_attention(
-            q, k_all[layer], v_all[layer], kv_valid, write_index, sliding_window=window
-        )
+            q, k_all[layer], v_all[layer], kv_valid, write_index, sliding_window=window,
+            softmax_scale=config.softmax_scale, logit_softcap=config.attn_logit_softcap,
+        )  # fmt: skip
 
     return _cached_layers(
         config, params, embed(config, params, tokens), positions, cache, write_index, attend

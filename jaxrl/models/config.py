@@ -16,7 +16,12 @@ import jax.numpy as jnp
 from jaxrl.kernels import NO_WINDOW
 from jaxrl.models.moe import MoeSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral",
+                         "gemma2", "gemma3_text")  # fmt: skip
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# HF activation names (`hidden_act`, Gemma's `hidden_activation`) -> `mlp_activation`
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "save_dots")
 HEADS = ("causal_lm", "token_classification", "sequence_classification")
@@ -64,7 +69,10 @@ class LoraSpec:
     Attributes:
         rank: r, the adapters' inner width (> 0).
         alpha: The update's scale numerator: the update is (alpha / r) · x A B.
-        targets: The adapted projections by HF module name (`q_proj`, ..., `down_proj`).
+        targets: The adapted weights (`jaxrl.models.lora.adaptable`): projections by HF
+            module name (`q_proj`, ..., `down_proj`; a mixture of experts' gate/up/down are
+            its shared expert's) and a mixture of experts' expert parameters
+            (`experts.gate_up_proj`, `experts.down_proj`).
         dtype: Storage dtype of the adapters (float32: they are the trained weights, whatever
             the frozen base's dtype).
     """
@@ -90,7 +98,7 @@ class DecoderConfig:
     """A llama-family decoder: what the weights are and how to run them.
 
     Attributes:
-        model_type: HF model type (`llama`, `qwen2`, `qwen3`, `mistral`).
+        model_type: HF model type (one of `SUPPORTED_MODEL_TYPES`).
         vocab_size: V.
         hidden_size: D.
         intermediate_size: F (SwiGLU width).
@@ -123,6 +131,23 @@ class DecoderConfig:
         moe_intermediate_size: Each expert's SwiGLU width.
         shared_expert_intermediate_size: Qwen2-MoE's shared expert's SwiGLU width, added to
             the routed experts' sum through a sigmoid gate (0: none).
+        norm_unit_offset: Every RMSNorm scales by (1 + w), the product in float32 then cast
+            (Gemma: its norm weights are offsets from 1 and initialise to zeros).
+        post_norms: Gemma's sandwich norms: the attention output and the MLP output are
+            RMS-normed (`ln_attn_out_d`, `ln_mlp_out_d`) before their residual adds.
+        mlp_activation: The gated MLP's activation: `silu` (SwiGLU) or `gelu_tanh` (GeGLU,
+            HF's `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))).
+        scale_embeddings: Token embeddings are multiplied by sqrt(D) (rounded to the compute
+            dtype, as HF rounds it to the model's) at every embedding site (Gemma).
+        query_pre_attn_scalar: Attention scores are (q·k) / sqrt(query_pre_attn_scalar)
+            (Gemma); None: (q·k) / sqrt(H).
+        attn_logit_softcap: Attention scores s become c · tanh(s / c) before the mask (Gemma
+            2's `attn_logit_softcapping`); None: uncapped.
+        final_logit_softcap: LM logits z become c · tanh(z / c) (Gemma's
+            `final_logit_softcapping`); None: uncapped.
+        rope_local: The RoPE of the sliding-window layers where it differs from `rope` (Gemma
+            3's `sliding_attention` entry: theta = `rope_local_base_freq`); None: every layer
+            uses `rope`.
     """
 
     model_type: str
@@ -154,6 +179,14 @@ class DecoderConfig:
     moe: MoeSpec | None = None
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    norm_unit_offset: bool = False
+    post_norms: bool = False
+    mlp_activation: str = "silu"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    rope_local: RopeConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -172,6 +205,8 @@ class DecoderConfig:
             ("remat", self.remat, REMAT_POLICIES),
             ("head", self.head, HEADS),
             ("rope.type", self.rope.type, ROPE_TYPES),
+            ("rope_local.type", (self.rope_local or self.rope).type, ROPE_TYPES),
+            ("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}")
@@ -185,12 +220,33 @@ class DecoderConfig:
         """Sliding windows with `NO_WINDOW` for full-attention layers (a scannable array)."""
         return tuple(NO_WINDOW if w is None else w for w in self.sliding_windows)
 
+    @property
+    def softmax_scale(self) -> float | None:
+        """The attention score scale: 1 / sqrt(query_pre_attn_scalar), or None (the
+        kernels' default 1 / sqrt(H))."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
+
+    @property
+    def ropes(self) -> tuple[RopeConfig, ...]:
+        """The distinct RoPEs: (rope,) or (rope, rope_local)."""
+        return (self.rope,) if self.rope_local is None else (self.rope, self.rope_local)
+
+    @property
+    def rope_per_layer(self) -> tuple[int, ...]:
+        """Per layer, its index into `ropes`: 1 for a sliding-window layer when
+        `rope_local` is set, else 0 (a scannable array)."""
+        local = self.rope_local is not None
+        return tuple(int(local and w is not None) for w in self.sliding_windows)
+
     def replace(self, **changes: Any) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _rope_from_hf(hf: Any) -> RopeConfig:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
+def _rope_from_hf(hf: Any, params: Mapping[str, Any] | None = None) -> RopeConfig:
+    """The RoPE of HF's flat `rope_parameters` (or `params`: one entry of Gemma 3's nested
+    ones, by layer type)."""
+    params = dict((getattr(hf, "rope_parameters", None) if params is None else params) or {})
     if not params:  # transformers < 5 style
         params = dict(getattr(hf, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -262,13 +318,25 @@ def from_hf_config(
     """
     for key, value in (overrides or {}).items():
         setattr(hf, key, value)
+    if hf.model_type == "gemma3":
+        raise ValueError(
+            "model type 'gemma3' (Gemma 3 with its vision tower, Gemma3ForConditionalGeneration) "
+            "is not supported by jaxrl yet; its text model is: extract it with "
+            "`transformers.AutoConfig.from_pretrained(path).text_config` (model type "
+            "gemma3_text) and save the language model's weights as a Gemma3ForCausalLM folder"
+        )
     if hf.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model type {hf.model_type!r} is not supported by jaxrl; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (only silu / SwiGLU)")
+    act_key = "hidden_activation" if hf.model_type in GEMMA_TYPES else "hidden_act"
+    act = getattr(hf, act_key, "silu")
+    allowed = ("gelu_pytorch_tanh",) if hf.model_type in GEMMA_TYPES else ("silu",)
+    if act not in allowed:
+        raise ValueError(
+            f"{act_key}={act!r} is not supported for {hf.model_type} (use {allowed[0]})"
+        )
     head, score_bias = _head_from_hf(hf)
     eos = getattr(hf, "eos_token_id", None)
     eos = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
@@ -287,10 +355,11 @@ def from_hf_config(
         qkv_bias=hf.model_type == "qwen2"
         or (hf.model_type == "qwen2_moe" and bool(getattr(hf, "qkv_bias", True)))
         or bool(getattr(hf, "attention_bias", False)),
-        o_bias=hf.model_type in ("llama", "qwen3", "qwen3_moe")
+        o_bias=hf.model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_TYPES)
         and bool(getattr(hf, "attention_bias", False)),
         mlp_bias=hf.model_type == "llama" and bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=hf.model_type in ("qwen3", "qwen3_moe"),
+        mlp_activation=_HF_ACTIVATIONS[act],
+        qk_norm=hf.model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         sliding_windows=_sliding_windows(hf),
         head=head,
         num_labels=getattr(hf, "num_labels", 1) if head != "causal_lm" else 1,
@@ -299,8 +368,49 @@ def from_hf_config(
         eos_token_id=eos,
         **_moe_from_hf(hf),
     )
+    if hf.model_type in GEMMA_TYPES:
+        fields.update(_gemma_from_hf(hf, fields["sliding_windows"]))
     fields.update(options)
     return DecoderConfig(**fields)
+
+
+def _gemma_from_hf(hf: Any, windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """Gemma 2 / Gemma 3 (text): (1 + w) sandwich norms, sqrt(D)-scaled embeddings, the
+    query_pre_attn_scalar score scale, the soft-caps and Gemma 3's RoPE per layer type.
+
+    HF 5.24's Gemma 3 attention never applies `attn_logit_softcapping` (it is not passed to
+    its attention functions), so it is dropped here too."""
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(
+            f"{hf.model_type} with use_bidirectional_attention=True (an encoder-style mask) is "
+            "not supported by jaxrl: it decodes causally"
+        )
+    fields: dict[str, Any] = dict(
+        norm_unit_offset=True,
+        post_norms=True,
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+        final_logit_softcap=_cap(getattr(hf, "final_logit_softcapping", None)),
+    )
+    if hf.model_type == "gemma2":
+        fields["attn_logit_softcap"] = _cap(getattr(hf, "attn_logit_softcapping", None))
+        return fields
+    ropes = hf.rope_parameters  # nested by layer type (replaces the flat read's default)
+    fields["rope"] = _rope_from_hf(hf, ropes["full_attention"])
+    local = _rope_from_hf(hf, ropes["sliding_attention"])
+    kinds = tuple(hf.layer_types)
+    sliding = tuple(t == "sliding_attention" for t in kinds)
+    if sliding != tuple(w is not None for w in windows) and local != fields["rope"]:
+        raise ValueError(
+            f"gemma3_text with sliding_window={hf.sliding_window} and layer_types {kinds}: "
+            "jaxrl gives the local RoPE to the windowed layers; set a sliding_window"
+        )
+    fields["rope_local"] = None if local == fields["rope"] else local
+    return fields
+
+
+def _cap(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _moe_from_hf(hf: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxrl.models import lora
-from jaxrl.models.config import DecoderConfig, from_hf_config
+from jaxrl.models.config import GEMMA_TYPES, DecoderConfig, RopeConfig, from_hf_config
 from jaxrl.models.hf_names import IGNORABLE_SUFFIXES, Entry, entries, hf_names, num_experts
 from jaxrl.models.params import Params, param_shapes
 from jaxrl.sharding.layouts import Layout
@@ -214,8 +214,7 @@ def _make_array(handles, entry: Entry, shape, config: DecoderConfig, sharding) -
 # ---------------------------------------------------------------------------------- export
 
 
-def _rope_parameters(config: DecoderConfig) -> dict[str, Any]:
-    r = config.rope
+def _rope_parameters(r: RopeConfig) -> dict[str, Any]:
     out = {"rope_type": r.type, "rope_theta": r.theta}
     optional = ("factor", "original_max_position_embeddings", "low_freq_factor")
     optional += ("high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale")
@@ -228,7 +227,10 @@ def _rope_parameters(config: DecoderConfig) -> dict[str, Any]:
 
 
 _ARCH = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-         "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}  # fmt: skip
+         "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
+         "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}  # fmt: skip
+# Where the causal LM's class name is not _ARCH + "ForCausalLM".
+_CAUSAL_LM_ARCH = {"gemma3_text": "Gemma3ForCausalLM"}
 _HEAD_ARCH = {
     "causal_lm": "ForCausalLM",
     "token_classification": "ForTokenClassification",
@@ -254,17 +256,19 @@ def to_hf_config(config: DecoderConfig, base: Mapping[str, Any] | None = None) -
         head_dim=c.head_dim,
         rms_norm_eps=c.rms_norm_eps,
         max_position_embeddings=c.rope.max_position_embeddings,
-        rope_parameters=_rope_parameters(c),
+        rope_parameters=_rope_parameters(c.rope),
         tie_word_embeddings=c.tie_word_embeddings,
         pad_token_id=c.pad_token_id,
         eos_token_id=list(c.eos_token_id)
         if len(c.eos_token_id) > 1
         else (c.eos_token_id[0] if c.eos_token_id else None),
-        architectures=[_ARCH[c.model_type] + _HEAD_ARCH[c.head]],
+        architectures=[_architecture(c)],
         dtype=c.param_dtype,
     )
-    if c.model_type in ("llama", "qwen3", "qwen3_moe"):
+    if c.model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_TYPES):
         fields["attention_bias"] = c.qkv_bias
+    if c.model_type in GEMMA_TYPES:
+        fields.update(_gemma_fields(c))
     if c.model_type in ("qwen2_moe", "qwen3_moe"):
         fields.update(num_experts=c.moe.num_experts, num_experts_per_tok=c.moe.top_k,
                       norm_topk_prob=c.moe.norm_topk_prob,
@@ -286,19 +290,48 @@ def to_hf_config(config: DecoderConfig, base: Mapping[str, Any] | None = None) -
         fields["sliding_window"] = window
     elif c.model_type == "qwen3_moe":
         fields.update(use_sliding_window=window is not None, sliding_window=window)
-    elif c.model_type == "qwen2_moe" or c.model_type in ("qwen2", "qwen3"):
+    elif c.model_type in ("qwen2", "qwen3", "qwen2_moe", *GEMMA_TYPES):
         fields.update(
-            use_sliding_window=window is not None,
             sliding_window=window,
             layer_types=[
                 "full_attention" if w is None else "sliding_attention" for w in c.sliding_windows
             ],
         )
+        if c.model_type not in GEMMA_TYPES:  # Gemma has no switch: layer_types says it
+            fields["use_sliding_window"] = window is not None
     if c.head != "causal_lm":
         fields["num_labels"] = c.num_labels
         fields.pop("id2label", None)
         fields.pop("label2id", None)
     return AutoConfig.for_model(c.model_type, **fields)
+
+
+def _architecture(config: DecoderConfig) -> str:
+    if config.head == "causal_lm" and config.model_type in _CAUSAL_LM_ARCH:
+        return _CAUSAL_LM_ARCH[config.model_type]
+    return _ARCH[config.model_type] + _HEAD_ARCH[config.head]
+
+
+def _gemma_fields(c: DecoderConfig) -> dict[str, Any]:
+    """The Gemma entries of a transformers config (`from_hf_config`'s `_gemma_from_hf`
+    inverted); only the gemma layouts (its four (1 + w) norms, GeGLU, scaled embeddings)."""
+    gemma_layout = (c.norm_unit_offset, c.post_norms, c.scale_embeddings, c.mlp_activation)
+    if gemma_layout != (True, True, True, "gelu_tanh") or c.query_pre_attn_scalar is None:
+        raise ValueError(f"{c.model_type} config without Gemma's layer layout: {c}")
+    scalar = c.query_pre_attn_scalar
+    fields: dict[str, Any] = dict(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+        final_logit_softcapping=c.final_logit_softcap,
+        use_bidirectional_attention=False,
+    )
+    if c.model_type == "gemma2":
+        fields["attn_logit_softcapping"] = c.attn_logit_softcap
+    else:  # rope_parameters by layer type
+        local = c.rope_local or c.rope
+        fields["rope_parameters"] = {"full_attention": _rope_parameters(c.rope),
+                                     "sliding_attention": _rope_parameters(local)}  # fmt: skip
+    return fields
 
 
 def save_pretrained(

@@ -2,8 +2,9 @@
 
 HF stores `nn.Linear` weights as [out, in]; jaxrl as [in, out] with the head axes split out
 (`w_q_dnh` is `q_proj.weight` [N*H, D] transposed and reshaped to [D, N, H]). Layer tensors are
-per layer in HF (`model.layers.{i}.…`) and stacked on a leading axis in jaxrl. The four
-supported families (llama, qwen2, qwen3, mistral) share these names.
+per layer in HF (`model.layers.{i}.…`) and stacked on a leading axis in jaxrl. The supported
+families share these names; mixtures of experts name their experts per family, and Gemma's
+four norms a layer put `post_attention_layernorm` on the attention's output.
 """
 
 from __future__ import annotations
@@ -82,7 +83,14 @@ def entries(config: DecoderConfig, prefix: str = "model.") -> Iterator[Entry]:
     attn, mlp = layer + "self_attn.", layer + "mlp."
     yield Entry(("embed", "tokens_vd"), prefix + "embed_tokens.weight", _same, _same)
     yield Entry(("layers", "ln_attn_d"), layer + "input_layernorm.weight", _same, _same)
-    yield Entry(("layers", "ln_mlp_d"), layer + "post_attention_layernorm.weight", _same, _same)
+    if c.post_norms:  # Gemma: post_attention_layernorm norms the attention's output
+        for path, name in (("ln_attn_out_d", "post_attention_layernorm"),
+                           ("ln_mlp_d", "pre_feedforward_layernorm"),
+                           ("ln_mlp_out_d", "post_feedforward_layernorm")):  # fmt: skip
+            yield Entry(("layers", path), f"{layer}{name}.weight", _same, _same)
+    else:
+        yield Entry(("layers", "ln_mlp_d"), layer + "post_attention_layernorm.weight", _same,
+                    _same)  # fmt: skip
     yield Entry(("layers", "attn", "w_q_dnh"), attn + "q_proj.weight", *_linear(N, H))
     yield Entry(("layers", "attn", "w_k_dkh"), attn + "k_proj.weight", *_linear(K, H))
     yield Entry(("layers", "attn", "w_v_dkh"), attn + "v_proj.weight", *_linear(K, H))

@@ -5,7 +5,8 @@ Parameters are a nested dict of arrays; names end in the dimension letters of th
 array under `layers` has a leading L axis (layers are stacked and run with `lax.scan`):
 
     embed/tokens_vd                          [V, D]
-    layers/ln_attn_d, layers/ln_mlp_d        [L, D]
+    layers/ln_attn_d, layers/ln_mlp_d        [L, D]        (attention / MLP input norms)
+    layers/ln_attn_out_d, ln_mlp_out_d       [L, D]        (their output norms: Gemma)
     layers/attn/w_q_dnh  (b_q_nh)            [L, D, N, H]
     layers/attn/w_k_dkh, w_v_dkh  (b_*_kh)   [L, D, K, H]
     layers/attn/w_o_nhd  (b_o_d)             [L, N, H, D]
@@ -23,6 +24,7 @@ array under `layers` has a leading L axis (layers are stacked and run with `lax.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -69,15 +71,18 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
         "ln_mlp_d": ((L, D), ("layers", "embed")),
         "attn": attn,
     }
+    if c.post_norms:
+        layers["ln_attn_out_d"] = ((L, D), ("layers", "embed"))
+        layers["ln_mlp_out_d"] = ((L, D), ("layers", "embed"))
     if c.moe is None:
         layers["mlp"] = mlp
-    else:  # experts replicated for now (an `ep` axis: issue 44, step 4)
+    else:  # the experts split over the `experts` logical axis (mesh `ep`)
         E, Fe = c.moe.num_experts, c.moe_intermediate_size
         layers["moe"] = {
             "router_de": ((L, D, E), ("layers", "embed", None)),
-            "w_gate_edf": ((L, E, D, Fe), ("layers", None, "embed", "mlp")),
-            "w_up_edf": ((L, E, D, Fe), ("layers", None, "embed", "mlp")),
-            "w_down_efd": ((L, E, Fe, D), ("layers", None, "mlp", "embed")),
+            "w_gate_edf": ((L, E, D, Fe), ("layers", "experts", "embed", "mlp")),
+            "w_up_edf": ((L, E, D, Fe), ("layers", "experts", "embed", "mlp")),
+            "w_down_efd": ((L, E, Fe, D), ("layers", "experts", "mlp", "embed")),
         }
         if Fs := c.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
             layers["moe"]["shared"] = {
@@ -136,8 +141,9 @@ def param_shardings(config: DecoderConfig, layout: Layout) -> dict[str, Any]:
 
 
 def init_params(config: DecoderConfig, key: jax.Array, std: float = 0.02) -> Params:
-    """Random parameters: normal(0, std) weights, zero biases, unit norm scales (as HF inits);
-    with `config.lora`, fresh adapters (`lora.init_adapters`)."""
+    """Random parameters: normal(0, std) weights, zero biases, unit norm scales (zero
+    offsets under `config.norm_unit_offset`: the same unit scale), as HF inits; with
+    `config.lora`, fresh adapters (`lora.init_adapters`)."""
     if config.lora is not None:
         base = init_params(config.replace(lora=None), key, std)
         adapters = lora.init_adapters(config, jax.random.fold_in(key, 1), adapter_spec(config))
@@ -147,13 +153,28 @@ def init_params(config: DecoderConfig, key: jax.Array, std: float = 0.02) -> Par
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(specs, _is_spec)[0]]
     keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(config.param_dtype)
+    norm_init = jnp.zeros if config.norm_unit_offset else jnp.ones
     out = []
     for path, (shape, _), k in zip(paths, leaves, keys, strict=True):
         name = path.rsplit("'", 2)[-2]
         if "norm" in name or name.startswith("ln_"):
-            out.append(jnp.ones(shape, dtype))
+            out.append(norm_init(shape, dtype))
         elif name.startswith("b_"):
             out.append(jnp.zeros(shape, dtype))
         else:
             out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def parameter_counts(config: DecoderConfig) -> tuple[int, int]:
+    """(all parameters, those one token uses): a mixture of experts' token runs k of its E
+    experts (and the shared expert), so (E - k) / E of the expert weights are idle for it;
+    equal for a dense model. LoRA adapters are not counted."""
+    shapes = param_shapes(config.replace(lora=None))
+    total = sum(math.prod(s[0]) for s in jax.tree.leaves(shapes, is_leaf=_is_spec))
+    if config.moe is None:
+        return total, total
+    moe = shapes["layers"]["moe"]
+    experts = sum(math.prod(moe[name][0]) for name in ("w_gate_edf", "w_up_edf", "w_down_efd"))
+    idle = experts * (config.moe.num_experts - config.moe.top_k) // config.moe.num_experts
+    return total, total - idle

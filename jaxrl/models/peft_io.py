@@ -7,6 +7,16 @@
 PEFT stores per layer `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in]
 and `....lora_B.weight` [out, r] (torch's [out, in] convention); jaxrl stacks the layers and keeps
 the head axes: a [L, *in, r], b [L, r, *out] (`jaxrl.models.lora`).
+
+A mixture of experts' expert parameters (`target_parameters`: `mlp.experts.gate_up_proj`
+[E, 2F, D], `mlp.experts.down_proj` [E, D, F]) are PEFT `ParamWrapper`s on the `mlp.experts`
+module: per layer `lora_A.weight` [E r, in] (row e r + j: expert e's A row j) and
+`lora_B.weight` [out, r E] (column j E + e: expert e's B column j), the update of expert e
+being (alpha/r) B_e A_e in the parameter's [out, in] layout. With both parameters targeted the
+wrappers nest in the order the module registers them: gate_up_proj's under
+`mlp.experts.base_layer.lora_*`, down_proj's under `mlp.experts.lora_*` (one alone: under
+`mlp.experts`). jaxrl's a [L, E, in, r] and b [L, E, r, *out] (gate_up: out [2, F], gate's
+rows first as HF fuses them).
 """
 
 from __future__ import annotations
@@ -36,7 +46,6 @@ _UNSUPPORTED = {
     "rank_pattern": {},
     "alpha_pattern": {},
     "modules_to_save": None,
-    "target_parameters": None,
     "lora_bias": False,
     "trainable_token_indices": None,
     "layer_replication": None,
@@ -50,9 +59,46 @@ class AdapterError(ValueError):
     """An adapter folder jaxrl cannot load, naming the file and the entry."""
 
 
-def _tensor_name(proj: str, layer: int, which: str) -> str:
-    group = lora.PROJECTIONS[proj][0]
-    return f"{_PREFIX}model.layers.{layer}.{lora._HF_GROUP[group]}.{proj}.lora_{which}.weight"
+def _tensor_name(config: DecoderConfig, name: str, layer: int, which: str) -> str:
+    """PEFT's name of target `name`'s A or B (`which`) on `layer` (module doc)."""
+    t = lora.adaptable(config)[name]
+    path = t.hf
+    if t.experts:  # nested ParamWrappers: a later-registered parameter's wraps an earlier's
+        wrapped = [p for p in lora.EXPERT_PARAMETERS if p in config.lora.targets]
+        depth = len(wrapped) - 1 - wrapped.index(name)
+        path = "mlp.experts" + ".base_layer" * depth
+    return f"{_PREFIX}model.layers.{layer}.{path}.lora_{which}.weight"
+
+
+def _to_peft(a: np.ndarray, b: np.ndarray, experts: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's (A, B) as PEFT stores them from jaxrl's a [(E,) *in, r], b [(E,) r, *out]:
+    [r, in], [out, r] for a module; [E r, in], [out, r E] for an expert parameter."""
+    if not experts:
+        r = a.shape[-1]
+        return a.reshape(-1, r).T, b.reshape(r, -1).T
+    e, r = a.shape[0], a.shape[-1]
+    a_peft = a.reshape(e, -1, r).transpose(0, 2, 1).reshape(e * r, -1)
+    b_peft = b.reshape(e, r, -1).transpose(2, 1, 0).reshape(-1, r * e)
+    return a_peft, b_peft
+
+
+def _from_peft(tensor: np.ndarray, which: str, shape: tuple[int, ...], experts: bool):
+    """`_to_peft`'s inverse for one layer's A or B (`which`): jaxrl's [(E,) *in, r] or
+    [(E,) r, *out] (`shape`)."""
+    if not experts:
+        return tensor.T.reshape(shape)
+    e = shape[0]
+    if which == "A":  # [E r, in] -> [E, in, r]
+        return tensor.reshape(e, shape[-1], -1).transpose(0, 2, 1).reshape(shape)
+    # [out, r E] -> [E, r, out]
+    return tensor.reshape(-1, shape[1], e).transpose(2, 1, 0).reshape(shape)
+
+
+def _peft_shape(shape: tuple[int, ...], which: str, rank: int, experts: bool) -> tuple[int, int]:
+    """PEFT's 2-D shape of one layer's A or B of jaxrl's per-layer `shape`."""
+    e = shape[0] if experts else 1
+    rest = int(np.prod(shape)) // (rank * e)  # in (A) or out (B)
+    return (e * rank, rest) if which == "A" else (rest, rank * e)
 
 
 def save_adapter(
@@ -73,24 +119,28 @@ def save_adapter(
     out = Path(path).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for proj in spec.targets:
-        group, weight, _ = lora.PROJECTIONS[proj]
-        pair = params["layers"][group][lora.ADAPTERS][weight]
-        np_dtype = np.dtype(jnp.dtype(dtype or "float32"))
+    table = lora.adaptable(config)
+    np_dtype = np.dtype(jnp.dtype(dtype or "float32"))
+    for name in spec.targets:
+        t = table[name]
+        pair = lora.group_at(params["layers"], t.path)[lora.ADAPTERS][t.weight]
         a = np.asarray(jax.device_get(pair["a"])).astype(np_dtype)
         b = np.asarray(jax.device_get(pair["b"])).astype(np_dtype)
-        r = spec.rank
         for i in range(config.num_layers):
-            tensors[_tensor_name(proj, i, "A")] = np.ascontiguousarray(a[i].reshape(-1, r).T)
-            tensors[_tensor_name(proj, i, "B")] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+            a_peft, b_peft = _to_peft(a[i], b[i], t.experts)
+            tensors[_tensor_name(config, name, i, "A")] = np.ascontiguousarray(a_peft)
+            tensors[_tensor_name(config, name, i, "B")] = np.ascontiguousarray(b_peft)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    modules = [name for name in spec.targets if not table[name].experts]
+    parameters = [table[name].hf for name in spec.targets if table[name].experts]
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
-        "target_modules": sorted(spec.targets),
+        "target_modules": sorted(modules),
+        "target_parameters": parameters or None,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -136,6 +186,7 @@ def read_spec(path: str | os.PathLike, config: DecoderConfig) -> LoraSpec:
         cfg.get("target_modules"),
         cfg.get("exclude_modules"),
         key=f"{file}: target_modules",
+        target_parameters=cfg.get("target_parameters"),
     )
     return LoraSpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=targets)
 
@@ -153,19 +204,19 @@ def load_adapter(path: str | os.PathLike, config: DecoderConfig) -> tuple[LoraSp
     tensors = {k.replace(".default.", "."): v for k, v in load_file(str(weights)).items()}
     adapted = lora.with_lora(config, spec)
     shapes = adapter_spec(adapted)
+    table = lora.adaptable(adapted)
     out: dict[str, Any] = {"layers": {}}
     used = set()
-    for proj in spec.targets:
-        group, weight, _ = lora.PROJECTIONS[proj]
-        pair_shapes = shapes["layers"][group][lora.ADAPTERS][weight]
+    for target in spec.targets:
+        t = table[target]
+        pair_shapes = lora.group_at(shapes["layers"], t.path)[lora.ADAPTERS][t.weight]
         pair = {}
         for which, key in (("A", "a"), ("B", "b")):
-            shape = pair_shapes[key][0]  # [L, *in, r] or [L, r, *out]
-            r, rest = spec.rank, int(np.prod(shape[1:])) // spec.rank
-            expected = (r, rest) if which == "A" else (rest, r)  # PEFT's [r, in] / [out, r]
+            shape = pair_shapes[key][0][1:]  # a layer's [(E,) *in, r] or [(E,) r, *out]
+            expected = _peft_shape(shape, which, spec.rank, t.experts)
             layers = []
             for i in range(config.num_layers):
-                name = _tensor_name(proj, i, which)
+                name = _tensor_name(adapted, target, i, which)
                 if name not in tensors:
                     raise AdapterError(f"{weights}: no tensor {name}")
                 if tuple(tensors[name].shape) != expected:
@@ -174,9 +225,10 @@ def load_adapter(path: str | os.PathLike, config: DecoderConfig) -> tuple[LoraSp
                         f"with rank {spec.rank} needs {expected}"
                     )
                 used.add(name)
-                layers.append(np.asarray(tensors[name], np.float32).T.reshape(shape[1:]))
+                tensor = np.asarray(tensors[name], np.float32)
+                layers.append(_from_peft(tensor, which, shape, t.experts))
             pair[key] = np.stack(layers)
-        out["layers"].setdefault(group, {lora.ADAPTERS: {}})[lora.ADAPTERS][weight] = pair
+        lora.adapters_at(out["layers"], t.path)[t.weight] = pair
     if extra := sorted(set(tensors) - used):
         raise AdapterError(
             f"{weights}: tensors jaxrl would not use ({', '.join(extra[:3])}"

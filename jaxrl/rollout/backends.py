@@ -2,16 +2,20 @@
 
     backend = choose_backend("auto", config, layout)    # or "xla", "cpu_kernels"
     prepared = backend.prepare(config, params)          # inside the generation program
-    logits_bv, cache = backend.step(config, params, prepared, tokens_b, positions_b, cache,
-                                    write_index_b, live, block)
+    logits_bv, cache, routes_blk = backend.step(config, params, prepared, tokens_b,
+                                                positions_b, cache, write_index_b, live, block)
+
+`routes_blk`: a mixture of experts' chosen experts of each row's token in each layer (the
+XLA step; the CPU kernels run dense models only), else None.
 
 - `xla`: the model's own decode step (`jaxrl.models.cached.decode_step`: the layer scanned
   over the stacked parameters as they are, no copy) and its LM head. Every platform.
 - `cpu_kernels`: the C++ CPU kernels of `jaxrl.kernels.cpu_decode`: each layer one kernel
   call, the LM head one, reading the weights as panels of 16 output rows that `prepare` cuts
   once per generation call (a second copy of the weights for the call: the price of ~2x the
-  XLA step's speed on a CPU). float32 on one CPU device, head_dim a multiple of 16. LoRA
-  adapters are merged into the weights as the panels are cut.
+  XLA step's speed on a CPU). float32 on one CPU device, head_dim a multiple of 16, dense
+  llama-style layers only (not MoE, not Gemma: `_layers_unsupported`). LoRA adapters are
+  merged into the weights as the panels are cut.
 - `auto`: `cpu_kernels` where it applies, its library builds and the CPU has AVX-512 (with
   AVX2 alone its registers spill and XLA is ~4x faster: `cpu_decode.vectors_fit`), else `xla`.
 """
@@ -31,7 +35,7 @@ from jaxrl.models import lora
 from jaxrl.models.cached import KVCache, decode_step, embed
 from jaxrl.models.config import DecoderConfig
 from jaxrl.models.rope import rope_cos_sin
-from jaxrl.models.transformer import lm_logits, rms_norm
+from jaxrl.models.transformer import final_softcap, lm_logits, rms_norm
 from jaxrl.sharding.layouts import Layout, shard
 
 
@@ -55,19 +59,22 @@ class XlaBackend:
         write_index: Int[Array, " b"],
         live: Int[Array, ""],
         block: int,
-    ) -> tuple[Float[Array, "b v"], KVCache]:
-        """Next-token logits [B, V] after each row's token, and the updated cache.
+    ) -> tuple[Float[Array, "b v"], KVCache, Int[Array, "b l k"] | None]:
+        """Next-token logits [B, V] after each row's token, the updated cache and the routes.
 
         With tied embeddings the head is the embedding table [V, D], and the logits are
         taken as E h^T [V, B], the table as the matmul's row-major left operand; h E^T (its
         contracting dimension last) ran 3x slower on XLA's CPU kernels. The barrier keeps
-        XLA from folding the transpose back into the product."""
-        h, cache = decode_step(config, params, tokens, positions, cache, write_index, live, block)
+        XLA from folding the transpose back into the product. Gemma's final soft-cap
+        (`final_softcap`) applies on either path."""
+        h, cache, routes = decode_step(config, params, tokens, positions, cache, write_index,
+                                       live, block)  # fmt: skip
         if not config.tie_word_embeddings:
-            return lm_logits(config, params, h[:, None])[:, 0], cache
+            return lm_logits(config, params, h[:, None])[:, 0], cache, routes
         table_vd = params["embed"]["tokens_vd"].astype(h.dtype)
         logits_vb = jax.lax.optimization_barrier(jnp.matmul(table_vd, h.T))
-        return shard(logits_vb.T, ("batch", "vocab")), cache
+        logits_bv = final_softcap(config, shard(logits_vb.T, ("batch", "vocab")))
+        return logits_bv, cache, routes
 
 
 # weight, its bias (parameter names) -> the layer kernel's panels of the weight, bias there
@@ -97,6 +104,11 @@ class CpuKernelsBackend:
     name: str = "cpu_kernels"
 
     def prepare(self, config: DecoderConfig, params: Any) -> dict[str, Any]:
+        if why := _layers_unsupported(config):
+            raise ValueError(
+                f"the CPU decode kernels cannot run this {config.model_type} model: {why}; "
+                "decode with actor_rollout_ref.rollout.decode_backend=xla"
+            )
         n_layers, f32 = config.num_layers, jnp.float32
         if lora.has_adapters(params):  # LoRA: the panels are cut from W + (alpha/r)·A B
             params = lora.fold(config, params)
@@ -136,7 +148,7 @@ class CpuKernelsBackend:
         write_index: Int[Array, " b"],
         live: Int[Array, ""],
         block: int,
-    ) -> tuple[Float[Array, "b v"], KVCache]:
+    ) -> tuple[Float[Array, "b v"], KVCache, None]:
         """`XlaBackend.step`'s result through the kernels (each row reads its own prefix, so
         `live` and `block` are not needed)."""
         # Materialised once per step (left to fusion, XLA recomputes them per element).
@@ -167,7 +179,8 @@ class CpuKernelsBackend:
         logits_vb = cpu_decode.matmul(prepared["head"], h_db, config.vocab_size)
         # The barrier keeps XLA from folding the transpose into the kernel's output.
         logits_vb = jax.lax.optimization_barrier(logits_vb)
-        return shard(logits_vb.T, ("batch", "vocab")), KVCache(k=k, v=v, segments=segments)
+        cache = KVCache(k=k, v=v, segments=segments)
+        return shard(logits_vb.T, ("batch", "vocab")), cache, None
 
 
 DecodeBackend = XlaBackend | CpuKernelsBackend
@@ -192,15 +205,38 @@ def choose_backend(name: str, config: DecoderConfig, layout: Layout | None) -> D
     if why:
         raise ValueError(
             f"actor_rollout_ref.rollout.decode_backend=cpu_kernels cannot run here: {why}; "
-            "use auto or xla"
+            "use actor_rollout_ref.rollout.decode_backend=xla (or auto)"
         )
     return CpuKernelsBackend()
 
 
+def _layers_unsupported(config: DecoderConfig) -> str | None:
+    """Why the CPU kernels' layer (llama-style: pre-norm x w RMSNorms, SwiGLU, scores scaled
+    by 1/sqrt(H) and uncapped, one RoPE, an unscaled embedding and uncapped logits) is not
+    this model's, or None."""
+    c = config
+    if c.moe is not None:
+        return "the model is a mixture of experts (the kernels run dense SwiGLU layers)"
+    gemma = {
+        "(1 + w) RMSNorms": c.norm_unit_offset,
+        "post-attention and post-MLP norms": c.post_norms,
+        f"a {c.mlp_activation} MLP": c.mlp_activation != "silu",
+        "sqrt(D)-scaled embeddings": c.scale_embeddings,
+        "a query_pre_attn_scalar score scale": c.query_pre_attn_scalar is not None,
+        "attention logit soft-capping": c.attn_logit_softcap is not None,
+        "final logit soft-capping": c.final_logit_softcap is not None,
+        "a second RoPE for its sliding-window layers": c.rope_local is not None,
+    }
+    found = [name for name, present in gemma.items() if present]
+    if found:
+        return f"the model has {', '.join(found)} (the kernels run llama-style layers)"
+    return None
+
+
 def _kernels_unavailable(config: DecoderConfig, layout: Layout | None) -> str | None:
     """Why the CPU kernels cannot decode this model on this layout, or None."""
-    if config.moe is not None:
-        return "the model is a mixture of experts (the kernels run dense SwiGLU layers)"
+    if why := _layers_unsupported(config):
+        return why
     if not cpu_decode.supports(config.head_dim):
         return f"head_dim={config.head_dim} is not a multiple of 16 up to 1024"
     if not cpu_decode.enabled(config.compute_dtype, layout):

@@ -94,7 +94,7 @@ def start(
     copies]`, cells [0, P - 1)); a slot id >= S (padding rows) is not written."""
     with use_layout(layout):
         ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
-        _, k, v = prefill(config, params, ids, positions_from_mask(mask), mask)
+        _, k, v, _ = prefill(config, params, ids, positions_from_mask(mask), mask)
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
             mask = jnp.repeat(mask, copies, axis=0)
@@ -146,7 +146,7 @@ def decode(
         sub = jax.vmap(jax.random.fold_in)(keys, offsets + st.counts)
         positions = pending.position + st.counts
         live = jnp.max(write_index) + 1
-        logits, cache = backend.step(
+        logits, cache, _ = backend.step(
             config, params, prepared, st.last, positions, st.cache, write_index, live, block
         )
         tok, lp = sample_rows(logits, settings, sub)
@@ -232,5 +232,5 @@ def append(
     (padding rows) is not written."""
     with use_layout(layout):
         rows = cache.rows(slot_ids)
-        _, rows = extend(config, params, tokens, positions, rows, write_index)
+        _, rows, _ = extend(config, params, tokens, positions, rows, write_index)
         return cache.put_rows(slot_ids, rows).constrain()

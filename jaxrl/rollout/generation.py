@@ -72,6 +72,10 @@ class GenerationOutput:
         slots: Rows decoded at once (KV-cache slots).
         local: Several processes, `generate(..., defer=True)`: where this process's rows are
             (the arrays are the whole batch's, on the rollout's devices); else None.
+        prompt_routes: `SamplingParams.record_routes`: the experts each prompt token used in
+            each layer [B*n, P, L, k] (int16; -1 on padding), else None.
+        response_routes: The same for the response tokens [B*n, R, L, k]: -1 on padding and
+            on each response's last token (sampled, never fed to the model).
     """
 
     responses: Int[Array, "b r"]
@@ -81,6 +85,8 @@ class GenerationOutput:
     decode_steps: Int[Array, ""]
     slots: int = flax.struct.field(pytree_node=False, default=0)
     local: LocalRows | None = flax.struct.field(pytree_node=False, default=None)
+    prompt_routes: Int[Array, "b p l k"] | None = None
+    response_routes: Int[Array, "b r l k"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +132,11 @@ class _LoopState:
     cache: KVCache
     key: jax.Array
     decode_steps: Int[Array, ""]
+    prompt_routes: Int[Array, "q1 p l k"] | None = None  # record_routes: row Q the free slots'
+    response_routes: Int[Array, "q1 r l k"] | None = None
+
+
+ROUTE_DTYPE = jnp.int16  # expert ids (up to 32767 experts); -1: no route
 
 
 def cache_geometry(
@@ -197,26 +208,28 @@ def _generate(
 
     def prefill_rows(
         next_row: Array, rows: Array, f: int, aligned: bool
-    ) -> tuple[Array, Array, Array]:
+    ) -> tuple[Array, Array, Array, Array | None]:
         """Logits of the first response token [f, V] and keys and values [L, f, T, K, H] of
         the queue's rows next_row + [0, f) (row ids `rows`). With n > 1 the queue holds each
         prompt's n copies consecutively (real rows in groups of n), so the f rows hold at most
         (f - 1) // n + 2 distinct prompts (ceil(f / n) when `aligned`: next_row % n == 0);
         when that is fewer than f, each is prefilled once and its outputs copied to its rows
-        (prefix sharing: a prompt's n samples pay one prefill)."""
+        (prefix sharing: a prompt's n samples pay one prefill). Also the prompts' routes
+        [f, P, L, k] (a mixture of experts), else None."""
         n = sp.n
         groups = -(-f // n) if aligned else (f - 1) // n + 2
         if not (prefix_sharing and n > 1 and groups < f):
             mask = attention_mask[rows]
-            h, k, v = prefill(config, params, input_ids[rows], positions_from_mask(mask), mask)
-            return lm_logits(config, params, h[:, -1:])[:, 0], k, v
+            h, k, v, routes = prefill(config, params, input_ids[rows], positions_from_mask(mask),
+                                      mask)  # fmt: skip
+            return lm_logits(config, params, h[:, -1:])[:, 0], k, v, routes
         first = next_row // n
         rep = order[jnp.minimum((first + jnp.arange(groups)) * n, q - 1)]
         mask = attention_mask[rep]
-        h, k, v = prefill(config, params, input_ids[rep], positions_from_mask(mask), mask)
+        h, k, v, routes = prefill(config, params, input_ids[rep], positions_from_mask(mask), mask)
         group = jnp.minimum((next_row + jnp.arange(f)) // n - first, groups - 1)
         logits = lm_logits(config, params, h[:, -1:])[:, 0]
-        return logits[group], k[:, group], v[:, group]
+        return logits[group], k[:, group], v[:, group], None if routes is None else routes[group]
 
     def refill(st: _LoopState, f: int, aligned: bool = False) -> _LoopState:
         """Prefill up to `f` queued prompts into the first free slots."""
@@ -227,7 +240,7 @@ def _generate(
         take = free[slot_ids] & (queued < num_rows)
         rows = order[jnp.minimum(queued, q - 1)]
         mask = attention_mask[rows] * take[:, None]
-        logits, k, v = prefill_rows(st.next_row, rows, f, aligned)
+        logits, k, v, routes = prefill_rows(st.next_row, rows, f, aligned)
         key, sub = jax.random.split(st.key)
         tok, lp = sample(logits, sp, sub)
         into = jnp.where(take, slot_ids, s)  # s: out of range, dropped
@@ -247,20 +260,27 @@ def _generate(
             cache=cache.constrain(),
             key=key,
         )
+        if st.prompt_routes is not None:  # -1 on the prompts' padding
+            real = (mask > 0)[:, :, None, None]
+            routes_fplk = jnp.where(real, routes.astype(ROUTE_DTYPE), -1)
+            st = st.replace(prompt_routes=st.prompt_routes.at[out_row].set(routes_fplk))
         return retire(st)
 
     def decode(st: _LoopState, prepared: Any) -> _LoopState:
         sl = st.slots
         busy = sl.row < q
+        out_row = jnp.where(busy, sl.row, q)
         write_index = jnp.minimum(p + sl.step - 1, length - 1)
         live = jnp.max(jnp.where(busy, write_index + 1, 1))
         positions = sl.start + sl.step - 1
         key, sub = jax.random.split(st.key)
-        logits, cache = backend.step(
+        logits, cache, routes = backend.step(
             config, params, prepared, sl.last, positions, st.cache, write_index, live, block
         )
+        if st.response_routes is not None:  # the fed token: response column step - 1
+            fed = st.response_routes.at[out_row, sl.step - 1].set(routes.astype(ROUTE_DTYPE))
+            st = st.replace(response_routes=fed)
         tok, lp = sample(logits, sp, sub)
-        out_row = jnp.where(busy, sl.row, q)
         column = jnp.minimum(sl.step, r - 1)
         st = st.replace(
             slots=sl.replace(step=sl.step + busy, last=jnp.where(busy, tok, pad_id)),
@@ -289,6 +309,14 @@ def _generate(
             key=key,
             decode_steps=jnp.int32(0),
         )
+        if sp.record_routes:
+            if config.moe is None:
+                raise ValueError("SamplingParams.record_routes: the model has no experts to route")
+            routes = (config.num_layers, config.moe.top_k)
+            state = state.replace(
+                prompt_routes=jnp.full((q + 1, p, *routes), -1, ROUTE_DTYPE),
+                response_routes=jnp.full((q + 1, r, *routes), -1, ROUTE_DTYPE),
+            )
         state = refill(state, s, aligned=True)
         sizes = refill_sizes(s, q)
 
@@ -315,6 +343,10 @@ def _generate(
         state = jax.lax.while_loop(cond, body, state)
     lengths = state.lengths[:q]
     mask = (jnp.arange(r)[None, :] < lengths[:, None]).astype(jnp.int32)
+    routes = {}
+    if state.prompt_routes is not None:
+        routes = {"prompt_routes": state.prompt_routes[:q],
+                  "response_routes": state.response_routes[:q]}  # fmt: skip
     return GenerationOutput(
         responses=jnp.where(mask > 0, state.tokens[:q], pad_id),
         response_mask=mask,
@@ -322,6 +354,7 @@ def _generate(
         lengths=lengths,
         decode_steps=state.decode_steps,
         slots=s,
+        **routes,
     )
 
 
@@ -477,11 +510,19 @@ def generate(
     plan = _Plan(
         layout, max_num_seqs, prefix_sharing, choose_backend(decode_backend, config, layout)
     )
+    if spanning and sp.record_routes:
+        raise ValueError(
+            "recording a mixture of experts' routes (routing replay) over several processes' "
+            "rollout is not implemented; use one process"
+        )
     if spanning:
         return _generate_processes(config, params, input_ids, attention_mask, sp, rng, plan,
                                    defer)  # fmt: skip
     fn, args = _program(config, params, input_ids, attention_mask, sp, rng, plan)
-    return _rows(fn(*args), slice(0, b * sp.n))
+    out = _rows(fn(*args), slice(0, b * sp.n))
+    if out.prompt_routes is not None:  # the prompts' own columns (padded on the left)
+        out = out.replace(prompt_routes=out.prompt_routes[:, out.prompt_routes.shape[1] - p :])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,11 +593,16 @@ def _num_slots(max_num_seqs: int | None, rows: int, dp: int) -> int:
 
 def _rows(out: GenerationOutput, index: slice) -> GenerationOutput:
     """The output's rows `index` (dropping padding rows, or other processes' rows)."""
+    routes = {}
+    if out.prompt_routes is not None:
+        routes = {"prompt_routes": out.prompt_routes[index],
+                  "response_routes": out.response_routes[index]}  # fmt: skip
     return out.replace(
         responses=out.responses[index],
         response_mask=out.response_mask[index],
         log_probs=out.log_probs[index],
         lengths=out.lengths[index],
+        **routes,
     )
 
 

@@ -54,6 +54,9 @@ class SamplingParams:
         over_sample_rate: verl's early abort: once int(rows x (1 - over_sample_rate)) rows
             have finished, `generate` stops and the rest (the slowest, and any still queued)
             come back empty (length 0, response mask all 0); 0: every row finishes.
+        record_routes: A mixture of experts: `generate` also returns the experts each
+            prompt and response token used in each layer (routing replay, verl's
+            `enable_rollout_routing_replay`).
     """
 
     temperature: float = 1.0
@@ -68,6 +71,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     over_sample_rate: float = 0.0
+    record_routes: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -107,6 +111,9 @@ class SamplingParams:
         source = rollout.val_kwargs if validation else rollout
         if not validation:
             overrides.setdefault("over_sample_rate", getattr(rollout, "over_sample_rate", 0.0))
+            overrides.setdefault(
+                "record_routes", getattr(rollout, "enable_rollout_routing_replay", False)
+            )
         return cls(
             temperature=source.temperature,
             top_k=source.top_k,

@@ -122,6 +122,9 @@ class BatchOutput:
         deferred: The fixed-batch path over several processes: the whole output, on the
             rollout's devices, with where this process's rows are (`rows()` reads them);
             else None.
+        prompt_routes: `SamplingParams.record_routes` (the fixed-batch path, one process):
+            the experts of every prompt token in every layer [B*n, P, L, k], else None.
+        response_routes: The same for the response tokens [B*n, R, L, k].
     """
 
     responses: Array
@@ -130,6 +133,8 @@ class BatchOutput:
     version: int | None
     fixed_batch: bool
     deferred: GenerationOutput | None = None
+    prompt_routes: Array | None = None
+    response_routes: Array | None = None
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(responses, response_mask, log_probs) of this process's rows on the host: the
@@ -304,13 +309,18 @@ class Scheduler:
             out = self.engine.generate(input_ids, attention_mask, sampling, key, defer=True)
             deferred = out if out.local is not None else None
             return BatchOutput(out.responses, out.response_mask, out.log_probs, version, True,
-                               deferred)  # fmt: skip
+                               deferred, out.prompt_routes, out.response_routes)  # fmt: skip
         if spans_processes(self.engine.layout.mesh):
             raise ValueError(
                 "generate(fast=False): slots are one process's, and this engine's mesh spans "
                 "processes: a multi-process batch takes the fixed-batch path (an idle "
                 "scheduler, fast=None), or each process runs its rows on Scheduler(engine."
                 "local())"
+            )
+        if sampling.record_routes:
+            raise ValueError(
+                "generate(): recording a mixture of experts' routes (routing replay) runs on "
+                "the fixed-batch path only: run the batch on an idle scheduler"
             )
         if sampling.over_sample_rate:
             raise ValueError(

@@ -7,9 +7,16 @@ from pathlib import Path
 
 import numpy as np
 
+# Families whose reference runs HF's eager attention: Gemma 2's score soft-cap exists only
+# there (sdpa has none), and Gemma 3 is held to the same reference.
+EAGER_MODEL_TYPES = ("gemma2", "gemma3_text")
+
 
 def hf_model(folder: str | Path, head: str = "causal_lm"):
-    """A fresh float32 HF model (dynamic-NTK rope keeps state across calls, so never reuse)."""
+    """A fresh float32 HF model (dynamic-NTK rope keeps state across calls, so never reuse);
+    eager attention for `EAGER_MODEL_TYPES`."""
+    import json
+
     import torch
     import transformers
 
@@ -18,7 +25,9 @@ def hf_model(folder: str | Path, head: str = "causal_lm"):
         "token_classification": transformers.AutoModelForTokenClassification,
         "sequence_classification": transformers.AutoModelForSequenceClassification,
     }[head]
-    return cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    extra = {"attn_implementation": "eager"} if model_type in EAGER_MODEL_TYPES else {}
+    return cls.from_pretrained(str(folder), dtype=torch.float32, **extra).eval()
 
 
 def hf_run(folder, ids: np.ndarray, mask: np.ndarray, head: str = "causal_lm") -> np.ndarray:

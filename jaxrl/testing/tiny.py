@@ -97,7 +97,65 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         head_dim=20,
         sliding_window=None,
     ),
+    # gemma2: GeGLU, (1 + w) sandwich norms, sqrt(D)-scaled embeddings, a score scale
+    # 1/sqrt(query_pre_attn_scalar) other than 1/sqrt(H), both soft-caps small enough that
+    # tanh bends, a window of 4 on the even layers (the default layer_types); multi-query,
+    # untied, biased, a window of 3 on explicit layer types with the default caps.
+    "gemma2_softcap": dict(
+        model_type="gemma2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
+    "gemma2_mqa_untied_bias": dict(
+        model_type="gemma2",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        sliding_window=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    ),
+    # gemma3_text: q/k (1 + w) norms, a global RoPE (theta 1e6, linear factor 2) and a local
+    # one (theta 1e4) picked per layer, a window of 4 from the old sliding_window_pattern
+    # (2: sliding, full, sliding); multi-query, untied, a final soft-cap and an attention cap
+    # that HF never applies.
+    "gemma3_local_rope": dict(
+        model_type="gemma3_text",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        sliding_window_pattern=2,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+            "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+        },
+    ),
+    "gemma3_capped_mqa_untied": dict(
+        model_type="gemma3_text",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=3.0,
+        attn_logit_softcapping=1.0,
+        tie_word_embeddings=False,
+        sliding_window=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
 }
+
+# HF class name prefixes (model type -> prefix of `{prefix}ForCausalLM` etc.)
+_FAMILY = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+           "gemma2": "Gemma2", "gemma3_text": "Gemma3Text"}  # fmt: skip
+# Where the class is not the prefix + suffix.
+_CLASS_NAMES = {("gemma3_text", "ForCausalLM"): "Gemma3ForCausalLM"}
 
 
 def hf_config(name: str, **changes: Any) -> Any:
@@ -122,14 +180,28 @@ def save_tiny(
         "token_classification": "ForTokenClassification",
         "sequence_classification": "ForSequenceClassification",
     }[head]
-    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
-    cls = getattr(transformers, family[config.model_type] + cls_suffix)
+    name = _CLASS_NAMES.get((config.model_type, cls_suffix),
+                            _FAMILY[config.model_type] + cls_suffix)  # fmt: skip
+    cls = getattr(transformers, name)
     if head != "causal_lm":
         config.num_labels = 1
     model = cls(config).eval()
+    if config.model_type.startswith("gemma"):
+        _randomise_gemma_offsets(model)
     folder = Path(folder)
     model.save_pretrained(str(folder))
     return folder
+
+
+def _randomise_gemma_offsets(model: Any) -> None:
+    """Gemma's norm weights are offsets from 1, initialised to zeros, and its biases zero: set
+    them random, so a wrongly mapped norm or bias cannot pass a parity test."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.normal_(0.0, 0.3)
 
 
 def tiny_decoder(**changes: Any):

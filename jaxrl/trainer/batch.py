@@ -39,9 +39,10 @@ from jaxrl.sharding.processes import allgather_objects, global_array, process_ro
 from jaxrl.sharding.reshard import moved
 from jaxrl.trainer.microbatch import MicroBatch
 
-PROMPT_FIELDS = ("prompts", "prompt_mask", "prompt_segment_ids")
+PROMPT_FIELDS = ("prompts", "prompt_mask", "prompt_segment_ids", "prompt_routed_experts")
 SEQUENCE_FIELDS = ("prompts", "prompt_mask", "responses", "response_mask", "loss_mask")
 PACKED_FIELDS = ("prompt_segment_ids", "response_segment_ids")
+ROUTE_FIELDS = ("prompt_routed_experts", "response_routed_experts")  # routing replay
 
 
 @flax.struct.dataclass
@@ -77,6 +78,10 @@ class RLBatch:
         prompt_segment_ids: Packed rows' segment ids over the prompt columns [N, P] (1, 2, ...
             per sequence of a row, 0 on padding); None: one sequence per row.
         response_segment_ids: The same over the response columns [N, R].
+        prompt_routed_experts: Routing replay (a mixture of experts): the experts each prompt
+            token used in each layer [N, P, L, k] (the rollout's, R3, or the old-log-prob
+            pass's, R2; -1: none, the native route), which the forward passes replay.
+        response_routed_experts: The same over the response columns [N, R, L, k].
         prompt_lengths: Real prompt tokens per row (host, static).
         response_lengths: Real response tokens per row (host, static).
     """
@@ -105,6 +110,8 @@ class RLBatch:
     labels: Float[Array, " n"] | None = None
     prompt_segment_ids: Int[Array, "n p"] | None = None
     response_segment_ids: Int[Array, "n r"] | None = None
+    prompt_routed_experts: Int[Array, "n p l k"] | None = None
+    response_routed_experts: Int[Array, "n r l k"] | None = None
     prompt_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     response_lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
@@ -168,10 +175,17 @@ class RLBatch:
         return out
 
     def forward_fields(self) -> tuple[str, ...]:
-        """The fields a forward pass over the rows reads: the sequences, and the segment ids
-        of packed rows."""
+        """The fields a forward pass over the rows reads: the sequences, the segment ids of
+        packed rows, and the routes to replay (`without_routes` for a pass that routes
+        natively)."""
         packed = self.prompt_segment_ids is not None
-        return SEQUENCE_FIELDS + (PACKED_FIELDS if packed else ())
+        routed = self.prompt_routed_experts is not None
+        fields = SEQUENCE_FIELDS + (PACKED_FIELDS if packed else ())
+        return fields + (ROUTE_FIELDS if routed else ())
+
+    def without_routes(self) -> RLBatch:
+        """The batch without routes to replay (a pass that routes natively)."""
+        return self.replace(prompt_routed_experts=None, response_routed_experts=None)
 
     def present(self) -> dict[str, jax.Array]:
         """Every filled array by name."""
@@ -346,7 +360,7 @@ def take_abstract(
     out = {}
     for name, x in arrays.items():
         if name in PROMPT_FIELDS:
-            shape = (len(mb.row_ids), mb.prompt_len)
+            shape = (len(mb.row_ids), mb.prompt_len, *x.shape[2:])
         elif x.ndim >= 2:
             shape = (len(mb.row_ids), mb.response_len, *x.shape[2:])
         else:
@@ -358,11 +372,18 @@ def take_abstract(
 
 
 def scatter(
-    parts: list[jax.Array], plans: list[MicroBatch], rows: int, width: int, layout: Layout | None
+    parts: list[jax.Array],
+    plans: list[MicroBatch],
+    rows: int,
+    width: int,
+    layout: Layout | None,
+    *,
+    last_columns: bool = False,
 ) -> jax.Array:
     """An [rows, width, ...] array in `layout` (rows split, `rows_sharding`), holding each
-    micro-batch's [m, r, ...] result at its rows and first r columns (zeros elsewhere):
-    float32, or int32 for integer results (token ids)."""
+    micro-batch's [m, r, ...] result at its rows and first r columns (`last_columns`: its
+    last r, for prompt-shaped results; zeros elsewhere): float32, or int32 for integer
+    results (token ids)."""
     first = parts[0]
     dtype = jnp.int32 if jnp.issubdtype(first.dtype, jnp.integer) else jnp.float32
     shape = (rows, width, *first.shape[2:])
@@ -370,7 +391,7 @@ def scatter(
     out = _zeros_program(shape, dtype, sharding)()  # on the devices: no host array to agree on
     for part, mb in zip(parts, plans, strict=True):
         idx = np.where(mb.row_ids >= 0, mb.row_ids, rows).astype(np.int32)  # row N: dropped
-        out = _scatter(out, part, whole(idx, layout))
+        out = _scatter(out, part, whole(idx, layout), last_columns)
     return out
 
 
@@ -379,7 +400,8 @@ def _zeros_program(shape: tuple[int, ...], dtype, sharding):
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(out, part, idx):
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _scatter(out, part, idx, last_columns: bool = False):
     r = part.shape[1]
-    return out.at[idx, :r].set(part.astype(out.dtype), mode="drop")
+    columns = slice(out.shape[1] - r, None) if last_columns else slice(None, r)
+    return out.at[idx, columns].set(part.astype(out.dtype), mode="drop")

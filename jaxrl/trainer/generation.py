@@ -79,7 +79,8 @@ class Generated:
     Attributes:
         rows: Host rows (prompts repeated n times, interleaved): `prompts`, `prompt_mask`,
             `responses`, `response_mask` and, from the agent loop, `loss_mask` and
-            `rollout_log_probs`.
+            `rollout_log_probs`; with `rollout.enable_rollout_routing_replay` the routes the
+            rollout took, `prompt_routed_experts` and `response_routed_experts`.
         log_probs: The rollout's log-probs [N, R] on the devices (single process), on the host
             (several processes), or None when they are in `rows`.
         metrics: The agent loop's metrics ({} for batch generation).
@@ -283,6 +284,9 @@ class StepRollout:
             "responses": np.asarray(responses),
             "response_mask": np.asarray(response_mask),
         }
+        if out.prompt_routes is not None:  # routing replay (R3): one process, fixed batch
+            rows["prompt_routed_experts"] = np.asarray(out.prompt_routes)
+            rows["response_routed_experts"] = np.asarray(out.response_routes)
         return Generated(rows, log_probs)
 
     def _agent(self, prompts: PromptBatch, sampling: SamplingParams, rng: jax.Array) -> Generated:

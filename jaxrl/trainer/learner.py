@@ -79,12 +79,14 @@ def infer(
     token_budget: int | None,
     balance: bool = False,
     row_ids: np.ndarray | None = None,
+    prompt_outputs: int = 0,
 ) -> Any:
     """`fn(params, micro_batch) -> [m, r, ...]` (or a tuple of them; jitted by the caller)
     over the batch's rows `row_ids` (None: all), as [N, R, ...] arrays (float32; int32 for integer
     results) in `layout`, rows split (zeros past each micro-batch's trimmed width and on the
     rows not asked for). A subset is padded with empty rows to a bucket size (at most N), so
-    subsets of varying sizes share a handful of compiled programs."""
+    subsets of varying sizes share a handful of compiled programs. The last `prompt_outputs`
+    results of a tuple are prompt-shaped ([m, p, ...], placed in the last of P columns)."""
     n, r = batch.responses.shape
     arrays = moved_to(batch.fields(batch.forward_fields()), layout)
     if row_ids is None:
@@ -95,7 +97,13 @@ def infer(
     results = [fn(params, take(arrays, mb, layout)) for mb in plans]
     single = not isinstance(results[0], tuple)
     parts = [[x] if single else list(x) for x in results]
-    outs = [scatter([p[k] for p in parts], plans, n, r, layout) for k in range(len(parts[0]))]
+    count, p = len(parts[0]), batch.prompts.shape[1]
+    outs = [
+        scatter([x[k] for x in parts], plans, n, p, layout, last_columns=True)
+        if k >= count - prompt_outputs
+        else scatter([x[k] for x in parts], plans, n, r, layout)
+        for k in range(count)
+    ]
     return outs[0] if single else tuple(outs)
 
 

@@ -4,9 +4,11 @@ Actor (verl's `ppo_loss`), with lp the new log-probs and `agg` = `agg_loss(..., 
 
     loss = pg_loss(old_lp, lp, A) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(lp, ref))
 
-and with on-policy distillation (verl's `distillation_ppo_loss`) that loss combined with the
-teacher's (`jaxrl.core_algos.distillation`): `loss + coef * L_distill` with task rewards,
-else `L_distill` alone.
+plus, for a mixture of experts, `moe_aux_loss_coeff * L_aux + moe_z_loss_coeff * L_z` (the
+router losses, `_router_terms`); and with on-policy distillation (verl's
+`distillation_ppo_loss`) that loss combined with the teacher's
+(`jaxrl.core_algos.distillation`): `loss + coef * L_distill` with task rewards, else
+`L_distill` alone.
 
 Critic (verl's `value_loss`): the clipped value loss of `core_algos.compute_value_loss`.
 
@@ -37,6 +39,13 @@ from jaxrl.core_algos.distillation import (
 from jaxrl.core_algos.kl import kl_penalty_forward
 from jaxrl.core_algos.preference import dpo_loss, kto_loss
 from jaxrl.models.config import DecoderConfig
+from jaxrl.models.moe import (
+    RouterStats,
+    dropped_fraction,
+    expert_load_imbalance,
+    load_balancing_loss,
+    router_z_loss,
+)
 from jaxrl.trainer.sequences import response_log_probs, response_statistics, response_values
 
 # The batch fields each loss term reads beyond the tokens and `loss_mask` (the step plan
@@ -90,6 +99,7 @@ def actor_loss(
         config, params, mb, ("log_probs", "entropy"), temperature=temperature,
         chunk_size=chunk if actor_cfg.entropy_from_logits_with_chunking else None,
         ids=teacher_ids, top_k=None if teacher_ids is None else teacher_ids.shape[-1],
+        with_router=True,
     )  # fmt: skip
     lp, entropy = stats["log_probs"], stats["entropy"]
     old_log_probs = mb.get("old_log_probs")
@@ -120,6 +130,9 @@ def actor_loss(
         loss = loss + actor_cfg.kl_loss_coef * kl_loss
         sums["actor/kl_loss"] = kl_loss
     means = {k if k.startswith("actor/") else f"actor/{k}": v for k, v in pg_metrics.items()}
+    if "router" in stats:
+        loss = loss + _router_terms(stats["router"].stats, jnp.sum(mask), info, actor_cfg, config,
+                                    means)  # fmt: skip
     out = {"sum": sums, "mean": means, "tokens": jnp.sum(mask)}
     if distill_cfg is not None:
         losses, kinds = _distillation_terms(stats, mb, mask, distill_cfg)
@@ -132,6 +145,32 @@ def actor_loss(
         for kind in ("mean", "min", "max"):
             out.setdefault(kind, {}).update({**kinds.get(kind, {}), **pg_kinds[kind]})
     return loss, out
+
+
+def _router_terms(
+    router: RouterStats,
+    tokens: Array,
+    info: dict[str, Any],
+    actor_cfg: Any,
+    config: DecoderConfig,
+    means: dict,
+) -> Array:
+    """The mixture of experts' router losses of one micro-batch, weighted by its share of the
+    mini-batch's trained tokens (the losses are means over the micro-batch, not sums over
+    tokens), so the mini-batch adds their token-weighted mean:
+
+        coef_aux * L_aux + coef_z * L_z,  times tokens(mb) / tokens(mini-batch)
+
+    `means` gets the metrics (token-weighted over micro-batches by the learner):
+    `actor/load_balancing_loss`, `actor/z_loss`, `actor/moe_expert_load_imbalance` and
+    `actor/moe_dropped_token_fraction` (pairs over capacity under `ep`)."""
+    aux, z = load_balancing_loss(router), router_z_loss(router)
+    means["actor/load_balancing_loss"] = aux
+    means["actor/z_loss"] = z
+    means["actor/moe_expert_load_imbalance"] = expert_load_imbalance(router)
+    means["actor/moe_dropped_token_fraction"] = dropped_fraction(router, config.moe.top_k)
+    share = tokens / jnp.maximum(info["batch_num_tokens"], 1.0)
+    return share * (actor_cfg.moe_aux_loss_coeff * aux + actor_cfg.moe_z_loss_coeff * z)
 
 
 def _distillation_terms(stats, mb, mask, distill_cfg) -> tuple[Array, dict]:

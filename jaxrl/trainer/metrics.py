@@ -11,6 +11,9 @@
                               parameters and T the batch's tokens x ppo_epochs; the peak is
                               the device kind's dense bf16 FLOP/s (`PEAK_FLOPS`), or the
                               `JAXRL_PEAK_FLOPS` environment variable (CPUs: no default)
+    training/rollout_probs_diff_{valid,max,mean,std}, training/rollout_actor_probs_pearson_corr
+                              rollout vs old-log-prob pass (`rollout_probs_diff`, on the
+                              devices: the rollout/training mismatch routing replay closes)
 
 The figures are computed from every row's summary (`row_summaries`: its sums, counts, maxima and
 minima, in float64), which each process makes of its own rows; the summaries of all rows, not
@@ -22,6 +25,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Dense bf16 FLOP/s per device by `device_kind` prefix (vendor figures, no sparsity).
@@ -198,3 +202,33 @@ def mfu_metrics(
     if timing.get("old_log_prob"):
         out["perf/mfu/actor_infer"] = 2 * params * tokens / timing["old_log_prob"]
     return {k: v / (devices * peak) for k, v in out.items()}
+
+
+@jax.jit
+def rollout_probs_diff(
+    old_log_probs: jax.Array, rollout_log_probs: jax.Array, response_mask: jax.Array
+) -> dict[str, jax.Array]:
+    """verl's rollout-vs-actor debug metrics (`calculate_debug_metrics`), on the devices: over
+    the response tokens, with p = exp(log-prob) of the old-log-prob pass (actor) and the
+    rollout, |p_actor - p_rollout|'s max, mean and (unbiased) std, and the Pearson
+    correlation of the two; `training/rollout_probs_diff_valid` 0 (and NaNs) without
+    response tokens."""
+    mask = response_mask > 0
+    count = jnp.sum(mask)
+    actor, rollout = jnp.exp(old_log_probs), jnp.exp(rollout_log_probs)
+    diff = jnp.where(mask, jnp.abs(actor - rollout), 0.0)
+    mean = jnp.sum(diff) / count
+    std = jnp.sqrt(jnp.sum(jnp.where(mask, (diff - mean) ** 2, 0.0)) / (count - 1))
+    a_mean = jnp.sum(jnp.where(mask, actor, 0.0)) / count
+    r_mean = jnp.sum(jnp.where(mask, rollout, 0.0)) / count
+    da, dr = jnp.where(mask, actor - a_mean, 0.0), jnp.where(mask, rollout - r_mean, 0.0)
+    corr = jnp.sum(da * dr) / jnp.sqrt(jnp.sum(da * da) * jnp.sum(dr * dr))
+    valid = count > 0
+    nan = jnp.float32(jnp.nan)
+    return {
+        "training/rollout_probs_diff_valid": valid.astype(jnp.float32),
+        "training/rollout_probs_diff_max": jnp.where(valid, jnp.max(diff), nan),
+        "training/rollout_probs_diff_mean": jnp.where(valid, mean, nan),
+        "training/rollout_probs_diff_std": jnp.where(valid, std, nan),
+        "training/rollout_actor_probs_pearson_corr": jnp.where(valid, corr, nan),
+    }

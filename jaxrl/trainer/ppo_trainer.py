@@ -60,6 +60,7 @@ from jaxrl.core_algos import (
 )
 from jaxrl.data.batch import PromptBatch
 from jaxrl.data.iterator import PromptIterator
+from jaxrl.models.config import DecoderConfig
 from jaxrl.models.lora import split
 from jaxrl.rollout import SamplingParams
 from jaxrl.sharding.layouts import placed_abstract
@@ -88,6 +89,7 @@ from jaxrl.trainer.memory import MemoryPlan, memory_plan, worst_case_batch
 from jaxrl.trainer.metrics import (
     data_metrics,
     mfu_metrics,
+    rollout_probs_diff,
     row_summaries,
     throughput_metrics,
     timing_metrics,
@@ -101,7 +103,12 @@ from jaxrl.trainer.spans import Spans
 from jaxrl.trainer.teachers import ROUTE, TeacherRouter
 from jaxrl.trainer.validation import generation_rows, validate, write_jsonl
 
-DEVICE_ONLY_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")
+DEVICE_ONLY_FIELDS = (
+    "teacher_topk_log_probs",
+    "teacher_topk_ids",
+    "prompt_routed_experts",
+    "response_routed_experts",
+)
 # what the advantage estimators read of the batch
 ADVANTAGE_INPUTS = (
     "token_level_rewards",
@@ -236,12 +243,14 @@ class PPOTrainer:
         # the old-log-prob pass: log-probs, entropy and, for the optimal-token-baseline
         # estimators, sum_v pi_v^2 (then the pass runs on-policy too)
         old_names = ("log_probs", "entropy", "sum_pi_squared")
+        self._replay = _router_replay(cfg, cluster.actor.config)
         self._log_prob = statistics_fn(
             cluster.actor.config,
             cluster.actor.layout,
             old_names if plan.sum_pi_squared else old_names[:2],
             chunk,
             temperature=self.temperature,
+            record_routes=self._replay["actor"] == "R2",
         )
         if cluster.ref is not None:
             self._ref_log_prob = log_prob_fn(
@@ -453,7 +462,8 @@ class PPOTrainer:
             start = time.perf_counter()
             with cluster.on_device("critic", optimizer=True):
                 args = self._update_args(cfg.critic, global_step, plan.critic_fields)
-                updates["critic"] = cluster.critic.dispatch_update(batch, **args)
+                updates["critic"] = cluster.critic.dispatch_update(batch.without_routes(),
+                                                                   **args)  # fmt: skip
             spans.track(
                 "update_critic", start, updates["critic"].steps, group=plan.groups["values"]
             )
@@ -479,13 +489,24 @@ class PPOTrainer:
         scalars: dict[str, jax.Array] = {}
         if plan.bypass:
             batch = batch.replace(old_log_probs=batch.rollout_log_probs)
+        with_rollout_routes = batch
+        if self._replay["actor"] != "R3":  # R2 records its own; disabled: native routes
+            batch = batch.without_routes()
         if plan.runs("old_log_prob"):
             start, actor_cfg = time.perf_counter(), self.cfg.actor_rollout_ref.actor
+            record = self._replay["actor"] == "R2"
             with cluster.on_device("actor"):
-                old, entropy, *pi2 = infer(self._log_prob, actor.params, batch, layout=layout,
-                                           **batching)  # fmt: skip
+                old, entropy, *rest = infer(self._log_prob, actor.params, batch, layout=layout,
+                                            prompt_outputs=int(record), **batching)  # fmt: skip
             spans.track("old_log_prob", start, old, group=plan.groups["old_log_prob"])
-            batch = batch.replace(old_log_probs=old, sum_pi_squared=pi2[0] if pi2 else None)
+            if record:  # R2: the update replays the old policy's routes
+                *rest, response_routes, prompt_routes = rest
+                batch = batch.replace(prompt_routed_experts=prompt_routes,
+                                      response_routed_experts=response_routes)  # fmt: skip
+            batch = batch.replace(old_log_probs=old, sum_pi_squared=rest[0] if rest else None)
+            if batch.rollout_log_probs is not None:
+                scalars.update(rollout_probs_diff(old, batch.rollout_log_probs,
+                                                  batch.response_mask))  # fmt: skip
             scalars["actor/entropy"] = agg_loss(
                 entropy,
                 batch.loss_mask.astype(np.float32),
@@ -494,8 +515,13 @@ class PPOTrainer:
             )
         if plan.runs("ref"):
             start = time.perf_counter()
+            # the reference replays the rollout's routes (R3) or routes natively
+            ref_batch = (
+                with_rollout_routes if self._replay["ref"] == "R3" else batch.without_routes()
+            )
             with cluster.on_device("ref"):
-                lp = infer(self._ref_log_prob, ref.params, batch, layout=ref.layout, **batching)
+                lp = infer(self._ref_log_prob, ref.params, ref_batch, layout=ref.layout,
+                           **batching)  # fmt: skip
                 lp = moved_to(lp, layout)
             spans.track("ref", start, lp, group=plan.groups["ref"])
             batch = batch.replace(ref_log_probs=lp)
@@ -504,8 +530,8 @@ class PPOTrainer:
         if plan.runs("values"):
             start = time.perf_counter()
             with cluster.on_device("critic"):
-                values = infer(self._values, critic.params, batch, layout=critic.layout,
-                               **self._values_batching())  # fmt: skip
+                values = infer(self._values, critic.params, batch.without_routes(),
+                               layout=critic.layout, **self._values_batching())  # fmt: skip
                 values = moved_to(values, layout)
             spans.track("values", start, values, group=plan.groups["values"])
             batch = batch.replace(values=values)
@@ -701,7 +727,7 @@ class PPOTrainer:
     def _worst_batch(self, held: bool = False) -> RLBatch:
         """The largest step's batch, abstract (`worst_case_batch`): the fields its passes and
         updates take (`held`: every field it holds), with the distillation teacher's top-k
-        when there is one."""
+        when there is one, and the routes to replay (R2, R3)."""
         prompts, n = self.cfg.data.train_batch_size, self.sampling.n
         p, r, plan = self.cfg.data.max_prompt_length, self.sampling.max_tokens, self.plan
         batch = worst_case_batch(prompts * n, p, r, plan.held_fields if held else plan.batch_fields)
@@ -710,6 +736,13 @@ class PPOTrainer:
             batch = batch.replace(
                 teacher_topk_log_probs=jax.ShapeDtypeStruct(shape, np.float32),
                 teacher_topk_ids=jax.ShapeDtypeStruct(shape, np.int32),
+            )
+        if self._replay["actor"] != "disabled":
+            config = self.cluster.actor.config
+            routes = (config.num_layers, config.moe.top_k)
+            batch = batch.replace(
+                prompt_routed_experts=jax.ShapeDtypeStruct((prompts * n, p, *routes), np.int32),
+                response_routed_experts=jax.ShapeDtypeStruct((prompts * n, r, *routes), np.int32),
             )
         return batch
 
@@ -803,6 +836,25 @@ class PPOTrainer:
             "token_budget": budget,
             "balance": self.cfg.trainer.balance_batch,
         }
+
+
+def _router_replay(cfg: Config, config: DecoderConfig) -> dict[str, str]:
+    """The actor's and the reference's routing-replay modes (`disabled`, `R2`, `R3`), checked
+    against the model: replay needs a mixture of experts."""
+    arr = cfg.actor_rollout_ref
+    modes = {"actor": arr.actor.router_replay.mode, "ref": arr.ref.router_replay.mode}
+    for role, mode in modes.items():
+        if mode != "disabled" and config.moe is None:
+            raise ValueError(
+                f"actor_rollout_ref.{role}.router_replay.mode={mode}: the model "
+                f"({arr.model.path}) is not a mixture of experts; set it to disabled"
+            )
+    if arr.rollout.enable_rollout_routing_replay and config.moe is None:
+        raise ValueError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true: the model "
+            f"({arr.model.path}) is not a mixture of experts; set it to false"
+        )
+    return modes
 
 
 def _batch(experience: Experience, layout) -> RLBatch:

@@ -75,6 +75,7 @@ class RoleSpec:
         remat: Rematerialisation policy of the trained forward pass (`none` when frozen).
         override_config: HF config fields replaced at load (verl's `override_config`).
         attention_impl: The attention implementation of its forward passes.
+        moe_capacity_factor: A mixture of experts' capacity under `ep` (None: dropless).
         trainable: Whether the run updates it (it then has an optimizer state).
         head: `causal_lm`, `value` (the critic: the LM head replaced by a fresh 1-label token
             head) or `reward` (a sequence-classification checkpoint, used as it is).
@@ -90,6 +91,7 @@ class RoleSpec:
     remat: str = "none"
     override_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     attention_impl: str = "auto"
+    moe_capacity_factor: float | None = None
     trainable: bool = False
     head: str = "causal_lm"
     param_offload: bool = False
@@ -113,6 +115,7 @@ class LoraOptions:
         target_modules: `target_modules`.
         exclude_modules: `exclude_modules`.
         adapter_path: `lora_adapter_path`: a PEFT folder to start from (its config rules).
+        target_parameters: `target_parameters`: a mixture of experts' expert parameters.
     """
 
     key: str
@@ -121,6 +124,7 @@ class LoraOptions:
     target_modules: Any = "all-linear"
     exclude_modules: Any = None
     adapter_path: str | None = None
+    target_parameters: Any = None
 
     @classmethod
     def from_config(cls, model, key: str) -> LoraOptions | None:
@@ -135,6 +139,7 @@ class LoraOptions:
             plain(model.target_modules),
             plain(model.exclude_modules),
             model.lora_adapter_path,
+            plain(getattr(model, "target_parameters", None)),
         )
 
 
@@ -160,6 +165,7 @@ def role_specs(cfg: Config) -> dict[str, RoleSpec]:
         path=model.path,
         override_config=dict(model.override_config),
         attention_impl=model.attention_impl,
+        moe_capacity_factor=model.moe_capacity_factor,
     )
     master = dtype_name(actor.model_dtype, "actor.model_dtype")
     specs = {
@@ -288,6 +294,7 @@ def load_role(
         remat=spec.remat,
         override_config=dict(spec.override_config),
         attention_impl=spec.attention_impl,
+        moe_capacity_factor=spec.moe_capacity_factor,
         abstract=abstract,
     )
     if spec.head == "value":
@@ -311,8 +318,9 @@ def lora_spec(options: LoraOptions, config: DecoderConfig) -> LoraSpec:
             )  # fmt: skip
         return spec
     targets = lora.resolve_targets(
-        config, options.target_modules, options.exclude_modules, f"{options.key}.target_modules"
-    )
+        config, options.target_modules, options.exclude_modules, f"{options.key}.target_modules",
+        target_parameters=options.target_parameters,
+    )  # fmt: skip
     return LoraSpec(options.rank, options.alpha, targets)
 
 
@@ -348,10 +356,12 @@ def load_model(
     remat: str = "none",
     override_config: dict | None = None,
     attention_impl: str = "auto",
+    moe_capacity_factor: float | None = None,
     abstract: bool = False,
 ) -> tuple[DecoderConfig, Any]:
     """An HF causal LM as (config, params) in `layout`, with separate parameter and compute
-    dtypes and the attention implementation the forward passes use. `abstract`: only
+    dtypes, the attention implementation the forward passes use and a mixture of experts'
+    capacity under `ep`. `abstract`: only
     `config.json` is read and the parameters are `jax.ShapeDtypeStruct`s in their shardings,
     nothing loaded or allocated (for compiling programs without running them,
     `Cluster.load(..., abstract=True)`)."""
@@ -363,7 +373,12 @@ def load_model(
         params = abstract_params(config)
         if layout is not None:
             params = placed_abstract(params, param_shardings(config, layout))
-    return config.replace(dtype=compute_dtype, attention_impl=attention_impl), params
+    config = config.replace(dtype=compute_dtype, attention_impl=attention_impl)
+    if config.moe is not None:
+        config = config.replace(
+            moe=dataclasses.replace(config.moe, capacity_factor=moe_capacity_factor)
+        )
+    return config, params
 
 
 def is_abstract(tree: Any) -> bool:
@@ -427,15 +442,24 @@ def statistics_fn(
     names: tuple[str, ...],
     chunk_size: int | None,
     temperature: float = 1.0,
+    record_routes: bool = False,
 ):
     """jit of `(params, micro_batch) -> ` a tuple of `response_statistics` [m, r] in the order
-    of `names` (log_probs, entropy, sum_pi_squared, mean_logit, top1): one chunked pass."""
+    of `names` (log_probs, entropy, sum_pi_squared, mean_logit, top1): one chunked pass.
+    `record_routes` (a mixture of experts, routing replay R2): then also the routes taken,
+    the response's [m, r, L, k] and, last, the prompt's [m, p, L, k]."""
 
     def fn(params, mb):
         with use_layout(layout):
-            stats = response_statistics(config, params, mb, names, temperature=temperature,
-                                        chunk_size=chunk_size)  # fmt: skip
-        return tuple(stats[k] for k in names)
+            stats = response_statistics(
+                config, params, mb, names, temperature=temperature, chunk_size=chunk_size,
+                with_router=record_routes,
+            )  # fmt: skip
+        out = tuple(stats[k] for k in names)
+        if not record_routes:
+            return out
+        routes, p = stats["router"].routes, mb["prompts"].shape[1]
+        return (*out, routes[:, p:], routes[:, :p])
 
     return jax.jit(fn)
 

@@ -20,22 +20,36 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxrl.models.config import DecoderConfig
+from jaxrl.models.moe import Routing
 from jaxrl.models.outputs import token_log_probs, token_statistics
 from jaxrl.models.params import Params
-from jaxrl.models.transformer import hidden_states, score_head
+from jaxrl.models.transformer import hidden_states_and_router, score_head
 
 
 def _response_hidden(
     config: DecoderConfig, params: Params, mb: dict[str, Int[Array, "b _"]]
 ) -> Float[Array, "b r d"]:
+    return _response_hidden_and_router(config, params, mb)[0]
+
+
+def _response_hidden_and_router(
+    config: DecoderConfig, params: Params, mb: dict[str, Int[Array, "b _"]]
+) -> tuple[Float[Array, "b r d"], Routing | None]:
+    """The hidden states at the positions predicting each response token, and a mixture of
+    experts' routing; with `prompt_routes`/`response_routes` in `mb` (routing replay) the
+    experts used are those."""
     input_ids = jnp.concatenate([mb["prompts"], mb["responses"]], axis=1)
     mask = jnp.concatenate([mb["prompt_mask"], mb["response_mask"]], axis=1)
     segments = None
     if "prompt_segment_ids" in mb:
         segments = jnp.concatenate([mb["prompt_segment_ids"], mb["response_segment_ids"]], axis=1)
-    h = hidden_states(config, params, input_ids, mask, segment_ids=segments)
+    routes = None
+    if "prompt_routes" in mb:
+        routes = jnp.concatenate([mb["prompt_routes"], mb["response_routes"]], axis=1)
+    h, router = hidden_states_and_router(config, params, input_ids, mask, segment_ids=segments,
+                                         routes=routes)  # fmt: skip
     r = mb["responses"].shape[1]
-    return h[:, -r - 1 : -1]
+    return h[:, -r - 1 : -1], router
 
 
 def response_log_probs(
@@ -71,14 +85,18 @@ def response_statistics(
     chunk_size: int | None = None,
     ids: Int[Array, "b r k"] | None = None,
     top_k: int | None = None,
+    with_router: bool = False,
 ) -> dict[str, Array]:
     """`token_statistics` of the response tokens of a micro-batch under logits /
     temperature: {name: [B, R]} for `names` among log_probs, entropy, sum_pi_squared,
     mean_logit, top1; with `ids` their log-probs (`ids_log_probs` [B, R, K]), with `top_k`
-    the k most likely tokens (`top_k_log_probs`, `top_k_ids` [B, R, k])."""
-    h = _response_hidden(config, params, mb)
-    return token_statistics(config, params, h, mb["responses"], names, temperature=temperature,
-                            chunk_size=chunk_size, ids=ids, top_k=top_k)  # fmt: skip
+    the k most likely tokens (`top_k_log_probs`, `top_k_ids` [B, R, k]). `with_router` and a
+    mixture of experts: also `router`, the router's sums over the micro-batch's prompt and
+    response tokens and the routes taken (`jaxrl.models.moe.Routing`)."""
+    h, router = _response_hidden_and_router(config, params, mb)
+    stats = token_statistics(config, params, h, mb["responses"], names, temperature=temperature,
+                             chunk_size=chunk_size, ids=ids, top_k=top_k)  # fmt: skip
+    return {**stats, "router": router} if with_router and router is not None else stats
 
 
 def response_values(

@@ -104,7 +104,7 @@ def test_dynamic_token_budget_must_hold_a_sequence():
 def test_mesh_product_must_equal_device_count():
     msg = problem("mesh.fsdp=2", "mesh.tp=2", num_devices=8)
     assert (
-        msg.startswith("mesh.dp, mesh.fsdp, mesh.tp, mesh.sp: ")
+        msg.startswith("mesh.dp, mesh.fsdp, mesh.ep, mesh.tp, mesh.sp: ")
         and "spans 4 devices but 8 are available" in msg
     )
     cfg = ok("mesh.fsdp=-1", "mesh.tp=2", num_devices=8)

@@ -1,15 +1,18 @@
 """`jaxrl.kernels.attention`: blockwise (and the entry point's other implementations) equal the
-dense reference, outputs, log-sum-exp and gradients; refusals name the problem."""
+dense reference, outputs, log-sum-exp and gradients, with Gemma 2's logit soft-cap too (the capped
+reference against transformers' own); refusals name the problem."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.kernels import attention
-from jaxrl.kernels.blockwise import NEG_INF, blockwise_attention, blockwise_backward
+from jaxrl.kernels import attention, cpu_decode, decode_attention, extend_attention
+from jaxrl.kernels.attention import _mask_bts, _reference
+from jaxrl.kernels.blockwise import NEG_INF, blockwise_attention, blockwise_backward, softcap
 from jaxrl.testing.attention import dense_attention
 from jaxrl.testing.numerics import assert_close_to_scale
 
@@ -30,6 +33,9 @@ GRAD_RTOL = 1e-5
 # worst case (measured 7.3e-3). The gradients go through a few such roundings (p and dS before
 # their products, the result), relative to their scale: measured 6.7e-3 of it.
 BF16_TOL = 2e-2
+# Gemma 2's logit soft-cap in the capped tests, small enough to bind: the scores SCALE q.k of
+# these unit normals (H=16) reach |s| ~ 5 and are squashed into (-2, 2).
+SOFTCAP = 2.0
 
 
 def dense(
@@ -40,6 +46,24 @@ def dense(
     return dense_attention(q, k, v, scale=SCALE, causal=causal, seg_q=seg_q, seg_k=seg_kv,
                            window=window, q_offset=q_offset, kv_offset=kv_offset,
                            xp=xp)  # fmt: skip
+
+
+def capped_reference(
+    q, k, v, *, scale=SCALE, causal=True, seg_q=None, seg_k=None, window=None, q_offset=0,
+    kv_offset=0, cap=SOFTCAP,
+):  # fmt: skip
+    """(out, lse) with the scores capped to cap · tanh(s / cap), arguments as `dense_attention`:
+    out is `attention._reference`'s (the oracle), lse = log sum_s exp(capped s) over the
+    admissible keys (the kernels return it too; no row here is without keys)."""
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    seg = (seg_q, seg_k)
+    out = _reference(q, k, v, causal, seg, window, scale, q_offset, kv_offset, cap)
+    k_bsnh = jnp.repeat(k.astype(jnp.float32), n // kh, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k_bsnh) * scale
+    mask = _mask_bts(b, t, s, causal, seg, window, q_offset, kv_offset)[:, None]
+    lse = jax.nn.logsumexp(jnp.where(mask, softcap(scores, cap), -jnp.inf), axis=-1)
+    return out, jnp.swapaxes(lse, 1, 2)
 
 
 def weighted(fn, w_out, w_lse):
@@ -79,12 +103,22 @@ CASES = {
 }
 
 
-def _call(case, q, k, v, seg):
+def _call(case, q, k, v, seg, **kw):
     *_, causal, _, window, q_off, kv_off, bq, bk = case
     return blockwise_attention(
         q, k, v, causal=causal, segment_ids_q=seg, segment_ids_kv=seg, sliding_window=window,
-        scale=SCALE, q_offset=q_off, kv_offset=kv_off, block_q=bq, block_k=bk,
+        scale=SCALE, q_offset=q_off, kv_offset=kv_off, block_q=bq, block_k=bk, **kw,
     )  # fmt: skip
+
+
+def _call_capped(case, q, k, v, seg):
+    return _call(case, q, k, v, seg, logit_softcap=SOFTCAP)
+
+
+def _capped_reference(case, q, k, v, seg):
+    _, _, _, _, causal, _, window, q_off, kv_off, _, _ = case
+    return capped_reference(q, k, v, causal=causal, seg_q=seg, seg_k=seg, window=window,
+                            q_offset=q_off, kv_offset=kv_off)  # fmt: skip
 
 
 def _dense(case, q, k, v, seg):
@@ -109,7 +143,17 @@ def _outputs_and_grads(fn, case, q, k, v, seg, w_out, w_lse):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_blockwise_equals_dense(name):
-    case = CASES[name]
+    _assert_equals_oracle(CASES[name], _call, _dense)
+
+
+def test_blockwise_softcap_equals_reference():
+    """With a logit soft-cap: the forward caps every block's scores, the backward goes through
+    the tanh (causal, segments, a window, GQA)."""
+    _assert_equals_oracle(CASES["window_segments"], _call_capped, _capped_reference)
+
+
+def _assert_equals_oracle(case, fn, oracle):
+    """`fn` and `oracle` ((case, q, k, v, seg) -> (out, lse)) agree on the case's inputs."""
     t, s, n, kh = case[:4]
     q, k, v = inputs(2, t, s, n, kh)
     seg = _segments(case, 2)
@@ -117,8 +161,8 @@ def test_blockwise_equals_dense(name):
     rng = np.random.default_rng(1)
     w_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
-    (out, lse), grads = _outputs_and_grads(_call, case, q, k, v, seg, w_out, w_lse)
-    (ref_out, ref_lse), ref_grads = _outputs_and_grads(_dense, case, q, k, v, seg, w_out, w_lse)
+    (out, lse), grads = _outputs_and_grads(fn, case, q, k, v, seg, w_out, w_lse)
+    (ref_out, ref_lse), ref_grads = _outputs_and_grads(oracle, case, q, k, v, seg, w_out, w_lse)
     np.testing.assert_allclose(out, ref_out, atol=OUT_ATOL)
     np.testing.assert_allclose(lse, ref_lse, **LSE_TOL)
     for name_, g, ref in zip("qkv", grads, ref_grads, strict=True):
@@ -249,6 +293,58 @@ def test_cudnn_window_means_keys_behind(causal):
     np.testing.assert_allclose(out, ref, atol=OUT_ATOL)
 
 
+def test_reference_softcap_equals_transformers_gemma2():
+    """`_reference` with a logit soft-cap equals transformers' Gemma 2 eager attention (torch,
+    float32) under its additive causal mask, grouped-query heads."""
+    import torch
+    from transformers.models.gemma2 import modeling_gemma2
+
+    q, k, v = inputs(2, 12, 12, 4, 2)
+    run = functools.partial(attention, softmax_scale=SCALE, implementation="reference")
+    out = jax.jit(functools.partial(run, logit_softcap=SOFTCAP))(q, k, v)
+    # What eager_attention_forward reads of its module (head_dim only when scaling is None).
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False)
+    mask = torch.full((12, 12), torch.finfo(torch.float32).min).triu(diagonal=1)[None, None]
+
+    def to_bnth(x):
+        return torch.tensor(np.asarray(x)).transpose(1, 2)
+
+    want, _ = modeling_gemma2.eager_attention_forward(
+        module, to_bnth(q), to_bnth(k), to_bnth(v), mask, scaling=SCALE, softcap=SOFTCAP
+    )
+    # Both float32 with the same elementwise steps (scale, cap, mask, softmax, weighted sum of
+    # <= 12 rows of v, |out| < 4): they differ by the summation order and tanh's last ulps,
+    # measured 3.6e-7; OUT_ATOL (1e-5) leaves 28x, and the cap moves out by ~1 (checked below).
+    np.testing.assert_allclose(out, want.numpy(), atol=OUT_ATOL)
+    assert np.abs(out - jax.jit(run)(q, k, v)).max() > 0.1  # the cap binds
+
+
+def test_decode_and_extend_softcap_equal_reference():
+    """`decode_attention` (in blocks and as one block) and `extend_attention` with a logit
+    soft-cap (applied to the pre-scaled query's scores) equal the capped `_reference`: rows at
+    different cache indices, left padding, a sliding window."""
+    b, c, n, kh, t = 3, 64, 4, 2, 3
+    q, k, v = inputs(b, t, c, n, kh)
+    query_index = np.array([5, 40, 23])
+    valid = np.arange(c)[None] < query_index[:, None] + t  # the extended tokens are cached
+    valid[1, :7] = False  # left padding
+    k_bkhc, v_bkch = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+    kw = dict(sliding_window=9, softmax_scale=SCALE, logit_softcap=SOFTCAP)
+    decode = jax.jit(functools.partial(decode_attention, live=41, **kw), static_argnames="block")
+    extend = jax.jit(functools.partial(extend_attention, **kw))
+    decoded = [decode(q[:, :1], k_bkhc, v_bkch, valid, query_index, block=blk) for blk in (16, c)]
+    extended = extend(q, k_bkhc, v_bkch, valid, query_index[:, None] + np.arange(t))
+    reference = jax.jit(functools.partial(attention, implementation="reference", **kw))
+    for row in range(b):
+        i, rows = int(query_index[row]), slice(row, row + 1)
+        seg_kv = jnp.asarray(valid[rows], jnp.int32)
+        for got, queries in ((decoded[0], 1), (decoded[1], 1), (extended, t)):
+            seg = (jnp.ones((1, queries), jnp.int32), seg_kv)
+            want = reference(q[rows, :queries], k[rows], v[rows], segment_ids=seg, q_offset=i)
+            # <= 64 float32 terms in another order, q scaled before the dot: measured 2.5e-7
+            np.testing.assert_allclose(got[rows], want, atol=OUT_ATOL)
+
+
 def test_auto_chooses_blockwise_for_long_sequences():
     from jaxrl.kernels.attention import BLOCKWISE_MIN_LENGTH, _choose
 
@@ -267,6 +363,16 @@ def test_refusals_name_the_problem():
         attention(q, k, v, segment_ids=seg, implementation="cudnn")
     with pytest.raises(ValueError, match=r"cudnn.*offsets"):
         attention(q, k, v, q_offset=3, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"cudnn.*logit_softcap.*'pallas_gpu' or 'blockwise'"):
+        attention(q, k, v, logit_softcap=SOFTCAP, implementation="cudnn")
+    for cap in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"logit_softcap=.* must be > 0"):
+            attention(q, k, v, logit_softcap=cap)
+    with pytest.raises(ValueError, match=r"logit_softcap must be a python float"):
+        attention(q, k, v, logit_softcap=jnp.float32(SOFTCAP))
+    with pytest.raises(ValueError, match=r"cpu_decode.layer has no logit_softcap.*xla"):
+        cpu_decode.layer({}, 0, *[None] * 7, eps=1e-6, window=0, qk_norm=False,
+                         logit_softcap=SOFTCAP)  # fmt: skip
     with pytest.raises(ValueError, match=r"ring.*sp"):
         attention(q, k, v, implementation="ring")
     with pytest.raises(ValueError, match="both queries and keys"):

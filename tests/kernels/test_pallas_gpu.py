@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_attention import SOFTCAP, capped_reference
 
 from jaxrl.kernels.pallas_gpu import NEG_INF, pallas_attention, pallas_attention_bwd
 from jaxrl.testing.attention import dense_attention
@@ -201,6 +202,32 @@ def test_forward_and_gradients_vs_dense(name):
         np.testing.assert_allclose(g, r, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name_}")
 
 
+def test_softcap_forward_and_gradients_vs_reference():
+    """With a logit soft-cap (scores s2 = log2(e)·c·tanh(s / c) in the kernels, tanh' in both
+    backward kernels): causal, segments, a window, GQA and a padded head dim."""
+    (b, t, s, n, kh, h), kwargs = _case("segments_window_ragged")
+    q, k, v = _inputs(b, t, s, n, kh, h, seed=1)
+    scale = h**-0.5
+    dout, dlse = _cotangents(q)
+    opts = dict(scale=scale, block_q=16, block_k=32, interpret=INTERPRET, logit_softcap=SOFTCAP)
+    out, lse, *grads = _attention_and_vjp(**opts, **kwargs)(q, k, v, dout, dlse)
+
+    @jax.jit
+    def reference(q, k, v, dout, dlse):
+        outs, vjp = jax.vjp(
+            lambda *a: capped_reference(*a, **_reference_kwargs(kwargs, scale)), q, k, v
+        )
+        return *outs, *vjp((dout, dlse))
+
+    ref_out, ref_lse, *ref_grads = reference(q, k, v, dout, dlse)
+    _, uncapped_lse = dense_attention(q, k, v, **_reference_kwargs(kwargs, scale), xp=np)
+    assert np.abs(ref_lse - uncapped_lse).max() > 0.1  # the cap binds
+    np.testing.assert_allclose(out, ref_out, atol=F32_TOL, rtol=F32_TOL)
+    np.testing.assert_allclose(lse, ref_lse, atol=F32_TOL, rtol=F32_TOL)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
 def test_bfloat16_vs_dense():
     (b, t, s, n, kh, h), kwargs = _case("segments")
     q, k, v = _inputs(b, t, s, n, kh, h, dtype=jnp.bfloat16, seed=2)
@@ -295,6 +322,7 @@ def _bad_calls():
         ("sliding_window=0", (q, k, v), dict(ok, sliding_window=0)),
         ("q_offset must be", (q, k, v), dict(ok, q_offset=1.5)),
         ("scale must be a python float", (q, k, v), dict(scale=jnp.float32(0.3))),
+        ("logit_softcap=0.0 must be > 0", (q, k, v), dict(ok, logit_softcap=0.0)),
     ]
 
 

@@ -7,10 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import GRAD_RTOL, OUT_ATOL, SCALE, dense, inputs, packed_segments
+from test_attention import (
+    GRAD_RTOL,
+    OUT_ATOL,
+    SCALE,
+    SOFTCAP,
+    capped_reference,
+    dense,
+    inputs,
+    packed_segments,
+)
 
+from jaxrl.kernels import attention
 from jaxrl.kernels.ring import ring_attention, unzigzag, zigzag, zigzag_order
-from jaxrl.sharding import make_mesh
+from jaxrl.sharding import Layout, make_mesh
 from jaxrl.testing.numerics import assert_close_to_scale
 
 
@@ -67,6 +77,36 @@ def test_ring_equals_dense(sp, segments, window, heads, causal):
         lambda *a: jnp.sum(dense(*a, causal=causal, seg_q=seg, seg_kv=seg, window=window)[0] * w),
         (0, 1, 2),
     ))(q, k, v)  # fmt: skip
+    for name, g, r in zip("qkv", grads, ref, strict=True):
+        assert_close_to_scale(g, r, rtol=GRAD_RTOL, what=f"d{name}")
+
+
+def test_ring_softcap_equals_reference():
+    """`attention(implementation="ring", logit_softcap=c)`: every hop's blocks are capped, so the
+    merged softmax is the capped one; causal, segments and a window over sp=4, gradients too."""
+    sp, b, t = 4, 2, 64
+    layout = Layout.create(mesh_for(sp), {"batch": "dp"})
+    q, k, v = inputs(b, t, t, 4, 2)
+    seg = packed_segments(b, t)
+
+    def run(q, k, v):
+        out = attention(
+            zigzag(q, sp), zigzag(k, sp), zigzag(v, sp), segment_ids=zigzag(seg, sp),
+            sliding_window=9, softmax_scale=SCALE, implementation="ring", layout=layout,
+            logit_softcap=SOFTCAP,
+        )  # fmt: skip
+        return unzigzag(out, sp)
+
+    def reference(q, k, v):
+        return capped_reference(q, k, v, seg_q=seg, seg_k=seg, window=9)[0]
+
+    # test_ring_equals_dense's tolerances: the same float32 terms in another order.
+    np.testing.assert_allclose(jax.jit(run)(q, k, v), jax.jit(reference)(q, k, v), atol=OUT_ATOL)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+    grads, ref = (
+        jax.jit(jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) * w), (0, 1, 2)))(q, k, v)
+        for fn in (run, reference)
+    )
     for name, g, r in zip("qkv", grads, ref, strict=True):
         assert_close_to_scale(g, r, rtol=GRAD_RTOL, what=f"d{name}")
 

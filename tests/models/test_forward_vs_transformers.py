@@ -37,7 +37,7 @@ def tiny(request, tmp_path_factory):
 
 def test_families_covered():
     families = {c["model_type"] for c in TINY_CONFIGS.values()}
-    assert families == {"llama", "qwen2", "qwen3", "mistral"}
+    assert families == {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"}
     for family in families:
         assert sum(c["model_type"] == family for c in TINY_CONFIGS.values()) >= 2
 

@@ -84,8 +84,10 @@ def test_indivisible_dims_are_replicated(qwen2):
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen2_sliding_yarn", "llama_gqa_bias_llama3", "qwen3_bias_mqa_sliding", "mistral_sliding"],
-)
+    ["qwen2_sliding_yarn", "llama_gqa_bias_llama3", "qwen3_bias_mqa_sliding", "mistral_sliding",
+     "gemma2_softcap", "gemma2_mqa_untied_bias", "gemma3_local_rope",
+     "gemma3_capped_mqa_untied"],
+)  # fmt: skip
 def test_export_round_trip(name, tmp_path):
     """jaxrl params -> save_pretrained -> transformers: the same logits, config preserved."""
     import transformers

@@ -92,14 +92,16 @@ def test_extend_equals_a_prefill(tiny):
     cache = init_cache(config, 2, 16)
     for row, start in enumerate((5, 3)):
         one = np.ones((1, start), np.int32)
-        _, k, v = prefill(config, params, ids[row : row + 1, :start], positions_from_mask(one), one)
+        _, k, v, _ = prefill(
+            config, params, ids[row : row + 1, :start], positions_from_mask(one), one
+        )
         cache = cache.write(np.array([row]), k, v, one)
     index = np.stack([5 + np.arange(4), 3 + np.arange(4)])
     new_ids = np.stack([ids[0, 5:9], ids[1, 3:7]])
-    h, cache = jax.jit(extend, static_argnums=0)(config, params, new_ids, index, cache, index)
+    h, cache, _ = jax.jit(extend, static_argnums=0)(config, params, new_ids, index, cache, index)
     for row, total in enumerate((9, 7)):
         one = np.ones((1, total), np.int32)
-        h_all, k_all, v_all = prefill(
+        h_all, k_all, v_all, _ = prefill(
             config, params, ids[row : row + 1, :total], positions_from_mask(one), one
         )
         # one float32 forward in two pieces against one piece: ~1e-6 of the scale apart
@@ -142,18 +144,18 @@ def test_a_turn_over_a_weight_push_continues_on_the_new_weights(tiny):
 
     seen = np.concatenate([prompt, tokens[:3]])[None]
     one = np.ones_like(seen)
-    h, k, v = prefill(config, params, seen, positions_from_mask(one), one)
+    h, k, v, _ = prefill(config, params, seen, positions_from_mask(one), one)
     under_a = chosen(M.lm_logits(config, params, h)[0, p - 1 :], tokens[:4])
     cache = init_cache(config, 1, 32).write(np.array([0]), k, v, one)
     index = (p + 3 + np.arange(6))[None]
-    h, _ = jax.jit(extend, static_argnums=0)(config, pushed, tokens[None, 3:9], index, cache,
+    h, _, _ = jax.jit(extend, static_argnums=0)(config, pushed, tokens[None, 3:9], index, cache,
                                              index)  # fmt: skip
     under_b = chosen(M.lm_logits(config, pushed, h)[0], tokens[4:])
     np.testing.assert_allclose(record.log_probs, np.concatenate([under_a, under_b]),
                                atol=LOG_PROB_ATOL)  # fmt: skip
     whole = np.concatenate([prompt, tokens[:9]])[None]
     ones = np.ones_like(whole)
-    h, _, _ = prefill(config, params, whole, positions_from_mask(ones), ones)
+    h, _, _, _ = prefill(config, params, whole, positions_from_mask(ones), ones)
     all_a = chosen(M.lm_logits(config, params, h)[0, p + 3 :], tokens[4:])
     assert np.abs(all_a - under_b).max() > 100 * LOG_PROB_ATOL
 

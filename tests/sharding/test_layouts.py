@@ -324,7 +324,7 @@ def test_layouts_from_config():
         num_devices=8,
     )
     train, rollout = layouts_from_config(cfg)
-    assert dict(train.mesh.shape) == {"dp": 1, "fsdp": 4, "tp": 2, "sp": 1}
+    assert dict(train.mesh.shape) == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2, "sp": 1}
     assert dict(rollout.mesh.shape) == {"dp": 2, "tp": 4}
     assert param_shardings(CONFIG, train)["embed"]["tokens_vd"].spec == P(None, "fsdp")
 

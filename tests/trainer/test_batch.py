@@ -63,9 +63,9 @@ def test_micro_batches_and_passes_stay_on_the_devices(model, layout):
         whole = infer(fn, params, batch, layout=layout, micro_rows=1, token_budget=None)
         first = plan(batch, np.arange(8), layout, 1, None)[0]
         mb = take(batch.fields(SEQUENCE_FIELDS), first, layout)
-    assert batch.responses.sharding.spec == P(("dp", "fsdp"), None)  # 1 row per device
+    assert batch.responses.sharding.spec == P(("dp", "fsdp", "ep"), None)  # 1 row per device
     assert whole.sharding == batch.responses.sharding and whole.shape == (8, 20)
-    assert mb["prompts"].sharding.spec[0] == ("dp", "fsdp")  # split over the batch shards
+    assert mb["prompts"].sharding.spec[0] == ("dp", "fsdp", "ep")  # split over the batch shards
     # 8 of 64 rows: what crosses the devices is the 8 rows' kept columns
     arrays = {"responses": place_rows(np.zeros((64, 32), np.int32), layout)}
     rows = global_array(np.arange(8, dtype=np.int32) * 7, layout.replicated())
@@ -157,7 +157,7 @@ def test_group_statistics_on_sharded_rows_equal_one_device(sizes, shuffled, mesh
         one = _jitted_advantage(estimator)({k: jnp.asarray(v) for k, v in batch.items()}, extra)
         sharded = {k: place_rows(v, layout) for k, v in batch.items()}
         adv, ret = _jitted_advantage(estimator)(sharded, extra)
-        assert sharded["group_ids"].sharding.spec[0] == ("dp", "fsdp")
+        assert sharded["group_ids"].sharding.spec[0] == ("dp", "fsdp", "ep")
         # a group split over shards sums its float32 terms in another order (partial sums per
         # device, then across): ~1e-7 relative, 1e-6 absolute where they cancel to ~0
         for got, want in ((adv, one[0]), (ret, one[1])):

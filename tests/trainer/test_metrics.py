@@ -122,3 +122,30 @@ def test_validation_metrics_equal_verl(n):
                 np.testing.assert_allclose(ours[key], value, rtol=1e-6, err_msg=key)
     if n > 1:  # verl's bootstrap names for N = n
         assert "val-core/a/acc/best@3/mean" in ours and "val-aux/a/acc/worst@3/mean" in ours
+
+
+def test_rollout_probs_diff_equals_verls_debug_metrics():
+    """The rollout-vs-actor metrics of the old-log-prob pass (`training/rollout_probs_diff_*`,
+    the Pearson correlation) equal verl's `calculate_debug_metrics` on the same batch, and
+    a batch without response tokens gives verl's `valid` 0 and NaNs."""
+    import torch
+
+    from jaxrl.trainer.metrics import rollout_probs_diff
+
+    debug = import_reference("verl.utils.debug.metrics")
+    batch = host_batch()
+    rng = np.random.RandomState(1)
+    old = -rng.rand(*batch["response_mask"].shape).astype(np.float32) * 3
+    rollout = old + 0.05 * rng.randn(*old.shape).astype(np.float32)
+    tensors = verl_batch(batch)
+    tensors.batch["old_log_probs"] = torch.tensor(old)
+    tensors.batch["rollout_log_probs"] = torch.tensor(rollout)
+    ref = debug.calculate_debug_metrics(tensors)
+    ours = rollout_probs_diff(old, rollout, batch["response_mask"])
+    assert set(ours) == set(ref)
+    for key, value in ref.items():
+        # float32 reductions in two libraries over ~25 tokens: ~1e-7 relative
+        np.testing.assert_allclose(float(ours[key]), float(value), rtol=1e-5, err_msg=key)
+    empty = rollout_probs_diff(old, rollout, np.zeros_like(batch["response_mask"]))
+    assert float(empty["training/rollout_probs_diff_valid"]) == 0
+    assert np.isnan(float(empty["training/rollout_probs_diff_max"]))
