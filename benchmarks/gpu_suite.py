@@ -295,6 +295,40 @@ def _train(dry: bool, remat: str) -> Records:
            **mfu(figures, bf16_peak(jax.devices()[0].device_kind))}  # fmt: skip
 
 
+# A mixture of experts of Qwen3-30B-A3B's proportions at half its width: 64 experts of
+# intermediate 384, 8 per token, 12 layers (1.1B parameters, 0.33B active per token).
+MOE_1B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=12, num_heads=16,
+    num_kv_heads=4, head_dim=64, qk_norm=True, tie_word_embeddings=True,
+    moe_intermediate_size=384,
+)  # fmt: skip
+
+
+def step_train_moe(dry: bool) -> Records:
+    """W2 for an MoE shape in bf16 (`MOE_1B`, 4 x 2048 tokens; a tiny one dry), its grouped
+    expert matmuls as XLA's `ragged_dot` and as blocks of rows (`moe.grouped_matmul`), in
+    the same process: step seconds, MFU over the active parameters (`parameter_counts`)."""
+    import os
+
+    import jax
+    from train_step import bench_train_step
+
+    import jaxrl.models as M
+    from jaxrl.models.moe import GROUPED_MATMUL_ENV, MoeSpec
+
+    shape = dict(TINY, moe_intermediate_size=32) if dry else MOE_1B
+    spec = MoeSpec(num_experts=8 if dry else 64, top_k=2 if dry else 8, norm_topk_prob=True)
+    config = M.DecoderConfig(model_type="qwen3_moe", param_dtype="float32", dtype="bfloat16",
+                             remat="full", moe=spec, **shape)  # fmt: skip
+    rows, length = (2, 64) if dry else (4, 2048)
+    for method in ("blocks", "ragged_dot"):
+        os.environ[GROUPED_MATMUL_ENV] = method
+        figures = bench_train_step(config, rows=rows, length=length, prompt=16 if dry else 64)
+        yield {"model": "tiny-moe" if dry else "MoE-1B", "grouped_matmul": method, **figures,
+               **mfu(figures, bf16_peak(jax.devices()[0].device_kind))}  # fmt: skip
+    os.environ.pop(GROUPED_MATMUL_ENV)
+
+
 def mfu(figures: dict, peak: float | None) -> dict:
     """{"mfu": FLOPs per second of the step over the peak} (empty without a peak)."""
     return {"mfu": figures["flops"] / figures["step_s"] / peak} if peak else {}
@@ -323,8 +357,9 @@ STEPS: dict[str, tuple[int, Callable[..., Records]]] = {  # name: (seconds, step
     "decode-memory": (50, step_decode_memory),
     "train-none": (50, lambda dry: _train(dry, "none")),
     "train-full": (50, lambda dry: _train(dry, "full")),
+    "train-moe": (70, step_train_moe),
     "grpo-L": (90, step_grpo),
-}  # 730 s in all
+}  # 800 s in all
 DRY_SCALE = 3  # a dry run's limits: a loaded 2-core CI machine, not an H100
 
 

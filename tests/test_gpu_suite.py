@@ -38,6 +38,8 @@ def test_dry_run_runs_every_step(tmp_path):
     assert by_step["decode-1.5B"]["tokens_per_s"] > 0 and by_step["train-full"]["step_s"] > 0
     assert by_step["decode-memory"]["peak_over_params_and_kv"] > 1  # XLA's own account
     assert by_step["grpo-L"]["log_prob_s"] > 0  # two mini-batches: the old-log-prob pass ran
+    moe = [r["grouped_matmul"] for r in records if r["step"] == "train-moe"]
+    assert moe == ["blocks", "ragged_dot"]
     assert "decode-L" in (tmp_path / "out/summary.txt").read_text()
     assert "jax:" in (tmp_path / "out/env.txt").read_text()
 

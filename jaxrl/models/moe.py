@@ -37,6 +37,7 @@ unmasked tokens t (mask 1), rows = layers x unmasked tokens:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 import jax
@@ -221,14 +222,24 @@ def group_rows(sizes_e: Int[Array, " e"], rows: int, block: int | None = None) -
     return Groups(sizes_e, position, source, expert, block)
 
 
+GROUPED_MATMUL_ENV = "JAXRL_GROUPED_MATMUL"  # `ragged_dot` or `blocks`: `grouped_matmul`'s
+
+
 def grouped_matmul(x_mi: Array, w_eio: Array, groups: Groups) -> Array:
     """Row r of expert e's group times w_eio[e] ([M, O]; 0 for a row of no group): what
-    `jax.lax.ragged_dot` computes. On a TPU it is that; XLA's CPU (and GPU) `ragged_dot`
-    computes every expert for every row and masks (E times the work), so elsewhere the rows
-    go to their block layout (`group_rows`) and each block is one matmul with its expert's
-    weights: (M + E·block)·I·O multiply-adds, a [blocks, I, O] gather of the weights."""
+    `jax.lax.ragged_dot` computes. On a TPU it is that; XLA's CPU `ragged_dot` computes
+    every expert for every row and masks (E times the work), so elsewhere the rows go to
+    their block layout (`group_rows`) and each block is one matmul with its expert's
+    weights: (M + E·block)·I·O multiply-adds, a [blocks, I, O] gather of the weights. The
+    environment variable `JAXRL_GROUPED_MATMUL` (`ragged_dot` or `blocks`) overrides the
+    choice, read when the program is traced (the GPU suite times both)."""
     w_eio = w_eio.astype(x_mi.dtype)
-    if jax.default_backend() == "tpu":
+    method = os.environ.get(GROUPED_MATMUL_ENV) or (
+        "ragged_dot" if jax.default_backend() == "tpu" else "blocks"
+    )
+    if method not in ("ragged_dot", "blocks"):
+        raise ValueError(f"{GROUPED_MATMUL_ENV}={method!r}: use ragged_dot or blocks")
+    if method == "ragged_dot":
         return jax.lax.ragged_dot(x_mi, w_eio, groups.sizes_e)
     n, b = groups.expert_n.shape[0], groups.block
     xp = jnp.take(x_mi, groups.source_p, axis=0, mode="fill", fill_value=0)
