@@ -40,7 +40,7 @@ def test_quickstart_makes_its_assets_and_trains(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert f"wrote {tmp_path}/model" in out.stdout
-    assert "train mesh:   {'dp': 1, 'fsdp': 8, 'tp': 1, 'sp': 1}" in out.stdout
+    assert "train mesh:   {'dp': 1, 'fsdp': 8, 'ep': 1, 'tp': 1, 'sp': 1}" in out.stdout
     assert "rollout mesh: {'dp': 8, 'tp': 1}" in out.stdout
     assert "8 x cpu" in out.stdout
     assert "done:" in out.stdout
@@ -78,7 +78,10 @@ def test_mesh_that_does_not_fit_the_devices(tmp_path):
         devices=8,
     )
     assert out.returncode == 2
-    assert "mesh.tp, mesh.sp: mesh dp=1 x fsdp=4 x tp=1 x sp=1 spans 4 devices but 8" in out.stderr
+    want = (
+        "mesh.ep, mesh.tp, mesh.sp: mesh dp=1 x fsdp=4 x ep=1 x tp=1 x sp=1 spans 4 devices but 8"
+    )
+    assert want in out.stderr
 
 
 @pytest.mark.entry

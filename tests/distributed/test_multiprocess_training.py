@@ -202,7 +202,7 @@ def test_placed_roles_over_two_processes_equal_one(runs):
     one, two = single.parent / "placed_single", single.parent / "placed_multi"
     _train(one, 1, steps=2, extra=extra)
     logs = _train(two, 2, steps=2, extra=extra)
-    assert "critic mesh:  {'dp': 1, 'fsdp': 2, 'tp': 1, 'sp': 1} on devices 3-2051" in logs
+    assert "critic mesh:  {'dp': 1, 'fsdp': 2, 'ep': 1, 'tp': 1, 'sp': 1} on devices 3-2051" in logs
     _assert_two_steps_alike(one, two, "placed roles")
 
 
@@ -223,9 +223,10 @@ def test_roles_on_some_processes_devices_equal_one_process(runs):
     one, two = single.parent / "unspread_single", single.parent / "unspread_multi"
     _train(one, 1, steps=2, extra=extra)
     logs = _train(two, 2, steps=2, extra=extra)
-    assert "train mesh:   {'dp': 1, 'fsdp': 4, 'tp': 1, 'sp': 1} on devices 0-3" in logs
+    assert "train mesh:   {'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 1, 'sp': 1} on devices 0-3" in logs
     assert "rollout mesh: {'dp': 2, 'tp': 1} on devices 2048-2049" in logs
-    assert "ref mesh:     {'dp': 1, 'fsdp': 2, 'tp': 1, 'sp': 1} on devices 2050-2051" in logs
+    ref = "ref mesh:     {'dp': 1, 'fsdp': 2, 'ep': 1, 'tp': 1, 'sp': 1} on devices 2050-2051"
+    assert ref in logs
     assert [verify(two / "checkpoints" / str(s)) for s in (1, 2)] == [None, None]
     _assert_two_steps_alike(one, two, "roles on one process")
 
