@@ -133,20 +133,7 @@ def workload_hf_config(size: str):
     `Qwen3MoeConfig` for the `MOE_SIZES`."""
     from transformers import Qwen2Config, Qwen3MoeConfig
 
-    if size in MOE_SIZES:
-        return Qwen3MoeConfig(
-            vocab_size=32000,
-            num_key_value_heads=2,
-            head_dim=64,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-            pad_token_id=0,
-            eos_token_id=1,
-            max_position_embeddings=4096,
-            **MOE_SIZES[size],
-        )
-    return Qwen2Config(
+    common = dict(
         vocab_size=32000,
         num_key_value_heads=2,
         head_dim=64,
@@ -156,5 +143,7 @@ def workload_hf_config(size: str):
         pad_token_id=0,
         eos_token_id=1,
         max_position_embeddings=4096,
-        **MODEL_SIZES[size],
     )
+    if size in MOE_SIZES:
+        return Qwen3MoeConfig(**common, **MOE_SIZES[size])
+    return Qwen2Config(**common, **MODEL_SIZES[size])
